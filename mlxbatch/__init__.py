@@ -1,0 +1,30 @@
+"""mlxbatch: batch / offline LLM jobs on MLX.
+
+Importing the package first loads the system OpenBLAS on Linux (before MLX is imported anywhere).
+"""
+
+from mlxbatch._blas import preload_openblas
+
+preload_openblas()
+
+from mlxbatch.errors import InvalidRequestError, MlxbatchError  # noqa: E402
+from mlxbatch.types import FinishReason, RequestOutput, SamplingParams  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FinishReason",
+    "InvalidRequestError",
+    "MlxbatchError",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
+
+
+def __getattr__(name: str):  # lazy: importing the engine imports mlx
+    if name in ("Engine", "AsyncEngineCore", "EngineCore", "EngineConfig"):
+        from mlxbatch import engine
+
+        return getattr(engine, name)
+    raise AttributeError(name)

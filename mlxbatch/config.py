@@ -1,0 +1,34 @@
+"""Frozen engine configuration, validated on construction. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxbatch.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches and how much memory it may use for KV.
+
+    ``kv_memory_fraction`` of the memory the worker finds available (after the weights) goes to KV unless
+    ``kv_budget_bytes`` sets the budget outright. ``max_num_seqs`` caps concurrency on top of memory.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    kv_memory_fraction: float = 0.5
+    kv_budget_bytes: int | None = None
+    seed: int | None = None  # engine-wide seed: unseeded requests derive theirs from it and their id
+    warm_up: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidRequestError(name, v, "must be an integer >= 1")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise InvalidRequestError("kv_memory_fraction", self.kv_memory_fraction, "must be in (0, 1]")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes < 1:
+            raise InvalidRequestError("kv_budget_bytes", self.kv_budget_bytes, "must be >= 1")

@@ -1,0 +1,105 @@
+"""The Python API: ``Engine.generate`` (outputs in input order) and ``Engine.stream``.
+
+Owns nothing but the convenience: an ``EngineCore`` does the work. Loads the model through the shared
+registry, so two engines on the same model hold one copy of the weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+from tqdm import tqdm
+
+from mlxbatch.config import EngineConfig
+from mlxbatch.engine.core import EngineCore, Prompt
+from mlxbatch.engine.loader import LoadedModel, ModelSpec
+from mlxbatch.engine.registry import REGISTRY
+from mlxbatch.errors import InvalidRequestError
+from mlxbatch.types import RequestOutput, SamplingParams, StreamDelta
+
+_engine_ids = itertools.count()
+
+
+class Engine:
+    """A model plus a continuous-batching engine.
+
+    >>> engine = Engine("smollm2")
+    >>> engine.generate(["Hi!"], SamplingParams(max_tokens=8))[0].text
+    """
+
+    def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, *, dtype: str = "auto",
+                 adapter_path: str | None = None, trust_remote_code: bool = False) -> None:
+        self._user = f"engine-{next(_engine_ids)}"
+        if isinstance(model, LoadedModel):
+            self._spec = None
+            loaded = model
+        else:
+            self._spec = ModelSpec(model, dtype, adapter_path, trust_remote_code)
+            loaded = REGISTRY.acquire(self._spec, self._user)
+        self.core = EngineCore(loaded, config)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+
+    def _submit(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None,
+                stream: bool) -> list[str]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]  # one prompt (text or one conversation), not a list of them
+        if params is None or isinstance(params, SamplingParams):
+            per_row = [params or SamplingParams()] * len(prompts)
+        else:
+            per_row = list(params)
+            if len(per_row) != len(prompts):
+                raise InvalidRequestError("params", f"<{len(per_row)} items>",
+                                          f"expected one SamplingParams or {len(prompts)} of them")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, per_row):
+                ids.append(self.core.add_request(prompt, p, stream=stream))
+        except Exception:
+            for rid in ids:  # all or nothing: a bad prompt leaves no half-submitted batch
+                self.core.abort(rid)
+            self.core.step()
+            raise
+        return ids
+
+    def generate(self, prompts: Sequence[Prompt] | Prompt,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt (text, token ids or chat messages) and return outputs in input order."""
+        ids = self._submit(prompts, params, stream=False)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), disable=not use_tqdm, unit="req")
+        while len(done) < len(ids):
+            for d in self.core.step():
+                if d.output is not None and d.request_id in ids:
+                    done[d.request_id] = d.output
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+    def stream(self, prompts: Sequence[Prompt] | Prompt,
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamDelta]:
+        """Yield text deltas as they are generated; each request ends with a delta carrying its output."""
+        ids = set(self._submit(prompts, params, stream=True))
+        left = len(ids)
+        while left:
+            for d in self.core.step():
+                if d.request_id in ids:
+                    yield d
+                    if d.output is not None:
+                        left -= 1
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def close(self) -> None:
+        self.core.shutdown()
+        if self._spec is not None:
+            REGISTRY.release(self._spec, self._user)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

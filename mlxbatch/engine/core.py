@@ -1,0 +1,222 @@
+"""EngineCore: the step loop (schedule -> execute -> update), written once.
+
+Owns the requests in flight and turns submissions into sequences (``n`` samples become ``n`` sequences
+with derived seeds) after validating them. ``step()`` is the only place where the scheduler, the runner
+and the requests meet. ``AsyncEngineCore`` drives the same loop from asyncio on one dedicated thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxbatch.config import EngineConfig
+from mlxbatch.engine.detok import TextTracker
+from mlxbatch.engine.loader import LoadedModel
+from mlxbatch.engine.request import Request
+from mlxbatch.engine.runner import ModelRunner
+from mlxbatch.engine.sampling import derive_seed, uniform_for
+from mlxbatch.engine.scheduler import Scheduler, SchedulerConfig
+from mlxbatch.engine.worker import Worker
+from mlxbatch.errors import EngineClosedError, InvalidRequestError, OutOfMemoryError
+from mlxbatch.types import FinishReason, RequestOutput, RequestTimings, SamplingParams, StreamDelta
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
+
+
+@dataclass
+class _Group:
+    """A submitted request: its ``n`` sequences and what the caller asked to see."""
+
+    request_id: str
+    sequences: list[Request]
+    stream: bool
+    arrival: float = field(default_factory=time.perf_counter)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.sequences)
+
+    def output(self) -> RequestOutput:
+        first = self.sequences[0]
+        sched = [s.first_scheduled for s in self.sequences if s.first_scheduled is not None]
+        toks = [s.first_token for s in self.sequences if s.first_token is not None]
+        ends = [s.finished_at for s in self.sequences if s.finished_at is not None]
+        timings = RequestTimings(self.arrival, min(sched, default=None), min(toks, default=None),
+                                 max(ends) if self.finished and ends else None)
+        return RequestOutput(self.request_id, first.num_prompt_tokens,
+                             tuple(s.completion() for s in self.sequences), timings, self.finished,
+                             cached_tokens=first.num_cached_tokens)
+
+
+class EngineCore:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 worker: Worker | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.loaded = loaded
+        self.worker = worker or Worker(loaded)
+        budget = self.config.kv_budget_bytes or self.worker.kv_budget_bytes(self.config.kv_memory_fraction)
+        self.runner = ModelRunner(loaded.model, self.worker.geometry.num_layers,
+                                  self.worker.geometry.bytes_per_token)
+        self.scheduler = Scheduler(
+            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                            self.config.prefill_chunk_size, budget),
+            self.runner.kv_cost,
+        )
+        self._groups: dict[str, _Group] = {}
+        self._seqs: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        tok = loaded.tokenizer
+        self._eos = frozenset(int(t) for t in (tok.eos_token_ids or ()))
+        self._vocab_size = len(tok._tokenizer)
+        if self.config.warm_up:
+            self.worker.warm_up()
+
+    # -- submission ----------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: text, token ids, or chat messages (rendered with the chat template)."""
+        tok = self.loaded.tokenizer
+        if isinstance(prompt, str):
+            return list(tok.encode(prompt))
+        items = list(prompt)
+        if items and all(isinstance(m, dict) for m in items):
+            if getattr(tok, "chat_template", None) is None:
+                raise InvalidRequestError("prompt", "<messages>", "the model's tokenizer has no chat template")
+            try:
+                ids = tok.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
+            except Exception as exc:
+                raise InvalidRequestError("prompt", "<messages>", f"chat template failed: {exc}") from exc
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            return [int(t) for t in items]
+        raise InvalidRequestError("prompt", type(prompt).__name__,
+                                  "expected a string, a list of token ids or a list of chat messages")
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, stream: bool = False) -> str:
+        """Validate and queue one request; raises InvalidRequestError (the engine goes on) if it cannot run."""
+        if self._closed:
+            raise EngineClosedError("the engine has shut down")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params", type(params).__name__, "expected SamplingParams")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._groups:
+            raise InvalidRequestError("request_id", request_id, "already in flight")
+        ids = self.encode(prompt)
+        ctx = self.loaded.context_length
+        if not ids:
+            raise InvalidRequestError("prompt", prompt if isinstance(prompt, str) else "[]", "is empty")
+        if len(ids) >= ctx:
+            raise InvalidRequestError("prompt", f"<{len(ids)} tokens>",
+                                      f"is longer than the model's context ({ctx} tokens, room for one more)")
+        vocab = self.loaded.config.get("vocab_size") or self._vocab_size
+        if max(ids) >= vocab or min(ids) < 0:
+            raise InvalidRequestError("prompt", f"token id {max(ids)}", f"outside the vocabulary (size {vocab})")
+        seed = params.seed
+        if seed is None:
+            seed = (int(uniform_for(self.config.seed, hash(request_id) & 0xFFFFFFFF) * (1 << 53))
+                    if self.config.seed is not None else secrets.randbits(63))
+        incremental = stream or bool(params.stop)
+        seqs = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}", group_id=request_id, index=i,
+                prompt_token_ids=ids, params=params, seed=derive_seed(seed, i), eos_token_ids=self._eos,
+                max_context=ctx,
+                text=TextTracker(self.loaded.tokenizer, params.stop, params.include_stop_str_in_output,
+                                 incremental, self._vocab_size),
+            )
+            for i in range(params.n)
+        ]
+        self._groups[request_id] = _Group(request_id, seqs, stream)
+        for s in seqs:
+            self._seqs[s.request_id] = s
+            self.scheduler.add(s)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        gone = self.scheduler.abort([s.request_id for s in group.sequences])
+        self.runner.free([s.request_id for s in gone])
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    # -- the step loop -------------------------------------------------------------------------
+    def step(self) -> list[StreamDelta]:
+        """One engine step; returns text deltas (streamed requests) and one final delta per finished request."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.empty:
+            return self._collect([])
+        now = time.perf_counter()
+        for chunk in out.prefills:
+            if chunk.request.first_scheduled is None:
+                chunk.request.first_scheduled = now
+        try:
+            sampled = self.runner.execute(out)
+        except OutOfMemoryError as exc:
+            log.warning("step failed for lack of memory (%s); shrinking the batch", exc)
+            self.runner.free([r.request_id for r in self.scheduler.preempt_for_memory(out)])
+            self.worker.shutdown()  # frees MLX's buffer cache
+            return []
+        touched = []
+        for rid, tok in sampled.items():
+            req = self._seqs[rid]
+            req.append(tok.token_id, tok.logprob)
+            touched.append(req)
+        finished = self.scheduler.finish_step(out)
+        self.runner.free([r.request_id for r in finished])
+        prof = self.runner.profile
+        prof.steps += 1
+        prof.total_s += time.perf_counter() - t0
+        return self._collect(touched)
+
+    def _collect(self, touched: list[Request]) -> list[StreamDelta]:
+        deltas: list[StreamDelta] = []
+        for req in touched:
+            group = self._groups[req.group_id]
+            if group.stream:
+                text = req.text.delta(final=req.status.finished)
+                if text or req.status.finished:
+                    deltas.append(StreamDelta(group.request_id, req.index, text, (req.output_token_ids[-1],),
+                                              req.finish_reason))
+        for gid in [g for g, grp in self._groups.items() if grp.finished]:
+            group = self._groups.pop(gid)
+            for s in group.sequences:
+                self._seqs.pop(s.request_id, None)
+            deltas.append(StreamDelta(gid, -1, "", (), group.sequences[0].finish_reason, group.output()))
+        return deltas
+
+    def run_until_done(self) -> list[RequestOutput]:
+        outputs = []
+        while self.has_unfinished:
+            outputs += [d.output for d in self.step() if d.output is not None]
+        return outputs
+
+    def shutdown(self) -> None:
+        for gid in list(self._groups):
+            self.abort(gid)
+        self._groups.clear()
+        self._closed = True
+        self.worker.shutdown()
+
+    def stats(self) -> dict[str, Any]:
+        return {"profile": self.runner.profile.as_dict(), "kv_budget_bytes": self.scheduler.kv_budget_bytes,
+                "kv_bytes": self.runner.kv_bytes, "preemptions": self.scheduler.num_preemptions,
+                "device": self.worker.device.kind}
+
+
+def aborted_output(request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput:
+    return RequestOutput(request_id, 0, (), RequestTimings(time.perf_counter()), True, error=reason.value)

@@ -1,0 +1,129 @@
+"""One sequence's mutable state inside the engine.
+
+Owns its token ids (prompt and generated), its text tracker, its status and timings. The scheduler decides
+when it runs; the runner only reads its tokens. A submitted request with ``n`` samples becomes ``n``
+sequences (``Request`` objects) sharing a ``group_id``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from mlxbatch.engine.detok import TextTracker
+from mlxbatch.types import Completion, FinishReason, SamplingParams, TokenLogprob
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"  # admitted; computing KV for all its tokens in chunks
+    DECODING = "decoding"  # KV holds all but its last token, which the next decode step feeds
+    FINISHED = "finished"
+
+    @property
+    def finished(self) -> bool:
+        return self is RequestStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str  # unique per sequence: "<group id>" or "<group id>#<index>"
+    group_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    eos_token_ids: frozenset[int]
+    max_context: int
+    text: TextTracker
+    arrival: float = field(default_factory=time.perf_counter)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    num_computed_tokens: int = 0  # tokens whose KV exists (prefix cache included)
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV positions this sequence may need by the time it finishes."""
+        return min(self.num_prompt_tokens + self.params.max_tokens, self.max_context)
+
+    @property
+    def banned_ids(self) -> tuple[int, ...]:
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return ()
+        return tuple(sorted(self.eos_token_ids | set(self.params.stop_token_ids)))
+
+    def append(self, token_id: int, logprob: TokenLogprob | None) -> FinishReason | None:
+        """Add one sampled token; returns why the sequence finished, if it did."""
+        now = time.perf_counter()
+        if self.first_token is None:
+            self.first_token = now
+        p = self.params
+        is_eos = not p.ignore_eos and token_id in self.eos_token_ids
+        if is_eos or token_id in p.stop_token_ids:
+            self.output_token_ids.append(token_id)  # counted, but never shown as text
+            if self.logprobs is not None and logprob is not None:
+                self.logprobs.append(logprob)
+            return self._finish(FinishReason.STOP, token_id)
+        self.output_token_ids.append(token_id)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
+        hit = self.text.add(token_id)
+        if hit is not None:
+            return self._finish(FinishReason.STOP, hit.stop)
+        if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_context:
+            return self._finish(FinishReason.LENGTH, None)
+        return None
+
+    def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> FinishReason:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finished_at = time.perf_counter()
+        return reason
+
+    def abort(self, reason: FinishReason = FinishReason.ABORT) -> None:
+        self._finish(reason, None)
+
+    def completion(self) -> Completion:
+        return Completion(
+            index=self.index,
+            text=self.text.final_text(),
+            token_ids=tuple(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
+        )

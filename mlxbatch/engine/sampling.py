@@ -1,0 +1,171 @@
+"""Per-request sampling over a batch of logits, honouring each row's own SamplingParams.
+
+Owns the token choice for one step: penalties, temperature, top-k, top-p, min-p, seeded draws and log-probs.
+Every row's draw depends only on its own logits, parameters, seed and position, never on its batch
+neighbours: the random number for a row is a counter-based hash of (seed, position) and the draw is an
+inverse-CDF lookup, so one uniform per row replaces a global PRNG stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxbatch.types import SamplingParams, TokenLogprob
+
+_MASK64 = (1 << 64) - 1
+
+
+def uniform_for(seed: int, position: int) -> float:
+    """A uniform in [0, 1) determined by (seed, position) alone (splitmix64 finaliser)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``seed`` (n > 1)."""
+    return int(uniform_for(seed, 1_000_003 + index) * (1 << 53)) if index else seed
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """What the sampler needs to know about one row this step."""
+
+    params: SamplingParams
+    seed: int
+    position: int  # index of the token being sampled among the row's generated tokens
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    banned_ids: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+def _apply_penalties(row: mx.array, spec: SampleRow) -> mx.array:
+    p = spec.params
+    if p.repetition_penalty != 1.0:
+        seen = mx.array(sorted(set(spec.prompt_ids) | set(spec.output_ids)), dtype=mx.int32)
+        if seen.size:
+            vals = row[seen]
+            vals = mx.where(vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty)
+            row[seen] = vals
+    if (p.presence_penalty or p.frequency_penalty) and spec.output_ids:
+        counts: dict[int, int] = {}
+        for t in spec.output_ids:
+            counts[t] = counts.get(t, 0) + 1
+        ids = mx.array(list(counts), dtype=mx.int32)
+        cnt = mx.array(list(counts.values()), dtype=mx.float32)
+        row[ids] = row[ids] - p.presence_penalty - p.frequency_penalty * cnt
+    return row
+
+
+def _adjust(logits: mx.array, rows: Sequence[SampleRow]) -> mx.array:
+    """Penalties and bans, applied only to the rows that ask for them."""
+    touched = [i for i, r in enumerate(rows) if r.params.has_penalties or r.banned_ids]
+    if not touched:
+        return logits
+    out = [logits[i] for i in range(len(rows))]
+    vocab = logits.shape[-1]
+    for i in touched:
+        row = _apply_penalties(out[i], rows[i])
+        banned = [t for t in rows[i].banned_ids if t < vocab]
+        if banned:
+            row[mx.array(banned, dtype=mx.int32)] = -mx.inf
+        out[i] = row
+    return mx.stack(out)
+
+
+def _draw(logits: mx.array, rows: Sequence[SampleRow]) -> mx.array:
+    """Sample one token per row (all rows non-greedy) by inverse CDF over the filtered distribution."""
+    temps = mx.array([r.params.temperature for r in rows], dtype=mx.float32)[:, None]
+    x = logits / temps
+    ks = [r.params.top_k for r in rows]
+    if any(ks):
+        kmax = min(max(ks), x.shape[-1])
+        top = mx.sort(mx.topk(x, kmax, axis=-1), axis=-1)[:, ::-1]  # descending
+        kth = mx.array([min(k, kmax) - 1 if k else kmax - 1 for k in ks], dtype=mx.int32)
+        thresh = mx.take_along_axis(top, kth[:, None], axis=-1)
+        active = mx.array([bool(k) for k in ks])[:, None]
+        x = mx.where(active & (x < thresh), -mx.inf, x)
+    probs = mx.softmax(x, axis=-1)
+    min_ps = [r.params.min_p for r in rows]
+    if any(min_ps):
+        floor = mx.max(probs, axis=-1, keepdims=True) * mx.array(min_ps, dtype=mx.float32)[:, None]
+        probs = mx.where(probs < floor, 0.0, probs)
+    top_ps = [r.params.top_p for r in rows]
+    if any(p < 1.0 for p in top_ps):
+        desc = mx.sort(probs, axis=-1)[:, ::-1]
+        csum = mx.cumsum(desc, axis=-1) / mx.sum(desc, axis=-1, keepdims=True)
+        # the smallest prefix whose mass reaches top_p; keep every token at least as likely as its last
+        cut = mx.sum(csum < mx.array(top_ps, dtype=mx.float32)[:, None], axis=-1, keepdims=True)
+        cut = mx.minimum(cut, probs.shape[-1] - 1).astype(mx.int32)
+        floor = mx.take_along_axis(desc, cut, axis=-1)
+        keep = mx.array([p < 1.0 for p in top_ps])[:, None]
+        probs = mx.where(keep & (probs < floor), 0.0, probs)
+    cdf = mx.cumsum(probs, axis=-1)
+    u = mx.array([uniform_for(r.seed, r.position) for r in rows], dtype=mx.float32)[:, None]
+    target = u * cdf[:, -1:]
+    idx = mx.sum(cdf <= target, axis=-1)
+    return mx.minimum(idx, probs.shape[-1] - 1)
+
+
+def sample(logits: mx.array, rows: Sequence[SampleRow]) -> list[SampledToken]:
+    """Choose the next token of every row of ``logits`` ([rows, vocab]) under that row's parameters."""
+    assert logits.ndim == 2 and logits.shape[0] == len(rows)
+    logits = logits.astype(mx.float32)
+    want_lp = [r.params.logprobs is not None for r in rows]
+    raw_lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if any(want_lp) else None
+    adjusted = _adjust(logits, rows)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+    parts: list[mx.array] = []
+    order: list[int] = []
+    if greedy:
+        g = adjusted if len(greedy) == len(rows) else adjusted[mx.array(greedy)]
+        parts.append(mx.argmax(g, axis=-1))
+        order += greedy
+    if drawn:
+        d = adjusted if len(drawn) == len(rows) else adjusted[mx.array(drawn)]
+        parts.append(_draw(d, [rows[i] for i in drawn]))
+        order += drawn
+    chosen = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+    # back to row order
+    if len(parts) > 1:
+        inverse = [0] * len(rows)
+        for pos, i in enumerate(order):
+            inverse[i] = pos
+        chosen = chosen[mx.array(inverse)]
+    lp_rows = [i for i, w in enumerate(want_lp) if w]
+    if not lp_rows:
+        return [SampledToken(int(t), None) for t in chosen.tolist()]
+    assert raw_lp is not None
+    sel = mx.array(lp_rows)
+    lp = raw_lp[sel] if len(lp_rows) < len(rows) else raw_lp
+    chosen_lp = mx.take_along_axis(lp, chosen[sel][:, None].astype(mx.int32), axis=-1)[:, 0]
+    kmax = max(rows[i].params.logprobs or 0 for i in lp_rows)
+    top_ids = top_vals = None
+    if kmax:
+        top_ids = mx.argpartition(-lp, kmax - 1, axis=-1)[:, :kmax]
+        top_vals = mx.take_along_axis(lp, top_ids, axis=-1)
+        order_k = mx.argsort(-top_vals, axis=-1)
+        top_ids = mx.take_along_axis(top_ids, order_k, axis=-1)
+        top_vals = mx.take_along_axis(top_vals, order_k, axis=-1)
+    tokens = [int(t) for t in chosen.tolist()]
+    chosen_list = chosen_lp.tolist()
+    ids_list = top_ids.tolist() if top_ids is not None else None
+    vals_list = top_vals.tolist() if top_vals is not None else None
+    out = [SampledToken(t, None) for t in tokens]
+    for j, i in enumerate(lp_rows):
+        k = rows[i].params.logprobs or 0
+        top = tuple(zip(ids_list[j][:k], vals_list[j][:k])) if ids_list and vals_list else ()
+        out[i] = SampledToken(tokens[i], TokenLogprob(tokens[i], chosen_list[j], top))
+    return out

@@ -1,0 +1,165 @@
+"""Continuous-batching scheduler: who runs this step, and how many tokens each computes.
+
+Owns the waiting queue and the running set. Each step it gives every decoding sequence one token, then
+spends the rest of the token budget on prefill chunks: first of sequences already prefilling, then of
+newly admitted ones. A sequence is admitted only if the KV memory of every admitted sequence at its full
+reserved length (prompt + max_tokens), costed by the runner's KV layout, fits the budget the worker
+computed; ``max_num_seqs`` is a cap on top of that, never the only limit. On an out-of-memory step the
+newest sequences go back to the queue (their KV is recomputed later) and the budget shrinks.
+Pure Python: no mlx.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from mlxbatch.engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+KVCost = Callable[[list[int]], int]  # reserved lengths of the running sequences -> bytes
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    kv_budget_bytes: int = 1 << 62
+
+    def __post_init__(self) -> None:
+        assert self.max_num_seqs >= 1 and self.prefill_chunk_size >= 1
+        assert self.max_num_batched_tokens >= 1 and self.kv_budget_bytes >= 0
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    request: Request
+    start: int
+    end: int
+    last: bool  # completes the sequence's KV, so its last logits give the next token
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    decodes: tuple[Request, ...]
+    prefills: tuple[PrefillChunk, ...]
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.end - c.start for c in self.prefills)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cost: KVCost) -> None:
+        self.config = config
+        self._kv_cost = kv_cost
+        self._budget = config.kv_budget_bytes
+        self._max_seqs = config.max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+
+    # -- queue ---------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        assert request.status is RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        ids = set(request_ids)
+        gone = [r for r in (*self.waiting, *self.running) if r.request_id in ids]
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        self.running = [r for r in self.running if r.request_id not in ids]
+        for r in gone:
+            r.abort()
+        return gone
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self._budget
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        decodes = [r for r in self.running if r.status is RequestStatus.DECODING]
+        budget -= len(decodes)
+        prefills: list[PrefillChunk] = []
+        for r in self.running:
+            if budget <= 0:
+                break
+            if r.status is RequestStatus.PREFILLING:
+                chunk = self._chunk(r, budget)
+                prefills.append(chunk)
+                budget -= chunk.end - chunk.start
+        reserved = [r.reserved_tokens for r in self.running]
+        while self.waiting and budget > 0 and len(self.running) < self._max_seqs:
+            nxt = self.waiting[0]
+            cost = self._kv_cost(reserved + [nxt.reserved_tokens])
+            if cost > self._budget and self.running:
+                break  # it waits for memory; an empty engine admits it anyway (nothing else can free)
+            if cost > self._budget:
+                log.warning("request %s needs %d KV bytes, more than the %d budget; running it alone",
+                            nxt.request_id, cost, self._budget)
+            self.waiting.popleft()
+            nxt.status = RequestStatus.PREFILLING
+            self.running.append(nxt)
+            reserved.append(nxt.reserved_tokens)
+            chunk = self._chunk(nxt, budget)
+            prefills.append(chunk)
+            budget -= chunk.end - chunk.start
+        return SchedulerOutput(tuple(decodes), tuple(prefills))
+
+    def _chunk(self, r: Request, budget: int) -> PrefillChunk:
+        # a preempted sequence recomputes the KV of its prompt and generated tokens alike
+        size = min(self.config.prefill_chunk_size, budget, r.num_tokens - r.num_computed_tokens)
+        end = r.num_computed_tokens + size
+        return PrefillChunk(r, r.num_computed_tokens, end, end == r.num_tokens)
+
+    def finish_step(self, out: SchedulerOutput) -> list[Request]:
+        """Record computed tokens after the runner ran ``out``; returns (and drops) finished sequences."""
+        for chunk in out.prefills:
+            chunk.request.num_computed_tokens = chunk.end
+            if chunk.last and not chunk.request.status.finished:
+                chunk.request.status = RequestStatus.DECODING
+        for r in out.decodes:
+            r.num_computed_tokens += 1
+        done = [r for r in self.running if r.status.finished]
+        if done:
+            self.running = [r for r in self.running if not r.status.finished]
+        return done
+
+    def preempt_for_memory(self, failed: SchedulerOutput) -> list[Request]:
+        """An allocation failed during ``failed``: shrink the batch and return whose KV must be dropped.
+
+        The newest half of the running sequences go back to the queue front, and sequences that were
+        prefilling in the failed step restart their prefill (their KV may be half-written).
+        """
+        self.num_preemptions += 1
+        keep = max(1, len(self.running) // 2)
+        victims = self.running[keep:]
+        self.running = self.running[:keep]
+        self._max_seqs = keep
+        self._budget = max(1, min(self._budget, self._kv_cost([r.reserved_tokens for r in self.running])))
+        for r in reversed(victims):
+            r.status = RequestStatus.WAITING
+            r.num_computed_tokens = 0
+            self.waiting.appendleft(r)
+        restarted = [c.request for c in failed.prefills if c.request in self.running]
+        for r in restarted:
+            r.status = RequestStatus.PREFILLING
+            r.num_computed_tokens = 0
+        log.warning("out of memory: %d sequence(s) back to the queue; now at most %d at once",
+                    len(victims), self._max_seqs)
+        return victims + restarted

@@ -1,0 +1,136 @@
+"""The device side of an engine (the seed system's MLXWorker, made real).
+
+Owns what the engine knows about its device: name and memory on Metal / CUDA / CPU, memory left for KV
+after the weights, bytes per KV token and per block (measured from the model's own cache), warm-up,
+a health check, and shutdown that frees MLX memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlxbatch import _blas
+from mlxbatch.engine.loader import LoadedModel
+from mlxbatch.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: str  # "metal" | "cuda" | "cpu"
+    name: str
+    total_memory: int  # bytes the device can use (GPU memory, or system RAM on CPU)
+    available_memory: int  # bytes free now
+    blas: str  # CPU only: the BLAS MLX uses ("openblas: <path>" or "reference")
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def bytes_per_block(self, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+        return block_size * self.bytes_per_token
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    ok: bool
+    device: str
+    latency_s: float
+    active_memory: int
+    peak_memory: int
+    message: str = ""
+
+
+def _meminfo(key: str) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def device_info() -> DeviceInfo:
+    dev = mx.default_device()
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    if dev == mx.gpu:
+        kind = "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "metal"
+        total = int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0)
+        if not total and kind == "cuda":
+            total = int(info.get("total_memory", 0))
+        avail = max(0, total - mx.get_active_memory())
+        return DeviceInfo(kind, str(info.get("device_name", kind)), total, avail, "")
+    total = _meminfo("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    avail = _meminfo("MemAvailable") or total // 2
+    blas = f"openblas: {_blas.loaded_path}" if _blas.loaded_path else "reference"
+    return DeviceInfo("cpu", str(info.get("device_name", "cpu")), total, avail, blas)
+
+
+class Worker:
+    """Device facts and services for one loaded model."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.device = device_info()
+        self.geometry = self._measure_geometry()
+        self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
+
+    def _measure_geometry(self) -> KVGeometry:
+        cache = make_prompt_cache(self.loaded.model)
+        if not all(type(c) is KVCache for c in cache):
+            kinds = sorted({type(c).__name__ for c in cache})
+            raise ModelLoadError(f"model={self.loaded.spec.model!r}: needs cache types {kinds}; the engine "
+                                 "supports models with standard attention KV caches (KVCache) only")
+        self.loaded.model(mx.array([[0]], dtype=mx.int32), cache=cache)
+        k = cache[0].keys
+        mx.eval(k)
+        return KVGeometry(len(cache), k.shape[1], k.shape[3], k.dtype.size)
+
+    def kv_budget_bytes(self, fraction: float) -> int:
+        """Memory the engine may fill with KV: a fraction of what is free after the weights."""
+        free = device_info().available_memory
+        return max(self.geometry.bytes_per_token * 256, int(free * fraction))
+
+    def warm_up(self) -> float:
+        """Run one prefill and one decode shape so the first real step does not pay JIT compilation."""
+        t0 = time.perf_counter()
+        cache = make_prompt_cache(self.loaded.model)
+        out = self.loaded.model(mx.zeros((1, 8), dtype=mx.int32), cache=cache)
+        out = self.loaded.model(mx.argmax(out[:, -1:, :], axis=-1).astype(mx.int32), cache=cache)
+        mx.eval(out)
+        return time.perf_counter() - t0
+
+    def health_check(self) -> HealthReport:
+        t0 = time.perf_counter()
+        try:
+            out = self.loaded.model(mx.array([[1, 2, 3]], dtype=mx.int32))
+            ok = bool(mx.all(mx.isfinite(out)).item())
+            msg = "" if ok else "model produced non-finite logits"
+        except Exception as exc:  # the report is the point: never raise from a health check
+            ok, msg = False, f"{type(exc).__name__}: {exc}"
+        return HealthReport(ok, self.device.kind, time.perf_counter() - t0, mx.get_active_memory(),
+                            mx.get_peak_memory(), msg)
+
+    def shutdown(self) -> None:
+        mx.synchronize()
+        mx.clear_cache()
