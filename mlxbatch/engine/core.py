@@ -63,8 +63,7 @@ class EngineCore:
         self.loaded = loaded
         self.worker = worker or Worker(loaded)
         budget = self.config.kv_budget_bytes or self.worker.kv_budget_bytes(self.config.kv_memory_fraction)
-        self.runner = ModelRunner(loaded.model, self.worker.geometry.num_layers,
-                                  self.worker.geometry.bytes_per_token)
+        self.runner = ModelRunner(loaded.model, self.worker.geometry)
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                             self.config.prefill_chunk_size, budget),

@@ -1,10 +1,12 @@
 """The running batch's KV: fixed slots, one row per sequence, each with its own length.
 
-Owns the decode-time KV buffers. Row ``i`` of every layer holds one sequence's keys and values at
-positions ``0..length-1``; a decode step writes each row's new token at that row's own position and masks
-the rest. Admitting a sequence copies only its KV into a free row; retiring one moves the last row into
-the hole. No operation copies the whole batch except growth of the buffers (amortised, by doubling rows
-or by 256 positions), unlike a left-padded dense cache that is rebuilt at every admission and finish.
+Owns the KV buffers of every admitted sequence. Row ``i`` of every layer holds one sequence's keys and
+values at positions ``0..length-1``. A forward pass runs over a contiguous range of rows with ``T`` new
+tokens per row (``T`` = 1 for decode, a chunk for prefill, right-padded): each row writes at its own
+offset and a causal mask per row hides the rest. Decoding rows sit first, prefilling rows after them, so
+both kinds of step read a contiguous slice. Admitting, promoting or retiring a sequence moves at most
+two rows; nothing copies the whole batch except buffer growth (amortised: rows double, positions grow by
+256), unlike a left-padded dense cache that is rebuilt at every admission and finish.
 The layer caches implement mlx-lm's cache protocol (``offset``, ``update_and_fetch``, ``make_mask``), so
 mlx-lm's model definitions run on them unchanged.
 """
@@ -24,18 +26,18 @@ def _round_up(n: int, step: int) -> int:
 
 
 class SlotLayerCache:
-    """One layer's view of the slot buffers during a decode step (mlx-lm cache protocol)."""
+    """One layer's view of the slot buffers during a forward pass (mlx-lm cache protocol)."""
 
     def __init__(self, owner: SlotBatch, layer: int) -> None:
         self._owner = owner
         self._layer = layer
 
     @property
-    def offset(self) -> mx.array:  # per-row positions of the token being written (RoPE offsets)
+    def offset(self) -> mx.array:  # per-row position of each row's first new token (RoPE offsets)
         return self._owner._offsets
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        assert N == 1 and window_size is None, "slot caches serve single-token decode steps"
+        assert window_size is None, "sliding-window attention is not supported by slot caches"
         return self._owner._mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -47,25 +49,29 @@ class SlotLayerCache:
 
 
 class SlotBatch:
-    """Decode KV for up to ``capacity`` sequences; rows are kept compact (0..n-1)."""
+    """KV for every admitted sequence; rows ``[0, n_decode)`` decode, rows ``[n_decode, n)`` prefill."""
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self.ids: list[str] = []  # request id per row
         self.lengths: list[int] = []  # KV positions filled per row
+        self.n_decode = 0
         self._keys: list[mx.array] = []
         self._values: list[mx.array] = []
         self._rows_cap = 0
         self._pos_cap = 0
+        self._range = (0, 0)
         self._offsets = mx.array([0])
         self._mask = mx.array([True])
         self._t_used = 0
-        self._rows_idx = mx.array([0])
-        self._write_pos = mx.array([0])
+        self._index: tuple[mx.array, mx.array, mx.array] | None = None
         self.layers = [SlotLayerCache(self, i) for i in range(num_layers)]
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.ids
 
     @staticmethod
     def cost_positions(lengths: Sequence[int]) -> int:
@@ -79,23 +85,22 @@ class SlotBatch:
         return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values))
 
     # -- capacity ------------------------------------------------------------------------------
-    def _ensure(self, rows: int, positions: int, like: Sequence[tuple[mx.array, mx.array]]) -> None:
-        if not self._keys:
-            k0, v0 = like[0]
-            self._rows_cap = max(4, rows)
-            self._pos_cap = _round_up(max(positions, 1), POSITION_STEP)
-            for k, v in like:
-                H, Dk, Dv = k.shape[1], k.shape[3], v.shape[3]
-                self._keys.append(mx.zeros((self._rows_cap, H, self._pos_cap, Dk), k.dtype))
-                self._values.append(mx.zeros((self._rows_cap, H, self._pos_cap, Dv), v.dtype))
+    def allocate(self, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> None:
+        """Create the (empty) buffers; called once, before the first row is added."""
+        if self._keys:
             return
+        self._rows_cap, self._pos_cap = 4, POSITION_STEP
+        shape = (self._rows_cap, kv_heads, self._pos_cap, head_dim)
+        self._keys = [mx.zeros(shape, dtype) for _ in range(self.num_layers)]
+        self._values = [mx.zeros(shape, dtype) for _ in range(self.num_layers)]
+
+    def _ensure(self, rows: int, positions: int) -> None:
         new_rows = self._rows_cap if rows <= self._rows_cap else max(rows, 2 * self._rows_cap)
         new_pos = self._pos_cap if positions <= self._pos_cap else _round_up(positions, POSITION_STEP)
         if (new_rows, new_pos) == (self._rows_cap, self._pos_cap):
             return
-        for i in range(self.num_layers):
-            for bufs in (self._keys, self._values):
-                old = bufs[i]
+        for bufs in (self._keys, self._values):
+            for i, old in enumerate(bufs):
                 R, H, P, D = old.shape
                 grown = mx.zeros((new_rows, H, new_pos, D), old.dtype)
                 grown[:R, :, :P, :] = old
@@ -112,65 +117,121 @@ class SlotBatch:
         if need_rows * 4 > self._rows_cap and need_pos * 2 > self._pos_cap:
             return
         rows, pos = min(self._rows_cap, 2 * need_rows), min(self._pos_cap, need_pos)
-        self._keys = [k[:rows, :, :pos, :] for k in self._keys]
-        self._values = [v[:rows, :, :pos, :] for v in self._values]
+        self._keys = [mx.array(k[:rows, :, :pos, :]) for k in self._keys]
+        self._values = [mx.array(v[:rows, :, :pos, :]) for v in self._values]
         mx.eval(self._keys, self._values)
-        self._keys = [mx.array(k) for k in self._keys]
-        self._values = [mx.array(v) for v in self._values]
         self._rows_cap, self._pos_cap = rows, pos
 
     # -- rows ----------------------------------------------------------------------------------
-    def add(self, request_id: str, kv: Sequence[tuple[mx.array, mx.array]], length: int) -> None:
-        """Copy one sequence's KV (per layer ``[1, H, >=length, D]``) into the next free row."""
-        assert request_id not in self.ids and len(kv) == self.num_layers
+    @staticmethod
+    def _take(buf: mx.array, row: int, n: int) -> mx.array:
+        # An evaluated copy: a lazy slice would keep the buffer referenced, and the update that follows
+        # would then copy the whole buffer instead of writing in place (measured: 67 ms vs 0.1 ms).
+        out = mx.contiguous(buf[row, :, :n, :])
+        mx.eval(out)
+        return out
+
+    def _copy_row(self, src: int, dst: int) -> None:
+        n = self.lengths[src]
+        if n and src != dst:
+            for bufs in (self._keys, self._values):
+                for buf in bufs:
+                    buf[dst, :, :n, :] = self._take(buf, src, n)
+        self.ids[dst], self.lengths[dst] = self.ids[src], self.lengths[src]
+
+    def _swap(self, a: int, b: int) -> None:
+        if a == b:
+            return
+        n = max(self.lengths[a], self.lengths[b])
+        if n:
+            for bufs in (self._keys, self._values):
+                for buf in bufs:
+                    ra, rb = self._take(buf, a, n), self._take(buf, b, n)
+                    buf[a, :, :n, :] = rb
+                    buf[b, :, :n, :] = ra
+        self.ids[a], self.ids[b] = self.ids[b], self.ids[a]
+        self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
+
+    def add(self, request_id: str, kv: Sequence[tuple[mx.array, mx.array]] = (), length: int = 0) -> None:
+        """Admit a sequence as a prefilling row, optionally starting from ``length`` positions of ``kv``."""
+        assert request_id not in self.ids and self._keys, "allocate() first; ids are unique"
         row = len(self.ids)
-        self._ensure(row + 1, length + 1, kv)
+        self._ensure(row + 1, length + 1)
         for i, (k, v) in enumerate(kv):
             self._keys[i][row, :, :length, :] = k[0, :, :length, :]
             self._values[i][row, :, :length, :] = v[0, :, :length, :]
         self.ids.append(request_id)
         self.lengths.append(length)
 
-    def remove(self, request_id: str) -> None:
-        """Retire a row: the last row moves into its place (one row copied, not the batch)."""
+    def promote(self, request_id: str) -> None:
+        """A prefilling row finished its prefill: it joins the decode region."""
         row = self.ids.index(request_id)
+        assert row >= self.n_decode
+        self._swap(row, self.n_decode)
+        self.n_decode += 1
+
+    def arrange(self, request_ids: Sequence[str]) -> None:
+        """Make these prefilling rows contiguous, in this order, right after the decode region."""
+        for j, rid in enumerate(request_ids):
+            row = self.ids.index(rid)
+            assert row >= self.n_decode
+            self._swap(row, self.n_decode + j)
+
+    def remove(self, request_id: str) -> None:
+        """Retire a row; the region's last row fills the hole (at most two rows copied)."""
+        row = self.ids.index(request_id)
+        if row < self.n_decode:
+            last_dec = self.n_decode - 1
+            self._copy_row(last_dec, row)
+            self.n_decode -= 1
+            row = last_dec
         last = len(self.ids) - 1
         if row != last:
-            n = self.lengths[last]
-            for bufs in (self._keys, self._values):
-                for i in range(self.num_layers):
-                    bufs[i][row, :, :n, :] = bufs[i][last, :, :n, :]
-            self.ids[row], self.lengths[row] = self.ids[last], self.lengths[last]
+            self._copy_row(last, row)
         self.ids.pop()
         self.lengths.pop()
 
     def extract(self, request_id: str) -> list[tuple[mx.array, mx.array]]:
-        """A copy of one row's KV (per layer ``[1, H, length, D]``)."""
+        """A copy of one row's KV, per layer ``[1, H, length, D]``."""
         row = self.ids.index(request_id)
         n = self.lengths[row]
-        return [(k[row : row + 1, :, :n, :], v[row : row + 1, :, :n, :]) for k, v in zip(self._keys, self._values)]
+        return [(self._take(k, row, n)[None], self._take(v, row, n)[None]) for k, v in zip(self._keys, self._values)]
 
-    # -- decode step ---------------------------------------------------------------------------
-    def prepare(self, request_ids: Sequence[str]) -> None:
-        """Set offsets and masks for a decode step over rows in ``request_ids`` order (all rows)."""
-        assert list(request_ids) == self.ids, "decode runs every row, in row order"
-        n = len(self.ids)
-        self._ensure(n, max(self.lengths) + 1, [])
-        self._t_used = max(self.lengths) + 1
-        self._offsets = mx.array(self.lengths, dtype=mx.int32)
-        self._mask = (mx.arange(self._t_used)[None, :] <= self._offsets[:, None])[:, None, None, :]
-        self._rows_idx = mx.arange(n)[:, None]
-        self._write_pos = self._offsets[:, None]
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]]) -> mx.array:
+        """Run rows ``[start, start+len(tokens))`` over their new tokens; returns each row's last logits.
+
+        Rows with fewer tokens than the longest are right-padded; padding writes land past the row's
+        length, where later tokens overwrite them, and no real query can see them (causal mask).
+        """
+        n = len(tokens)
+        T = max(len(t) for t in tokens)
+        offsets = self.lengths[start : start + n]
+        self._t_used = max(o + T for o in offsets)
+        self._ensure(start + n, self._t_used)
+        self._range = (start, start + n)
+        off = mx.array(offsets, dtype=mx.int32)
+        self._offsets = off
+        q_pos = off[:, None] + mx.arange(T)[None, :]  # [n, T]
+        self._mask = (mx.arange(self._t_used)[None, None, :] <= q_pos[:, :, None])[:, None, :, :]
+        rows = mx.arange(start, start + n)[:, None, None]
+        self._index = (rows, q_pos[:, None, :])
+        pad = [list(t) + [0] * (T - len(t)) for t in tokens]
+        logits = model(mx.array(pad, dtype=mx.int32), cache=self.layers)
+        last = mx.array([len(t) - 1 for t in tokens], dtype=mx.int32)
+        return mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :]
 
     def _write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        n, H = keys.shape[0], keys.shape[1]
-        heads = mx.arange(H)[None, :]
+        assert self._index is not None
+        rows, pos = self._index
+        heads = mx.arange(keys.shape[1])[None, :, None]
         k_buf, v_buf = self._keys[layer], self._values[layer]
-        k_buf[self._rows_idx, heads, self._write_pos] = keys[:, :, 0, :]
-        v_buf[self._rows_idx, heads, self._write_pos] = values[:, :, 0, :]
+        k_buf[rows, heads, pos] = keys
+        v_buf[rows, heads, pos] = values
+        a, b = self._range
         t = self._t_used
-        return k_buf[:n, :, :t, :], v_buf[:n, :, :t, :]
+        return k_buf[a:b, :, :t, :], v_buf[a:b, :, :t, :]
 
-    def advance(self, rows: int) -> None:
-        """Commit a decode step for the first ``rows`` rows (rows added since were not decoded)."""
-        self.lengths[:rows] = [n + 1 for n in self.lengths[:rows]]
+    def advance(self, request_id: str, count: int) -> None:
+        """Commit ``count`` new positions of one row (after the step that wrote them succeeded)."""
+        self.lengths[self.ids.index(request_id)] += count

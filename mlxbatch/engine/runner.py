@@ -1,9 +1,10 @@
 """Executes one scheduled step on the model: SchedulerOutput -> forward passes -> sampled tokens.
 
-Owns the KV of every admitted sequence: per-sequence mlx-lm caches while a sequence prefills, then its row
-in the decode ``SlotBatch``. The scheduler never sees this layout; it only gets a cost function
-(``kv_cost``) to admit by memory. Prefill chunks run one sequence at a time; all decoding sequences run as
-one batched forward; the rows whose next token is due are sampled together.
+Owns the KV of every admitted sequence (through its ``SlotBatch``). The scheduler never sees this layout;
+it only gets a cost function (``kv_cost``) to admit by memory. All decoding sequences run as one batched
+forward; prefill chunks run batched too, in groups of similar length so right-padding stays small; the rows
+whose next token is due are sampled together. KV positions are committed only when the whole step
+succeeded, so a failed (out-of-memory) step leaves nothing half-counted.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxbatch.engine.kv_slots import SlotBatch
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sampling import SampledToken, SampleRow, sample
-from mlxbatch.engine.scheduler import SchedulerOutput
+from mlxbatch.engine.scheduler import PrefillChunk, SchedulerOutput
+from mlxbatch.engine.worker import KVGeometry
 from mlxbatch.errors import OutOfMemoryError
 
 log = logging.getLogger(__name__)
@@ -61,20 +63,19 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: object, num_layers: int, bytes_per_token: int) -> None:
+    def __init__(self, model: Any, geometry: KVGeometry) -> None:
         self.model = model
-        self.bytes_per_token = bytes_per_token
-        self.batch = SlotBatch(num_layers)
-        self._prefill: dict[str, list[KVCache]] = {}
+        self.geometry = geometry
+        self.batch = SlotBatch(geometry.num_layers)
+        self.batch.allocate(geometry.kv_heads, geometry.head_dim, getattr(mx, geometry.dtype))
         self.profile = StepProfile()
 
     def kv_cost(self, reserved_lengths: list[int]) -> int:
-        return SlotBatch.cost_positions(reserved_lengths) * self.bytes_per_token
+        return SlotBatch.cost_positions(reserved_lengths) * self.geometry.bytes_per_token
 
     @property
     def kv_bytes(self) -> int:
-        held = sum(c.keys.nbytes + c.values.nbytes for cs in self._prefill.values() for c in cs if c.keys is not None)
-        return held + self.batch.nbytes
+        return self.batch.nbytes
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the step; returns the next token of every sequence whose next token became due."""
@@ -86,65 +87,87 @@ class ModelRunner:
             raise
 
     def _execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        prof = self.profile
+        prof, batch = self.profile, self.batch
         due: list[Request] = []
         logits: list[mx.array] = []
         if out.decodes:
             t0 = time.perf_counter()
-            ids = [r.request_id for r in out.decodes]
-            if ids != self.batch.ids:  # keep row order == decode order
-                order = {rid: i for i, rid in enumerate(self.batch.ids)}
-                decodes = sorted(out.decodes, key=lambda r: order[r.request_id])
-            else:
-                decodes = list(out.decodes)
-            self.batch.prepare([r.request_id for r in decodes])
-            inputs = mx.array([[r.last_token] for r in decodes], dtype=mx.int32)
-            step_logits = self.model(inputs, cache=self.batch.layers)[:, -1, :]
+            assert len(out.decodes) == batch.n_decode, "every decoding sequence runs every step"
+            by_id = {r.request_id: r for r in out.decodes}
+            rows = [by_id[rid] for rid in batch.ids[: batch.n_decode]]
+            step_logits = batch.forward(self.model, 0, [[r.last_token] for r in rows])
             mx.eval(step_logits)
             prof.decode_s += time.perf_counter() - t0
-            prof.decode_tokens += len(decodes)
-            prof.batch_sizes.append(len(decodes))
-            due += decodes
+            prof.decode_tokens += len(rows)
+            due += rows
             logits.append(step_logits)
-        for chunk in out.prefills:
+        if out.prefills:
             t0 = time.perf_counter()
-            r = chunk.request
-            cache = self._prefill.get(r.request_id)
-            if cache is None:
-                cache = self._prefill[r.request_id] = make_prompt_cache(self.model)
-            assert cache[0].offset == chunk.start, "prefill KV out of step with the scheduler"
-            tokens = mx.array([r.tokens(chunk.start, chunk.end)], dtype=mx.int32)
-            chunk_logits = self.model(tokens, cache=cache)
-            if chunk.last:
-                last = chunk_logits[:, -1, :]
-                mx.eval(last)
-                self.batch.add(r.request_id, [c.state[:2] for c in cache], chunk.end)
-                del self._prefill[r.request_id]
-                due.append(r)
-                logits.append(last)
-            else:
-                mx.eval([c.state for c in cache])
+            for chunk in out.prefills:
+                if chunk.request.request_id not in batch:
+                    batch.add(chunk.request.request_id)
+            groups = _pad_groups(out.prefills)
+            # arrange once, before any forward: rows move by committed length, and this step's writes
+            # are not committed yet
+            batch.arrange([c.request.request_id for g in groups for c in g])
+            start = batch.n_decode
+            for group in groups:
+                for i, c in enumerate(group):
+                    assert batch.ids[start + i] == c.request.request_id and batch.lengths[start + i] == c.start
+                chunk_logits = batch.forward(self.model, start, [c.request.tokens(c.start, c.end) for c in group])
+                start += len(group)
+                last = [i for i, c in enumerate(group) if c.last]
+                if last:
+                    picked = chunk_logits[mx.array(last)] if len(last) < len(group) else chunk_logits
+                    logits.append(picked)
+                    due += [group[i].request for i in last]
+                mx.eval(chunk_logits)
+                prof.prefill_tokens += sum(c.end - c.start for c in group)
             prof.prefill_s += time.perf_counter() - t0
-            prof.prefill_tokens += chunk.end - chunk.start
         if not due:
+            self._commit(out)
             return {}
         t0 = time.perf_counter()
-        n_decoded = len(out.decodes)
-        rows = [
+        rows_s = [
             SampleRow(r.params, r.seed, len(r.output_token_ids), r.prompt_token_ids, r.output_token_ids,
                       r.banned_ids)
             for r in due
         ]
-        tokens_out = sample(mx.concatenate(logits, axis=0), rows)
-        self.batch.advance(n_decoded)  # commit only once the whole step succeeded
+        tokens_out = sample(mx.concatenate(logits, axis=0) if len(logits) > 1 else logits[0], rows_s)
         prof.sampling_s += time.perf_counter() - t0
+        self._commit(out)
         return {r.request_id: t for r, t in zip(due, tokens_out)}
+
+    def _commit(self, out: SchedulerOutput) -> None:
+        """The step succeeded: its KV positions count, and finished prefills join the decode rows."""
+        for r in out.decodes:
+            self.batch.advance(r.request_id, 1)
+        for c in out.prefills:
+            self.batch.advance(c.request.request_id, c.end - c.start)
+        for c in out.prefills:  # only after every length is committed: promotion moves rows by length
+            if c.last:
+                self.batch.promote(c.request.request_id)
 
     def free(self, request_ids: list[str]) -> None:
         """Drop the KV of sequences that finished, were aborted or were preempted."""
         for rid in request_ids:
-            self._prefill.pop(rid, None)
-            if rid in self.batch.ids:
+            if rid in self.batch:
                 self.batch.remove(rid)
         if request_ids:
             self.batch.shrink()
+
+
+def _pad_groups(chunks: tuple[PrefillChunk, ...], max_waste: float = 0.25) -> list[list[PrefillChunk]]:
+    """Split prefill chunks into forward passes whose right-padding stays under ``max_waste``."""
+    ordered = sorted(chunks, key=lambda c: c.end - c.start, reverse=True)
+    groups: list[list[PrefillChunk]] = []
+    for c in ordered:
+        if groups:
+            g = groups[-1]
+            width = g[0].end - g[0].start
+            real = sum(x.end - x.start for x in g) + (c.end - c.start)
+            if width * (len(g) + 1) <= (1 + max_waste) * real:
+                g.append(c)
+                continue
+        groups.append([c])
+    return groups

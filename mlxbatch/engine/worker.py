@@ -40,6 +40,7 @@ class KVGeometry:
     kv_heads: int
     head_dim: int
     dtype_bytes: int
+    dtype: str  # mlx dtype name of the KV ("float32", "bfloat16", ...)
 
     @property
     def bytes_per_token(self) -> int:
@@ -104,7 +105,7 @@ class Worker:
         self.loaded.model(mx.array([[0]], dtype=mx.int32), cache=cache)
         k = cache[0].keys
         mx.eval(k)
-        return KVGeometry(len(cache), k.shape[1], k.shape[3], k.dtype.size)
+        return KVGeometry(len(cache), k.shape[1], k.shape[3], k.dtype.size, str(k.dtype).rsplit(".", 1)[-1])
 
     def kv_budget_bytes(self, fraction: float) -> int:
         """Memory the engine may fill with KV: a fraction of what is free after the weights."""
