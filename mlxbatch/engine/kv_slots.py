@@ -36,9 +36,12 @@ class SlotLayerCache:
     def offset(self) -> mx.array:  # per-row position of each row's first new token (RoPE offsets)
         return self._owner._offsets
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array | str | None:
         assert window_size is None, "sliding-window attention is not supported by slot caches"
-        return self._owner._mask
+        mask = self._owner._mask
+        if return_array and not isinstance(mask, mx.array):
+            return self._owner._array_mask()
+        return mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return self._owner._write(self._layer, keys, values)
@@ -62,9 +65,13 @@ class SlotBatch:
         self._pos_cap = 0
         self._range = (0, 0)
         self._offsets = mx.array([0])
-        self._mask = mx.array([True])
+        self._mask: mx.array | str | None = None
+        self._q_pos = mx.array([[0]])
         self._t_used = 0
-        self._index: tuple[mx.array, mx.array, mx.array] | None = None
+        self._index: tuple[mx.array, mx.array] | None = None
+        self._write_mode = "slice"
+        self._write_offsets: list[int] = []
+        self._write_width = 1
         self.layers = [SlotLayerCache(self, i) for i in range(num_layers)]
 
     def __len__(self) -> int:
@@ -79,6 +86,9 @@ class SlotBatch:
         if not lengths:
             return 0
         return len(lengths) * _round_up(max(lengths), POSITION_STEP)
+
+    def kv_arrays(self) -> list[mx.array]:
+        return self._keys + self._values
 
     @property
     def nbytes(self) -> int:
@@ -213,22 +223,48 @@ class SlotBatch:
         off = mx.array(offsets, dtype=mx.int32)
         self._offsets = off
         q_pos = off[:, None] + mx.arange(T)[None, :]  # [n, T]
-        self._mask = (mx.arange(self._t_used)[None, None, :] <= q_pos[:, :, None])[:, None, :, :]
-        rows = mx.arange(start, start + n)[:, None, None]
-        self._index = (rows, q_pos[:, None, :])
+        self._q_pos = q_pos
+        if len(set(offsets)) == 1:
+            # all rows end together: the queries are the last T keys, which SDPA's fused causal mode
+            # handles without materialising a mask (about 2x faster prefill on CPU)
+            self._mask = "causal" if T > 1 else None
+        else:
+            self._mask = self._array_mask()
+        if len(set(offsets)) == 1:
+            self._write_mode = "slice"  # one contiguous block: a slice update, far cheaper than a scatter
+        elif T > 1:
+            self._write_mode = "rows"  # prefill chunks at different offsets: one block per row
+        else:
+            self._write_mode = "scatter"  # decode: one position per row
+            self._index = (mx.arange(start, start + n)[:, None, None], q_pos[:, None, :])
+        self._write_offsets = offsets
+        self._write_width = T
         pad = [list(t) + [0] * (T - len(t)) for t in tokens]
         logits = model(mx.array(pad, dtype=mx.int32), cache=self.layers)
         last = mx.array([len(t) - 1 for t in tokens], dtype=mx.int32)
         return mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :]
 
+    def _array_mask(self) -> mx.array:
+        return (mx.arange(self._t_used)[None, None, :] <= self._q_pos[:, :, None])[:, None, :, :]
+
     def _write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        assert self._index is not None
-        rows, pos = self._index
-        heads = mx.arange(keys.shape[1])[None, :, None]
         k_buf, v_buf = self._keys[layer], self._values[layer]
-        k_buf[rows, heads, pos] = keys
-        v_buf[rows, heads, pos] = values
         a, b = self._range
+        T = self._write_width
+        if self._write_mode == "slice":
+            o = self._write_offsets[0]
+            k_buf[a:b, :, o : o + T, :] = keys
+            v_buf[a:b, :, o : o + T, :] = values
+        elif self._write_mode == "rows":
+            for i, o in enumerate(self._write_offsets):
+                k_buf[a + i, :, o : o + T, :] = keys[i]
+                v_buf[a + i, :, o : o + T, :] = values[i]
+        else:
+            assert self._index is not None
+            rows, pos = self._index
+            heads = mx.arange(keys.shape[1])[None, :, None]
+            k_buf[rows, heads, pos] = keys
+            v_buf[rows, heads, pos] = values
         t = self._t_used
         return k_buf[a:b, :, :t, :], v_buf[a:b, :, :t, :]
 

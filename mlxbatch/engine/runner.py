@@ -121,7 +121,9 @@ class ModelRunner:
                     picked = chunk_logits[mx.array(last)] if len(last) < len(group) else chunk_logits
                     logits.append(picked)
                     due += [group[i].request for i in last]
-                mx.eval(chunk_logits)
+                    mx.eval(picked)
+                else:  # no logits needed: evaluating only the KV lets MLX skip the LM head
+                    mx.eval(batch.kv_arrays())
                 prof.prefill_tokens += sum(c.end - c.start for c in group)
             prof.prefill_s += time.perf_counter() - t0
         if not due:
