@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 from collections.abc import AsyncIterator
+
+import mlx.core as mx
 
 from mlxbatch.engine.core import EngineCore, Prompt
 from mlxbatch.types import RequestOutput, SamplingParams, StreamDelta
@@ -18,8 +21,12 @@ from mlxbatch.types import RequestOutput, SamplingParams, StreamDelta
 class AsyncEngineCore:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxbatch-step")
-        self._queues: dict[str, asyncio.Queue[StreamDelta]] = {}
+        # MLX streams are per thread: the step thread gets its own on the engine's device
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="mlxbatch-step",
+            initializer=lambda: mx.set_default_stream(mx.new_stream(mx.default_device())))
+        self._queues: dict[str, asyncio.Queue[StreamDelta | BaseException]] = {}
+        self._ids = itertools.count()
         self._loop_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._closed = False
@@ -32,20 +39,30 @@ class AsyncEngineCore:
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
 
     async def _step_loop(self) -> None:
-        while not self._closed:
-            if not self.core.has_unfinished:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            for delta in await self._run(self.core.step):
-                q = self._queues.get(delta.request_id)
-                if q is not None:
-                    q.put_nowait(delta)
+        try:
+            while not self._closed:
+                if not self.core.has_unfinished:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                for delta in await self._run(self.core.step):
+                    q = self._queues.get(delta.request_id)
+                    if q is not None:
+                        q.put_nowait(delta)
+        except BaseException as exc:  # a dead step loop must not leave callers waiting forever
+            for q in self._queues.values():
+                q.put_nowait(exc)
+            raise
 
     async def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                           request_id: str | None = None) -> str:
-        rid = await self._run(self.core.add_request, prompt, params, request_id, True)
-        self._queues[rid] = asyncio.Queue()
+        rid = request_id or f"async-{next(self._ids)}"
+        self._queues[rid] = asyncio.Queue()  # before submission: no delta can arrive before its queue
+        try:
+            await self._run(self.core.add_request, prompt, params, rid, True)
+        except BaseException:
+            self._queues.pop(rid, None)
+            raise
         self._ensure_loop()
         self._wake.set()
         return rid
@@ -57,6 +74,8 @@ class AsyncEngineCore:
         try:
             while True:
                 delta = await q.get()
+                if isinstance(delta, BaseException):
+                    raise delta
                 yield delta
                 if delta.output is not None:
                     return

@@ -67,6 +67,13 @@ class TextTracker:
                 return StopHit(stop, self.text)
         return None
 
+    def flush(self) -> None:
+        """The sequence ended (not on a stop string): keep what trailing tokens decode to, even if partial."""
+        if self._incremental and self._read < len(self._ids):
+            prefix_text = self._decode(self._ids[self._prefix : self._read])
+            self.text += self._decode(self._ids[self._prefix :])[len(prefix_text) :]
+            self._prefix = self._read = len(self._ids)
+
     def delta(self, final: bool = False) -> str:
         """Text not handed out yet, keeping back a possible stop-string prefix unless ``final``."""
         if not self._incremental:

@@ -103,6 +103,7 @@ class SlotBatch:
         shape = (self._rows_cap, kv_heads, self._pos_cap, head_dim)
         self._keys = [mx.zeros(shape, dtype) for _ in range(self.num_layers)]
         self._values = [mx.zeros(shape, dtype) for _ in range(self.num_layers)]
+        mx.eval(self._keys, self._values)  # nothing lazy may outlive the thread (and stream) that made it
 
     def _ensure(self, rows: int, positions: int) -> None:
         new_rows = self._rows_cap if rows <= self._rows_cap else max(rows, 2 * self._rows_cap)
@@ -209,7 +210,10 @@ class SlotBatch:
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]]) -> mx.array:
-        """Run rows ``[start, start+len(tokens))`` over their new tokens; returns each row's last logits.
+        """Run rows ``[start, start+len(tokens))`` over their new tokens; returns each row's last output.
+
+        ``model`` maps ``(inputs, cache=...)`` to per-position outputs (logits, or hidden states when the
+        caller applies the LM head itself to the last positions only).
 
         Rows with fewer tokens than the longest are right-padded; padding writes land past the row's
         length, where later tokens overwrite them, and no real query can see them (causal mask).
@@ -240,9 +244,11 @@ class SlotBatch:
         self._write_offsets = offsets
         self._write_width = T
         pad = [list(t) + [0] * (T - len(t)) for t in tokens]
-        logits = model(mx.array(pad, dtype=mx.int32), cache=self.layers)
+        out = model(mx.array(pad, dtype=mx.int32), cache=self.layers)
+        if T == 1:
+            return out[:, 0, :]
         last = mx.array([len(t) - 1 for t in tokens], dtype=mx.int32)
-        return mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :]
+        return mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :]
 
     def _array_mask(self) -> mx.array:
         return (mx.arange(self._t_used)[None, None, :] <= self._q_pos[:, :, None])[:, None, :, :]

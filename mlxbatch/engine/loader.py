@@ -95,7 +95,7 @@ def _is_quantized(model: nn.Module) -> bool:
 
 def load_model(spec: ModelSpec) -> LoadedModel:
     from mlx_lm import load as mlx_load
-    from mlx_lm.utils import dequantize_model, hf_repo_to_path
+    from mlx_lm.utils import dequantize_model, hf_repo_to_path, load_adapters
 
     source = resolve_path(spec.model)
     if spec.adapter_path is not None:
@@ -105,13 +105,18 @@ def load_model(spec: ModelSpec) -> LoadedModel:
                                  "and adapters.safetensors (mlx-lm LoRA layout)")
     try:
         model, tokenizer, config = mlx_load(
-            source, adapter_path=spec.adapter_path, return_config=True,
+            source, return_config=True, trust_remote_code=spec.trust_remote_code,
             tokenizer_config={"trust_remote_code": True} if spec.trust_remote_code else None,
         )
     except Exception as exc:
-        what = "adapter_path" if spec.adapter_path and "adapter" in str(exc).lower() else "model"
-        value = spec.adapter_path if what == "adapter_path" else spec.model
-        raise ModelLoadError(f"{what}={value!r}: could not be loaded: {type(exc).__name__}: {exc}") from exc
+        raise ModelLoadError(f"model={spec.model!r}: could not be loaded: {type(exc).__name__}: {exc}") from exc
+    if spec.adapter_path is not None:
+        try:
+            model = load_adapters(model, spec.adapter_path)
+            model.eval()
+        except Exception as exc:
+            raise ModelLoadError(f"adapter_path={spec.adapter_path!r}: could not be applied to {spec.model!r}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
     path = Path(source) if Path(source).exists() else Path(hf_repo_to_path(source))
     on_cpu = mx.default_device() == mx.cpu
     if spec.dtype != "auto":

@@ -94,6 +94,7 @@ class Request:
         p = self.params
         is_eos = not p.ignore_eos and token_id in self.eos_token_ids
         if is_eos or token_id in p.stop_token_ids:
+            self.text.flush()
             self.output_token_ids.append(token_id)  # counted, but never shown as text
             if self.logprobs is not None and logprob is not None:
                 self.logprobs.append(logprob)
@@ -105,6 +106,7 @@ class Request:
         if hit is not None:
             return self._finish(FinishReason.STOP, hit.stop)
         if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_context:
+            self.text.flush()
             return self._finish(FinishReason.LENGTH, None)
         return None
 

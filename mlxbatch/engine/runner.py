@@ -62,9 +62,43 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in text for m in _OOM_MARKERS)
 
 
+@dataclass(frozen=True)
+class SplitModel:
+    """A model seen as body (tokens -> hidden states) and head (hidden -> logits).
+
+    Prefill needs logits at each row's last position only; running the LM head on the last positions
+    alone saves its cost (~30% of a 0.5B model's prefill FLOPs) and the [rows, T, vocab] logits buffer.
+    """
+
+    body: Any
+    head: Any
+
+
+def split_model(model: Any) -> SplitModel | None:
+    """The body/head split of an mlx-lm model, if calling them in turn equals calling the model."""
+    body = getattr(model, "model", None)
+    if body is None or not callable(body):
+        return None
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        embed = getattr(body, "embed_tokens", None)
+        head = getattr(embed, "as_linear", None)
+    if head is None:
+        return None
+    probe = mx.array([[1, 2, 3, 4]], dtype=mx.int32)
+    try:
+        full = model(probe)
+        split = head(body(probe))
+        same = full.shape == split.shape and mx.allclose(full, split, atol=1e-4, rtol=1e-3).item()
+    except Exception:  # an architecture whose body takes other arguments: use the whole model
+        return None
+    return SplitModel(body, head) if same else None
+
+
 class ModelRunner:
     def __init__(self, model: Any, geometry: KVGeometry) -> None:
         self.model = model
+        self._split = split_model(model)
         self.geometry = geometry
         self.batch = SlotBatch(geometry.num_layers)
         self.batch.allocate(geometry.kv_heads, geometry.head_dim, getattr(mx, geometry.dtype))
@@ -95,7 +129,7 @@ class ModelRunner:
             assert len(out.decodes) == batch.n_decode, "every decoding sequence runs every step"
             by_id = {r.request_id: r for r in out.decodes}
             rows = [by_id[rid] for rid in batch.ids[: batch.n_decode]]
-            step_logits = batch.forward(self.model, 0, [[r.last_token] for r in rows])
+            step_logits = self._forward(0, [[r.last_token] for r in rows])
             mx.eval(step_logits)
             prof.decode_s += time.perf_counter() - t0
             prof.decode_tokens += len(rows)
@@ -114,14 +148,14 @@ class ModelRunner:
             for group in groups:
                 for i, c in enumerate(group):
                     assert batch.ids[start + i] == c.request.request_id and batch.lengths[start + i] == c.start
-                chunk_logits = batch.forward(self.model, start, [c.request.tokens(c.start, c.end) for c in group])
-                start += len(group)
                 last = [i for i, c in enumerate(group) if c.last]
+                chunk_logits = self._forward(start, [c.request.tokens(c.start, c.end) for c in group],
+                                             rows=last)
+                start += len(group)
                 if last:
-                    picked = chunk_logits[mx.array(last)] if len(last) < len(group) else chunk_logits
-                    logits.append(picked)
+                    logits.append(chunk_logits)
                     due += [group[i].request for i in last]
-                    mx.eval(picked)
+                    mx.eval(chunk_logits)
                 else:  # no logits needed: evaluating only the KV lets MLX skip the LM head
                     mx.eval(batch.kv_arrays())
                 prof.prefill_tokens += sum(c.end - c.start for c in group)
@@ -139,6 +173,14 @@ class ModelRunner:
         prof.sampling_s += time.perf_counter() - t0
         self._commit(out)
         return {r.request_id: t for r, t in zip(due, tokens_out)}
+
+    def _forward(self, start: int, tokens: list[list[int]], rows: list[int] | None = None) -> mx.array:
+        """Last-position logits of the given rows (all rows if ``rows`` is None) of a forward pass."""
+        fn = self._split.body if self._split else self.model
+        out = self.batch.forward(fn, start, tokens)
+        if rows is not None and len(rows) < len(tokens):
+            out = out[mx.array(rows)] if rows else out[:0]
+        return self._split.head(out) if self._split else out
 
     def _commit(self, out: SchedulerOutput) -> None:
         """The step succeeded: its KV positions count, and finished prefills join the decode rows."""

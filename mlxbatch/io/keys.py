@@ -23,10 +23,21 @@ KEY_VERSION = "mlxbatch-key-v1"
 KEY_HEX_CHARS = 32
 
 
+def _normalize(value: Any) -> Any:
+    # 0 and 0.0 (a YAML int vs. a float default) must not make two keys for one output.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, Mapping):
+        return {str(k): _normalize(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_normalize(v) for v in value]
+    return value
+
+
 def canonical_params(params: SamplingParams | Mapping[str, Any]) -> str:
-    """Sampling parameters as canonical JSON (sorted keys, no spaces): stable input for ``result_key``."""
+    """Sampling parameters as canonical JSON (sorted keys, no spaces, 1.0 written as 1): stable for ``result_key``."""
     data = dataclasses.asdict(params) if isinstance(params, SamplingParams) else dict(params)
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=list)
+    return json.dumps(_normalize(data), sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=list)
 
 
 def result_key(row_id: str, rendered_prompt: str, model_identity: str, params_json: str, seed: int | None) -> str:

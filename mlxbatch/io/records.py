@@ -84,3 +84,32 @@ class ResultRecord:
         """A record for a row that produced no output (``finish_reason`` is ``"error"``)."""
         kwargs.setdefault("finish_reason", "error")
         return cls(row_id=row_id, key=key, error=error, error_kind=error_kind, **kwargs)
+
+
+def _id_value(value: Any) -> str | None:
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return None
+
+
+def input_row_from_object(obj: dict[str, Any], *, source: str, stem: str, position: int,
+                          id_column: str | None, columns: tuple[str, ...] | None, label: str = "") -> InputRow:
+    """Build the ``InputRow`` of one decoded record (shared by all readers).
+
+    Messages name the place as ``"<source>:<label><position>"`` (``"data.jsonl:17"``, ``"x.parquet:row 3"``).
+    Requested ``columns`` a row lacks are None. A row whose id column is missing, null or not a string or an
+    integer becomes an error row.
+    """
+    fallback_id = f"{stem}:{position}"
+    fields = obj if columns is None else {name: obj.get(name) for name in columns}
+    if id_column is None:
+        return InputRow(row_id=fallback_id, source=source, position=position, fields=fields)
+    raw = obj.get(id_column)
+    row_id = _id_value(raw)
+    if row_id is None:
+        problem = "is missing" if raw is None else f"must be a non-empty string or an integer, got {raw!r:.80}"
+        return InputRow(row_id=fallback_id, source=source, position=position, fields=fields,
+                        error=f"{source}:{label}{position}: id column {id_column!r} {problem}")
+    return InputRow(row_id=row_id, source=source, position=position, fields=fields)

@@ -1,0 +1,36 @@
+"""The I/O layer: read inputs as a stream of rows, checkpoint finished rows exactly once, write final outputs.
+
+May import only ``mlxbatch.types`` / ``mlxbatch.errors`` / ``mlxbatch.config`` and third-party libraries; never
+the engine or the job layer. Typical use by the job runner::
+
+    rows = open_reader(InputSpec("data/*.jsonl", id_column="id"))
+    with CheckpointStore(out_dir) as store:
+        done = store.done_keys()
+        ...  # render, key = result_key(...), skip keys in done, run the rest, store.append([...]) in batches
+        finalize(store, out_dir, expected=(ExpectedRow(row_id, key) for ...), keep_columns=[...])
+    write_report(out_dir, report); mark_success(out_dir)
+"""
+
+from mlxbatch.io.checkpoint import CheckpointStore, RecoveryReport, ShardInfo
+from mlxbatch.io.errors import CheckpointError, IncompleteResultsError, InputError, OutputError
+from mlxbatch.io.keys import DuplicateIdTracker, canonical_params, result_key
+from mlxbatch.io.openai_output import OpenAIBatchOutputs, write_openai_batch_output
+from mlxbatch.io.readers import InputFormat, InputSpec, ResolvedInput, count_rows, open_reader, resolve_inputs
+from mlxbatch.io.records import InputRow, ResultRecord
+from mlxbatch.io.schema import SHARD_SCHEMA, from_arrow, to_arrow
+from mlxbatch.io.writers import (
+    ExpectedRow,
+    FinalOutputs,
+    clear_success,
+    finalize,
+    mark_success,
+    write_report,
+)
+
+__all__ = [
+    "SHARD_SCHEMA", "CheckpointError", "CheckpointStore", "DuplicateIdTracker", "ExpectedRow", "FinalOutputs",
+    "IncompleteResultsError", "InputError", "InputFormat", "InputRow", "InputSpec", "OpenAIBatchOutputs",
+    "OutputError", "RecoveryReport", "ResolvedInput", "ResultRecord", "ShardInfo", "canonical_params",
+    "clear_success", "count_rows", "finalize", "from_arrow", "mark_success", "open_reader", "resolve_inputs",
+    "result_key", "to_arrow", "write_openai_batch_output", "write_report",
+]

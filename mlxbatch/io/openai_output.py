@@ -1,0 +1,91 @@
+"""OpenAI Batch API output files, written from ``results.parquet`` for a job whose input was an OpenAI batch file.
+
+Owns the two JSONL layouts: ``openai_output.jsonl`` (one line per successful request, a chat.completion or
+text_completion object as the ``response.body``) and ``errors.jsonl`` (one line per failed request with
+``error: {message, code}``). ``custom_id`` is the results' ``id``; ids derive from the row's result key, so
+a re-run writes identical lines (except ``created``). Per-token logprobs are not written (the results hold token
+ids, not token strings).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import pyarrow.parquet as pq
+
+from mlxbatch.io.atomic import atomic_writer
+from mlxbatch.io.jsonl import CHAT_URL, COMPLETIONS_URL
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_NAME = "openai_output.jsonl"
+ERRORS_NAME = "errors.jsonl"
+_COLUMNS = ["id", "key", "text", "finish_reason", "prompt_tokens", "generated_tokens", "error", "error_kind",
+            "model"]
+
+
+@dataclass(frozen=True)
+class OpenAIBatchOutputs:
+    output_path: Path
+    errors_path: Path
+    ok_rows: int
+    error_rows: int
+
+
+def _response_body(row: dict[str, Any], url: str, created: int) -> dict[str, Any]:
+    prompt, completion = row["prompt_tokens"] or 0, row["generated_tokens"] or 0
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    text = row["text"] or ""
+    if url == COMPLETIONS_URL:
+        return {"id": f"cmpl-{row['key']}", "object": "text_completion", "created": created, "model": row["model"],
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": row["finish_reason"]}],
+                "usage": usage}
+    return {"id": f"chatcmpl-{row['key']}", "object": "chat.completion", "created": created, "model": row["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": row["finish_reason"]}],
+            "usage": usage}
+
+
+def _write_line(f: TextIO, obj: dict[str, Any]) -> None:
+    f.write(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+    f.write("\n")
+
+
+def write_openai_batch_output(results_path: str | Path, out_dir: str | Path, *, url_column: str = "url",
+                              default_url: str = CHAT_URL, created: int | None = None,
+                              batch_size: int = 10_000) -> OpenAIBatchOutputs:
+    """Stream ``results_path`` (written by ``finalize``) into OpenAI Batch output and error files, in row order.
+
+    A row's endpoint (chat vs. completions format) comes from its ``url_column`` when the results kept it
+    (the openai-batch reader puts ``url`` in the fields), else ``default_url``. ``errors.jsonl`` is always
+    written, empty when no row failed.
+    """
+    out = Path(out_dir)
+    created = int(time.time()) if created is None else created
+    with pq.ParquetFile(results_path) as pf:
+        names = pf.schema_arrow.names
+        columns = _COLUMNS + ([url_column] if url_column in names else [])
+        ok = failed = 0
+        with atomic_writer(out / OUTPUT_NAME, text=True) as f_ok, atomic_writer(out / ERRORS_NAME, text=True) as f_err:
+            for batch in pf.iter_batches(batch_size=batch_size, columns=columns):
+                for row in batch.to_pylist():
+                    line: dict[str, Any] = {"id": f"batch_req_{row['key']}", "custom_id": row["id"]}
+                    if row["error"] is None:
+                        url = row.get(url_column) or default_url
+                        line["response"] = {"status_code": 200, "request_id": f"req_{row['key']}",
+                                            "body": _response_body(row, url, created)}
+                        line["error"] = None
+                        _write_line(f_ok, line)
+                        ok += 1
+                    else:
+                        line["response"] = None
+                        line["error"] = {"message": row["error"], "code": row["error_kind"] or "error"}
+                        _write_line(f_err, line)
+                        failed += 1
+    logger.info("wrote OpenAI batch output: %d responses, %d errors", ok, failed)
+    return OpenAIBatchOutputs(out / OUTPUT_NAME, out / ERRORS_NAME, ok, failed)

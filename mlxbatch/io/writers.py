@@ -1,0 +1,200 @@
+"""The final outputs of a job: ``results.parquet`` (one row per input row), the run report and the
+``_SUCCESS`` marker.
+
+Owns the results file layout and the order of completion writes. Call, in this order, once every row is
+checkpointed: ``finalize`` -> ``write_openai_batch_output`` (OpenAI batch inputs only) -> ``write_report`` ->
+``mark_success``. Call ``clear_success`` when a run starts, so a half-rewritten folder never looks finished.
+Every file is written atomically (tmp + fsync + rename). Does not own the shards (``checkpoint``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from mlxbatch.io.atomic import atomic_write_bytes, atomic_write_json, atomic_writer, fsync_dir
+from mlxbatch.io.checkpoint import CheckpointStore
+from mlxbatch.io.columns import ColumnPlanner, InputColumn, build_column, decode_inputs
+from mlxbatch.io.errors import IncompleteResultsError
+from mlxbatch.io.schema import LOGPROBS_TYPE
+from mlxbatch.io.shard_index import MISSING, ShardIndex
+
+logger = logging.getLogger(__name__)
+
+RESULTS_NAME = "results.parquet"
+REPORT_NAME = "report.json"
+SUCCESS_NAME = "_SUCCESS"
+DEFAULT_ROW_GROUP_SIZE = 10_000
+MISSING_ERROR = "no result: the row was not processed"
+_EXPECTED_CHUNK = 65_536
+
+# Result columns after ``id``, ``key`` and the input columns; logprobs and extra only when some row has them.
+_HEAD = [pa.field("id", pa.string()), pa.field("key", pa.string())]
+_TAIL = [
+    pa.field("text", pa.string()), pa.field("finish_reason", pa.string()),
+    pa.field("prompt_tokens", pa.int64()), pa.field("generated_tokens", pa.int64()),
+    pa.field("logprobs", LOGPROBS_TYPE),
+    pa.field("error", pa.string()), pa.field("error_kind", pa.string()),
+    pa.field("latency_s", pa.float64()), pa.field("ttft_s", pa.float64()),
+    pa.field("model", pa.string()), pa.field("params", pa.string()), pa.field("extra", pa.string()),
+]
+RESULT_COLUMNS = frozenset(f.name for f in _HEAD + _TAIL)
+
+
+@dataclass(frozen=True)
+class ExpectedRow:
+    """One input row of the current job, in input order: its id and its current result key."""
+
+    row_id: str
+    key: str
+
+
+@dataclass(frozen=True)
+class FinalOutputs:
+    """What ``finalize`` wrote."""
+
+    results_path: Path
+    rows: int
+    ok_rows: int
+    error_rows: int  # rows whose error is set (missing rows included)
+    missing_rows: int  # expected rows without a checkpointed result (only with allow_missing=True)
+    stale_records: int  # checkpointed records not written: older keys of changed rows, or other jobs' rows
+    input_columns: tuple[str, ...]  # the expanded input columns, as named in the results file
+    has_logprobs: bool
+
+
+@dataclass(frozen=True)
+class _Selection:
+    positions: np.ndarray  # shard-index position of each output row, MISSING when absent
+    row_ids: pa.ChunkedArray | None  # None: take the ids from the records
+    keys: pa.ChunkedArray | None
+
+
+def _select(index: ShardIndex, expected: Iterable[ExpectedRow] | None) -> _Selection:
+    if expected is None:
+        return _Selection(index.first_occurrences(), None, None)
+    id_chunks: list[pa.Array] = []
+    key_chunks: list[pa.Array] = []
+    ids: list[str] = []
+    keys: list[str] = []
+
+    def flush() -> None:
+        id_chunks.append(pa.array(ids, pa.string()))
+        key_chunks.append(pa.array(keys, pa.string()))
+        ids.clear()
+        keys.clear()
+
+    for row in expected:  # a stream: only the compact Arrow copies of ids and keys are kept
+        ids.append(row.row_id)
+        keys.append(row.key)
+        if len(ids) >= _EXPECTED_CHUNK:
+            flush()
+    flush()
+    key_array = pa.chunked_array(key_chunks, pa.string())
+    return _Selection(index.locate(key_array), pa.chunked_array(id_chunks, pa.string()), key_array)
+
+
+def _chunks(n: int, size: int) -> Iterator[slice]:
+    for start in range(0, n, size):
+        yield slice(start, min(start + size, n))
+
+
+def _output_table(gathered: pa.Table, sel: _Selection, part: slice, inputs: list[InputColumn],
+                  schema: pa.Schema) -> pa.Table:
+    missing = pa.array(sel.positions[part] == MISSING)
+    ids = sel.row_ids[part] if sel.row_ids is not None else gathered.column("row_id")
+    keys = sel.keys[part] if sel.keys is not None else gathered.column("key")
+    rows = decode_inputs(gathered.column("inputs").to_pylist())
+    columns: dict[str, Any] = {"id": ids, "key": keys}
+    for column in inputs:
+        columns[column.out_name] = build_column(rows, column)
+    for name in schema.names[len(columns):]:
+        columns[name] = gathered.column(name)
+    columns["error"] = pc.if_else(missing, pa.scalar(MISSING_ERROR), columns["error"])
+    columns["error_kind"] = pc.if_else(missing, pa.scalar("missing"), columns["error_kind"])
+    return pa.Table.from_pydict(columns, schema=schema)
+
+
+def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[ExpectedRow] | None,
+             keep_columns: Sequence[str] | None = None, *, row_group_size: int = DEFAULT_ROW_GROUP_SIZE,
+             include_logprobs: bool | None = None, allow_missing: bool = False,
+             filename: str = RESULTS_NAME) -> FinalOutputs:
+    """Write ``results.parquet``: one row per expected row, in the order given, streamed from the shards.
+
+    ``expected`` is the current job's rows in input order as ``ExpectedRow(row_id, key)``; pass a generator
+    (e.g. re-read the input and recompute each row's key, or replay the keys computed during the run). Only
+    records whose key is expected are written, so results of changed parameters never leak in. None writes every
+    distinct checkpointed key in write order (only right when the folder holds one job's keys). ``keep_columns``
+    picks and orders the expanded input columns (None: all kept by the records, in first-seen order).
+    Rows without a result raise ``IncompleteResultsError`` before anything is written, unless ``allow_missing``,
+    which writes them with ``error_kind == "missing"``. ``include_logprobs`` None: when any record has them.
+    Memory: ~50 bytes per expected row plus one row group; shards stay memory-mapped.
+    """
+    out = Path(out_dir)
+    index = ShardIndex(list(store.iter_tables()))
+    sel = _select(index, expected)
+    n = len(sel.positions)
+    missing_rows = int(np.count_nonzero(sel.positions == MISSING))
+    if missing_rows and not allow_missing:
+        where = np.flatnonzero(sel.positions == MISSING)[:5]
+        ids = sel.row_ids.take(pa.array(where)).to_pylist() if sel.row_ids is not None else []
+        raise IncompleteResultsError(missing_rows, ids)
+
+    planner = ColumnPlanner(keep_columns, RESULT_COLUMNS)
+    for part in _chunks(n, row_group_size):  # first pass: the expanded columns' names and types
+        planner.observe(decode_inputs(index.gather(sel.positions[part], ["inputs"]).column("inputs").to_pylist()))
+    inputs = planner.columns()
+    has_logprobs = index.column_has_values("logprobs") if include_logprobs is None else include_logprobs
+    tail = [f for f in _TAIL if (f.name != "logprobs" or has_logprobs)
+            and (f.name != "extra" or index.column_has_values("extra"))]
+    schema = pa.schema(_HEAD + [pa.field(c.out_name, c.type) for c in inputs] + tail)
+    needed = ["row_id", "key", "inputs"] + [f.name for f in tail]
+
+    error_rows = 0
+    path = out / filename
+    with atomic_writer(path) as f, pq.ParquetWriter(f, schema, compression="zstd") as writer:
+        for part in _chunks(n, row_group_size):
+            table = _output_table(index.gather(sel.positions[part], needed), sel, part, inputs, schema)
+            error_rows += table.num_rows - table.column("error").null_count
+            writer.write_table(table, row_group_size=row_group_size)
+        if n == 0:
+            writer.write_table(schema.empty_table())
+    selected = np.unique(sel.positions[sel.positions != MISSING]).size
+    result = FinalOutputs(results_path=path, rows=n, ok_rows=n - error_rows, error_rows=error_rows,
+                          missing_rows=missing_rows, stale_records=index.size - selected,
+                          input_columns=tuple(c.out_name for c in inputs), has_logprobs=has_logprobs)
+    logger.info("wrote %s: %d rows (%d errors, %d missing), %d stale records skipped", path, n, error_rows,
+                missing_rows, result.stale_records)
+    return result
+
+
+def write_report(out_dir: str | Path, report: Mapping[str, Any], *, filename: str = REPORT_NAME) -> Path:
+    """Write the run report as JSON (atomically)."""
+    path = Path(out_dir) / filename
+    atomic_write_json(path, dict(report))
+    return path
+
+
+def mark_success(out_dir: str | Path) -> Path:
+    """Write the empty ``_SUCCESS`` marker: the last write of a completed job."""
+    path = Path(out_dir) / SUCCESS_NAME
+    atomic_write_bytes(path, b"")
+    return path
+
+
+def clear_success(out_dir: str | Path) -> bool:
+    """Remove ``_SUCCESS`` (at the start of a run that will rewrite outputs). True if there was one."""
+    path = Path(out_dir) / SUCCESS_NAME
+    if not path.exists():
+        return False
+    path.unlink()
+    fsync_dir(path.parent)
+    return True

@@ -1,0 +1,105 @@
+"""Scheduler decisions, pinned exactly (pure Python, no model)."""
+
+from __future__ import annotations
+
+from mlxbatch import SamplingParams
+from mlxbatch.engine.detok import TextTracker
+from mlxbatch.engine.request import Request, RequestStatus
+from mlxbatch.engine.scheduler import Scheduler, SchedulerConfig
+
+BYTES_PER_POS = 10
+
+
+def cost(lengths: list[int]) -> int:
+    return sum(lengths) * BYTES_PER_POS
+
+
+def req(rid: str, prompt_len: int, max_tokens: int = 10) -> Request:
+    return Request(rid, rid, 0, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 0,
+                   frozenset({0}), 4096, TextTracker(None, incremental=False))
+
+
+def run_step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    for r in out.decodes:
+        r.append(token, None)
+    for c in out.prefills:
+        if c.last:
+            c.request.append(token, None)
+    return out, s.finish_step(out)
+
+
+def test_admission_is_bounded_by_kv_memory_not_only_by_count():
+    s = Scheduler(SchedulerConfig(max_num_seqs=100, kv_budget_bytes=cost([20, 20])), cost)
+    for i in range(5):
+        s.add(req(f"r{i}", 10, 10))  # reserves 20 positions each
+    out = s.schedule()
+    assert [c.request.request_id for c in out.prefills] == ["r0", "r1"]
+    assert len(s.waiting) == 3
+
+
+def test_a_request_larger_than_the_budget_runs_alone():
+    s = Scheduler(SchedulerConfig(kv_budget_bytes=5), cost)
+    s.add(req("big", 10))
+    s.add(req("next", 1))
+    out = s.schedule()
+    assert [c.request.request_id for c in out.prefills] == ["big"]
+
+
+def test_count_cap_and_token_budget_with_chunked_prefill():
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=12, prefill_chunk_size=8), cost)
+    for i in range(3):
+        s.add(req(f"r{i}", 10, 3))
+    out, _ = run_step(s)
+    assert [(c.request.request_id, c.start, c.end, c.last) for c in out.prefills] == [("r0", 0, 8, False),
+                                                                                      ("r1", 0, 4, False)]
+    out, _ = run_step(s)
+    assert [(c.request.request_id, c.start, c.end, c.last) for c in out.prefills] == [("r0", 8, 10, True),
+                                                                                      ("r1", 4, 10, True)]
+    out, _ = run_step(s)  # both decode now; r2 waits for a slot
+    assert [r.request_id for r in out.decodes] == ["r0", "r1"] and not out.prefills
+    out, done = run_step(s)  # third token: max_tokens=3 reached
+    assert {r.request_id for r in done} == {"r0", "r1"}
+    out, _ = run_step(s)
+    assert [c.request.request_id for c in out.prefills] == ["r2"]
+
+
+def test_decode_rows_come_first_and_prefill_gets_the_rest_of_the_budget():
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=6, prefill_chunk_size=100), cost)
+    s.add(req("a", 2, 50))
+    run_step(s)
+    s.add(req("b", 20, 5))
+    out, _ = run_step(s)
+    assert [r.request_id for r in out.decodes] == ["a"]
+    assert [(c.request.request_id, c.end - c.start) for c in out.prefills] == [("b", 5)]
+
+
+def test_out_of_memory_preempts_the_newest_and_shrinks():
+    s = Scheduler(SchedulerConfig(max_num_seqs=8), cost)
+    for i in range(4):
+        s.add(req(f"r{i}", 4, 10))
+    run_step(s)
+    s.add(req("late", 4, 10))
+    failed = s.schedule()
+    dropped = s.preempt_for_memory(failed)
+    assert [r.request_id for r in s.running] == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting][:2] == ["r2", "r3"]
+    assert {r.request_id for r in dropped} >= {"r2", "r3"}
+    late = next(r for r in dropped if r.request_id == "late")  # it was prefilling in the failed step
+    assert late.status is RequestStatus.WAITING or late.num_computed_tokens == 0
+    # preempted sequences keep their generated tokens and recompute prompt + output
+    r2 = next(r for r in s.waiting if r.request_id == "r2")
+    assert r2.output_token_ids == [7] and r2.num_computed_tokens == 0
+    out = s.schedule()
+    assert len(s.running) <= 2 and all(c.request.request_id in ("r0", "r1") for c in out.prefills) or not out.prefills
+
+
+def test_abort_removes_waiting_and_running():
+    s = Scheduler(SchedulerConfig(), cost)
+    a, b = req("a", 3), req("b", 3)
+    s.add(a)
+    run_step(s)
+    s.add(b)
+    gone = s.abort(["a", "b"])
+    assert {r.request_id for r in gone} == {"a", "b"} and not s.has_work
+    assert a.status.finished and b.status.finished

@@ -1,0 +1,144 @@
+"""finalize -> results.parquet (input order, current keys only, typed input columns), OpenAI batch output,
+report and success marker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pyarrow.parquet as pq
+import pytest
+from io_helpers import make_record
+
+from mlxbatch.io import (
+    CheckpointStore,
+    ExpectedRow,
+    IncompleteResultsError,
+    clear_success,
+    finalize,
+    mark_success,
+    write_openai_batch_output,
+    write_report,
+)
+from mlxbatch.types import TokenLogprob
+
+IDS = [f"id{i}" for i in range(25)]
+
+
+def _fill(store: CheckpointStore, *, params: str = "{}") -> None:
+    """Rows finish out of input order, in shards of 4; id7 failed."""
+    order = IDS[::2] + IDS[1::2]
+    records = [make_record(i, params=params, inputs={"q": f"question {i}", "n": int(i[2:]), "num": 1.5 if i == "id3"
+                                                     else int(i[2:]), "meta": {"k": i}, "mixed": "x" if i == "id4"
+                                                     else 4})
+               if i != "id7" else make_record(i, params=params, text=None, error="engine fell over",
+                                              error_kind="engine", finish_reason="error", inputs={"q": "question id7"})
+               for i in order]
+    for start in range(0, len(records), 4):
+        store.append(records[start:start + 4])
+
+
+def _expected(params: str = "{}") -> list[ExpectedRow]:
+    return [ExpectedRow(i, make_record(i, params=params).key) for i in IDS]
+
+
+def test_finalize_writes_one_row_per_input_row_in_input_order(tmp_path: Path) -> None:
+    with CheckpointStore(tmp_path) as store:
+        _fill(store, params='{"temperature":1}')  # an earlier run with other parameters: stale
+        _fill(store)
+        out = finalize(store, tmp_path, iter(_expected()), keep_columns=None, row_group_size=10)
+    assert out.rows == 25 and out.error_rows == 1 and out.ok_rows == 24 and out.missing_rows == 0
+    assert out.stale_records == 25 and not out.has_logprobs
+    assert out.input_columns == ("q", "n", "num", "meta", "mixed")
+    pf = pq.ParquetFile(out.results_path)
+    assert pf.num_row_groups == 3
+    table = pf.read()
+    assert table.column_names[:7] == ["id", "key", "q", "n", "num", "meta", "mixed"]
+    assert "logprobs" not in table.column_names and "extra" not in table.column_names
+    assert table.column("id").to_pylist() == IDS
+    assert set(table.column("params").to_pylist()) == {"{}"}
+    assert str(table.schema.field("num").type) == "double" and str(table.schema.field("n").type) == "int64"
+    assert table.column("meta").to_pylist()[1] == {"k": "id1"}
+    mixed = table.column("mixed").to_pylist()
+    assert mixed[4] == '"x"' and mixed[5] == "4" and mixed[7] is None  # incompatible types: JSON text
+    row7 = table.slice(7, 1).to_pylist()[0]
+    assert row7["error"] == "engine fell over" and row7["error_kind"] == "engine" and row7["text"] is None
+    assert row7["n"] is None and row7["q"] == "question id7"
+    assert table.column("text").to_pylist()[0] == "out-id0"
+
+    loaded = datasets.load_dataset("parquet", data_files=str(out.results_path), split="train")
+    assert loaded["id"] == IDS and loaded[3]["num"] == 1.5 and loaded[0]["prompt_tokens"] == 3
+
+
+def test_finalize_refuses_missing_rows_unless_allowed(tmp_path: Path) -> None:
+    expected = _expected() + [ExpectedRow("late", make_record("late").key)]
+    with CheckpointStore(tmp_path) as store:
+        _fill(store)
+        with pytest.raises(IncompleteResultsError, match="1 expected row") as info:
+            finalize(store, tmp_path, expected, keep_columns=["q"])
+        assert info.value.examples == ["late"]
+        assert not (tmp_path / "results.parquet").exists()
+        out = finalize(store, tmp_path, expected, keep_columns=["q", "absent"], allow_missing=True)
+    assert out.missing_rows == 1 and out.error_rows == 2 and out.input_columns == ("q", "absent")
+    last = pq.read_table(out.results_path).to_pylist()[-1]
+    assert last["id"] == "late" and last["error_kind"] == "missing" and last["q"] is None and last["absent"] is None
+
+
+def test_finalize_without_expected_rows_and_with_logprobs_and_clashing_names(tmp_path: Path) -> None:
+    lp = (TokenLogprob(3, -0.5, ((3, -0.5), (4, -1.0))),)
+    with CheckpointStore(tmp_path) as store:
+        store.append([make_record("b", inputs={"text": "input text", "id": 9}, logprobs=lp, extra={"parsed": 1})])
+        store.append([make_record("a", inputs={"text": "other"}), make_record("b", text="dup")])
+        out = finalize(store, tmp_path, None, keep_columns=None)
+    rows = pq.read_table(out.results_path).to_pylist()
+    assert [r["id"] for r in rows] == ["b", "a"] and rows[0]["text"] == "out-b"  # first record of a key wins
+    assert out.input_columns == ("input_text", "input_id") and rows[0]["input_text"] == "input text"
+    assert rows[0]["logprobs"] == [{"token_id": 3, "logprob": -0.5, "top": [{"token_id": 3, "logprob": -0.5},
+                                                                           {"token_id": 4, "logprob": -1.0}]}]
+    assert rows[1]["logprobs"] is None and json.loads(rows[0]["extra"]) == {"parsed": 1}
+
+
+def test_finalize_of_an_empty_job(tmp_path: Path) -> None:
+    with CheckpointStore(tmp_path) as store:
+        out = finalize(store, tmp_path, [], keep_columns=["q"])
+    assert out.rows == 0 and pq.read_table(out.results_path).num_rows == 0
+
+
+def test_openai_batch_output_files(tmp_path: Path) -> None:
+    with CheckpointStore(tmp_path) as store:
+        store.append([
+            make_record("r1", inputs={"url": "/v1/chat/completions"}, text="Hello!", finish_reason="stop"),
+            make_record("r2", inputs={"url": "/v1/completions"}, text=" there", finish_reason="length"),
+            make_record("r3", inputs={"url": "/v1/chat/completions"}, text=None, error="prompt too long",
+                        error_kind="input"),
+        ])
+        results = finalize(store, tmp_path, None, keep_columns=["url"]).results_path
+    out = write_openai_batch_output(results, tmp_path, created=1700000000)
+    assert (out.ok_rows, out.error_rows) == (2, 1)
+    ok = [json.loads(line) for line in out.output_path.read_text().splitlines()]
+    errors = [json.loads(line) for line in out.errors_path.read_text().splitlines()]
+    key1 = make_record("r1").key
+    assert ok[0] == {
+        "id": f"batch_req_{key1}", "custom_id": "r1",
+        "response": {"status_code": 200, "request_id": f"req_{key1}", "body": {
+            "id": f"chatcmpl-{key1}", "object": "chat.completion", "created": 1700000000, "model": "test-model",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello!"}, "logprobs": None,
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}},
+        "error": None,
+    }
+    assert ok[1]["response"]["body"]["object"] == "text_completion"
+    assert ok[1]["response"]["body"]["choices"][0]["text"] == " there"
+    assert errors == [{"id": f"batch_req_{make_record('r3').key}", "custom_id": "r3", "response": None,
+                       "error": {"message": "prompt too long", "code": "input"}}]
+
+
+def test_report_and_success_marker(tmp_path: Path) -> None:
+    report = write_report(tmp_path, {"rows": 3, "prefill_ratio": 1.25})
+    assert json.loads(report.read_text()) == {"rows": 3, "prefill_ratio": 1.25}
+    assert not clear_success(tmp_path)
+    marker = mark_success(tmp_path)
+    assert marker.name == "_SUCCESS" and marker.read_bytes() == b""
+    assert clear_success(tmp_path) and not marker.exists()
+    assert not list(tmp_path.glob("*.tmp"))
