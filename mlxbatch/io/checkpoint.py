@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import signal
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -78,6 +79,12 @@ def _seq_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _fault_due(point: str, count: int) -> bool:
+    """Crash-test hook: ``MLXBATCH_FAULT=<point>:<n>`` kills the process at that point of the n-th append."""
+    spec = os.environ.get("MLXBATCH_FAULT", "")
+    return spec == f"{point}:{count}"
+
+
 class CheckpointStore:
     """The checkpoint folder of one job output. Use as a context manager (or call ``close``) to release the lock."""
 
@@ -87,6 +94,7 @@ class CheckpointStore:
         self.corrupt_dir = self.shards_dir / CORRUPT_DIR
         self.manifest_path = self.out_dir / MANIFEST_NAME
         self.shards_dir.mkdir(parents=True, exist_ok=True)
+        self._appends = 0  # appends by this process (crash-test hook counts them)
         self._lock_fd: int | None = self._acquire_lock()
         try:
             self._shards, self._meta = self._load_manifest()
@@ -267,12 +275,19 @@ class CheckpointStore:
         if final.exists():  # exactly-once: finished results are never rewritten
             raise CheckpointError(f"{final} already exists; refusing to overwrite a finished shard")
         tmp = tmp_path_for(final)
+        self._appends += 1
         try:
             with open(tmp, "wb") as f:
+                if _fault_due("mid-shard", self._appends):
+                    f.write(memoryview(data)[: data.size // 2])
+                    f.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
                 f.write(memoryview(data))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
+            if _fault_due("after-rename", self._appends):
+                os.kill(os.getpid(), signal.SIGKILL)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise CheckpointError(f"could not write checkpoint shard {final}: {exc}") from exc

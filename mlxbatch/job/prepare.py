@@ -1,0 +1,102 @@
+"""Row preparation: an input row -> its prompt, its sampling parameters, its result key (or its error).
+
+Owns the per-row decisions that must be identical on every pass over the input (the run, a resume, the final
+Parquet's row list): rendering, per-row parameter overrides (from columns or an OpenAI Batch body), the row's
+seed (derived from the job seed and the row id, so it does not depend on order or on where a resume started)
+and the key that makes resume exactly-once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from mlxbatch.errors import InvalidRequestError
+from mlxbatch.io import DuplicateIdTracker, InputRow, canonical_params, result_key
+from mlxbatch.job.prompts import PromptRenderer, RenderError
+from mlxbatch.job.spec import JobSpec
+from mlxbatch.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class PreparedRow:
+    row_id: str
+    key: str
+    inputs: dict[str, Any]  # the input columns kept in the output
+    prompt: str | list[dict[str, str]] | None
+    params: SamplingParams
+    error: str | None = None
+    error_kind: str | None = None
+
+
+def row_seed(job_seed: int, row_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{job_seed}:{row_id}".encode()).digest()[:7], "big")
+
+
+def _openai_params(body: dict[str, Any]) -> dict[str, Any]:
+    """Sampling parameters of an OpenAI chat/completions body."""
+    out: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "n"):
+        if body.get(name) is not None:
+            out[name] = body[name]
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        out["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    if body.get("logprobs"):
+        out["logprobs"] = int(body.get("top_logprobs") or 0)
+    return out
+
+
+class RowPreparer:
+    def __init__(self, spec: JobSpec, model_identity: str, openai_batch: bool = False) -> None:
+        self.spec = spec
+        self.model_identity = model_identity
+        self.renderer = PromptRenderer(spec.prompt, openai_batch)
+        self.duplicates = DuplicateIdTracker()
+
+    def _keep(self, fields: dict[str, Any]) -> dict[str, Any]:
+        cols = self.spec.input.columns
+        if cols is None:  # all columns but the id, which is the output's ``id`` already
+            return {k: v for k, v in fields.items() if k != self.spec.input.id_column}
+        return {c: fields.get(c) for c in cols}
+
+    def _params(self, row: InputRow) -> SamplingParams:
+        base = self.spec.sampling.params
+        changes: dict[str, Any] = {}
+        for name, column in self.spec.sampling.overrides.items():
+            value = row.fields.get(column)
+            if value is not None:
+                changes[name] = tuple(value) if name in ("stop", "stop_token_ids") and isinstance(value, list) \
+                    else value
+        if row.request is not None:
+            changes.update(_openai_params(row.request))
+        if "seed" not in changes and base.seed is None:
+            changes["seed"] = row_seed(self.spec.seed, row.row_id)
+        return dataclasses.replace(base, **changes) if changes else base
+
+    def _failed(self, row: InputRow, error: str, kind: str, params: SamplingParams | None = None) -> PreparedRow:
+        p = params or self.spec.sampling.params
+        key = result_key(row.row_id, f"<error {row.source}:{row.position}> {error}", self.model_identity,
+                         canonical_params(p), p.seed)
+        return PreparedRow(row.row_id, key, self._keep(row.fields), None, p, error, kind)
+
+    def prepare(self, row: InputRow) -> PreparedRow:
+        if not self.duplicates.add(row.row_id):
+            return self._failed(row, f"{row.source}:{row.position}: duplicate id {row.row_id!r}", "duplicate_id")
+        if row.error is not None:
+            return self._failed(row, row.error, "input")
+        try:
+            params = self._params(row)
+        except (InvalidRequestError, TypeError, ValueError) as exc:
+            return self._failed(row, f"{row.source}:{row.position}: sampling override: {exc}", "params")
+        try:
+            rendered = self.renderer.render(row.fields, row.request)
+        except RenderError as exc:
+            return self._failed(row, f"{row.source}:{row.position}: {exc}", "render", params)
+        key = result_key(row.row_id, rendered.identity, self.model_identity, canonical_params(params), params.seed)
+        return PreparedRow(row.row_id, key, self._keep(row.fields), rendered.prompt, params)

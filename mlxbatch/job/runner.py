@@ -1,0 +1,216 @@
+"""The job loop: read -> prepare -> skip done -> engine -> checkpoint -> final outputs.
+
+Owns one run of a job. Rows stream in with bounded memory (at most a few batches in flight), finished
+results are checkpointed in atomic shards every N rows or T seconds, and only when every row is done are the
+final Parquet, the OpenAI Batch output, the run report and the success marker written. SIGINT/SIGTERM finish
+the current shard and stop cleanly (a second signal exits at once, still safe); past ``max_error_rate`` the
+job stops with a clear error, keeping what finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from tqdm import tqdm
+
+from mlxbatch.config import EngineConfig
+from mlxbatch.engine import EngineCore, ModelSpec
+from mlxbatch.engine.registry import REGISTRY
+from mlxbatch.errors import InvalidRequestError, MlxbatchError
+from mlxbatch.io import (
+    CheckpointStore,
+    ExpectedRow,
+    InputFormat,
+    InputSpec,
+    ResultRecord,
+    canonical_params,
+    clear_success,
+    count_rows,
+    finalize,
+    mark_success,
+    open_reader,
+    resolve_inputs,
+    write_openai_batch_output,
+    write_report,
+)
+from mlxbatch.job.prepare import PreparedRow, RowPreparer
+from mlxbatch.job.report import RunStats
+from mlxbatch.job.spec import JobSpec
+from mlxbatch.types import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class JobInterrupted(MlxbatchError):
+    """Stopped by a signal after checkpointing what had finished; run again to resume."""
+
+
+class JobFailed(MlxbatchError):
+    """Too many rows failed (``max_error_rate``); what finished is checkpointed."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    out_dir: str
+    report: dict[str, Any]
+
+
+class JobRunner:
+    def __init__(self, spec: JobSpec, progress: bool | None = None) -> None:
+        self.spec = spec
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self._stop_signal: int | None = None
+
+    # -- signals -------------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if self._stop_signal is not None:
+            os._exit(128 + signum)  # second signal: leave now; shards are atomic, nothing is corrupted
+        self._stop_signal = signum
+        log.warning("signal %d: finishing the current shard, then stopping (again to exit at once)", signum)
+
+    def _input_spec(self) -> InputSpec:
+        i = self.spec.input
+        return InputSpec(i.path, format=i.format, id_column=i.id_column)
+
+    # -- run -------------------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        spec = self.spec
+        is_openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(self._input_spec()))
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        model_spec = ModelSpec(spec.model.path, spec.model.dtype, spec.model.adapter, spec.model.trust_remote_code)
+        user = f"job:{spec.output}"
+        try:
+            spec.output.mkdir(parents=True, exist_ok=True)
+            clear_success(spec.output)
+            loaded = REGISTRY.acquire(model_spec, user)
+            try:
+                with CheckpointStore(spec.output) as store:
+                    stats = self._generate(store, loaded, is_openai)
+                    preparer = RowPreparer(spec, loaded.identity, is_openai)
+                    final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns)
+                    stats.final_rows = final.rows
+            finally:
+                REGISTRY.release(model_spec, user)
+            if is_openai:
+                write_openai_batch_output(final.results_path, spec.output)
+            report = stats.report(spec, loaded)
+            write_report(spec.output, report)
+            mark_success(spec.output)
+            return RunResult(str(spec.output), report)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+    def _expected(self, preparer: RowPreparer) -> Iterator[ExpectedRow]:
+        for row in open_reader(self._input_spec()):
+            prep = preparer.prepare(row)
+            yield ExpectedRow(prep.row_id, prep.key)
+
+    def _generate(self, store: CheckpointStore, loaded: Any, is_openai: bool) -> RunStats:
+        spec = self.spec
+        e = spec.engine
+        core = EngineCore(loaded, EngineConfig(max_num_seqs=e.max_num_seqs,
+                                               max_num_batched_tokens=e.max_num_batched_tokens,
+                                               prefill_chunk_size=e.prefill_chunk_size,
+                                               kv_memory_fraction=e.kv_memory_fraction, seed=spec.seed))
+        preparer = RowPreparer(spec, loaded.identity, is_openai)
+        done = store.done_keys()
+        stats = RunStats(total=count_rows(self._input_spec()), resumed_shards=len(store.shards))
+        bar = tqdm(total=stats.total, disable=not self.progress, unit="row", dynamic_ncols=True)
+        pending: dict[str, PreparedRow] = {}
+        buffer: list[ResultRecord] = []
+        last_flush = last_log = time.monotonic()
+        rows = open_reader(self._input_spec())
+        exhausted = False
+        max_inflight = 4 * e.max_num_seqs
+
+        def flush() -> None:
+            nonlocal last_flush
+            if buffer:
+                store.append(buffer)
+                buffer.clear()
+            last_flush = time.monotonic()
+
+        def finish(record: ResultRecord) -> None:
+            buffer.append(record)
+            stats.add(record)
+            bar.update(1)
+
+        try:
+            while True:
+                while not exhausted and len(pending) < max_inflight and self._stop_signal is None:
+                    row = next(rows, None)
+                    if row is None:
+                        exhausted = True
+                        break
+                    prep = preparer.prepare(row)
+                    if prep.key in done:
+                        stats.skipped += 1
+                        bar.update(1)
+                        continue
+                    if prep.error is not None:
+                        finish(self._record(prep, None, loaded.identity, prep.error, prep.error_kind))
+                        continue
+                    try:
+                        core.add_request(prep.prompt, prep.params, request_id=prep.key)
+                    except InvalidRequestError as exc:
+                        finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "request"))
+                        continue
+                    pending[prep.key] = prep
+                if pending and self._stop_signal is None:
+                    for delta in core.step():
+                        if delta.output is not None and delta.request_id in pending:
+                            finish(self._record(pending.pop(delta.request_id), delta.output, loaded.identity))
+                now = time.monotonic()
+                if len(buffer) >= spec.checkpoint.every_rows or now - last_flush >= spec.checkpoint.every_seconds:
+                    flush()
+                if self.progress:
+                    bar.set_postfix(tok_s=f"{stats.tokens_per_second:.0f}", errors=stats.errors, refresh=False)
+                elif now - last_log >= 30:
+                    last_log = now
+                    log.info("%d/%s rows, %.0f tok/s, %d errors", stats.finished + stats.skipped,
+                             stats.total if stats.total is not None else "?", stats.tokens_per_second, stats.errors)
+                if stats.error_rate_exceeded(spec.max_error_rate):
+                    flush()
+                    raise JobFailed(f"{stats.errors} of {stats.finished} rows failed, more than max_error_rate="
+                                    f"{spec.max_error_rate}; finished rows are checkpointed in {spec.output}. "
+                                    f"Errors by kind: {dict(stats.errors_by_kind)}")
+                if self._stop_signal is not None:
+                    for key in list(pending):
+                        core.abort(key)
+                    flush()
+                    raise JobInterrupted(f"stopped by signal {self._stop_signal}; {stats.finished} rows "
+                                         f"checkpointed in {spec.output}. Run the same command to resume.")
+                if exhausted and not pending:
+                    flush()
+                    break
+        finally:
+            bar.close()
+            stats.engine = core.stats()
+            core.shutdown()
+        return stats
+
+    def _record(self, prep: PreparedRow, out: RequestOutput | None, model_identity: str,
+                error: str | None = None, error_kind: str | None = None) -> ResultRecord:
+        params = canonical_params(prep.params)
+        model = f"{self.spec.model.path}@{model_identity}"
+        if out is None:
+            return ResultRecord.failed(prep.row_id, prep.key, error or "unknown error", error_kind or "error",
+                                       inputs=prep.inputs, model=model, params=params)
+        extra: dict[str, Any] = {}
+        if len(out.completions) > 1:
+            extra["samples"] = [c.text for c in out.completions]
+        t = out.timings
+        return ResultRecord(
+            row_id=prep.row_id, key=prep.key, inputs=prep.inputs, text=out.text,
+            finish_reason=out.finish_reason.value if out.finish_reason else None,
+            prompt_tokens=out.prompt_tokens, generated_tokens=out.generated_tokens, logprobs=out.logprobs,
+            latency_s=t.total, ttft_s=t.time_to_first_token, model=model, params=params, extra=extra)

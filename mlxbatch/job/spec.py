@@ -1,0 +1,273 @@
+"""JobSpec: the job file, parsed and validated in exactly one place.
+
+Owns the YAML schema. Every problem is reported with its key path and reason (all of them at once) before
+any model loads. Structural checks live here; checks that need the input data (template fields no row
+provides) live in ``job.validate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mlxbatch.errors import MlxbatchError
+from mlxbatch.types import SamplingParams
+
+SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+class JobSpecError(MlxbatchError):
+    """A job file that cannot run; ``problems`` lists (key path, reason)."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
+        self.source, self.problems = source, problems
+        lines = "\n".join(f"  {key}: {reason}" for key, reason in problems)
+        super().__init__(f"{source}: {len(problems)} problem(s) in the job file:\n{lines}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str
+    dtype: str = "auto"
+    adapter: str | None = None
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class InputSection:
+    path: str
+    format: str = "auto"
+    id_column: str | None = None
+    columns: tuple[str, ...] | None = None  # input columns to keep in the output (None: all)
+
+
+@dataclass(frozen=True)
+class PromptSection:
+    template: str | None = None  # a plain-text prompt (Jinja over row fields)
+    messages: tuple[dict[str, str], ...] | None = None  # chat messages; content is a template
+    system: str | None = None  # a system message prepended to ``messages`` (or to the template as a chat)
+    chat_template: bool = True  # render messages with the model's chat template
+
+
+@dataclass(frozen=True)
+class SamplingSection:
+    params: SamplingParams
+    overrides: dict[str, str] = field(default_factory=dict)  # SamplingParams field -> row column
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    every_rows: int = 256
+    every_seconds: float = 60.0
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    kv_memory_fraction: float = 0.5
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    source: str  # the job file
+    model: ModelSection
+    input: InputSection
+    prompt: PromptSection
+    sampling: SamplingSection
+    output: Path
+    checkpoint: CheckpointSection = CheckpointSection()
+    engine: EngineSection = EngineSection()
+    seed: int = 0
+    max_error_rate: float = 0.1
+
+
+_TOP = {"model", "input", "prompt", "sampling", "output", "checkpoint", "engine", "seed", "max_error_rate"}
+_SECTIONS: dict[str, set[str]] = {
+    "model": {"path", "dtype", "adapter", "trust_remote_code"},
+    "input": {"path", "format", "id_column", "columns"},
+    "prompt": {"template", "messages", "system", "chat_template"},
+    "output": {"path"},
+    "checkpoint": {"every_rows", "every_seconds"},
+    "engine": {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_memory_fraction"},
+}
+_FORMATS = {"auto", "jsonl", "parquet", "hf", "openai-batch"}
+
+
+class _Checker:
+    def __init__(self) -> None:
+        self.problems: list[tuple[str, str]] = []
+
+    def bad(self, key: str, reason: str) -> None:
+        self.problems.append((key, reason))
+
+    def section(self, raw: dict[str, Any], name: str, shorthand: str | None = None) -> dict[str, Any]:
+        value = raw.get(name)
+        if value is None:
+            return {}
+        if shorthand and isinstance(value, str):
+            return {shorthand: value}
+        if not isinstance(value, dict):
+            self.bad(name, f"expected a mapping, got {type(value).__name__}")
+            return {}
+        for key in value:
+            if name in _SECTIONS and key not in _SECTIONS[name]:
+                self.bad(f"{name}.{key}", f"unknown key (expected one of: {', '.join(sorted(_SECTIONS[name]))})")
+        return value
+
+    def typed(self, sec: dict[str, Any], path: str, key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+        if key not in sec or sec[key] is None:
+            return default
+        value = sec[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if isinstance(value, bool) and bool not in kinds:
+            self.bad(f"{path}.{key}", f"expected {'/'.join(k.__name__ for k in kinds)}, got bool")
+            return default
+        if float in kinds and isinstance(value, int):
+            return float(value)
+        if not isinstance(value, kinds):
+            self.bad(f"{path}.{key}", f"expected {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
+            return default
+        return value
+
+    def positive(self, path: str, value: float) -> None:
+        if value <= 0:
+            self.bad(path, f"must be > 0, got {value}")
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Read and validate a job file; raises JobSpecError listing every problem."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise JobSpecError(str(path), [("<file>", "no such file")]) from exc
+    except yaml.YAMLError as exc:
+        raise JobSpecError(str(path), [("<file>", f"not valid YAML: {exc}")]) from exc
+    if not isinstance(raw, dict):
+        raise JobSpecError(str(path), [("<file>", "the job file must be a YAML mapping")])
+    return parse_job(raw, source=str(path), base_dir=path.parent)
+
+
+def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None = None) -> JobSpec:
+    c = _Checker()
+    base = base_dir or Path.cwd()
+    for key in raw:
+        if key not in _TOP:
+            c.bad(key, f"unknown key (expected one of: {', '.join(sorted(_TOP))})")
+    for key in ("model", "input", "prompt", "output"):
+        if raw.get(key) is None:
+            c.bad(key, "required")
+
+    m = c.section(raw, "model", shorthand="path")
+    model = ModelSection(
+        path=c.typed(m, "model", "path", str, ""), dtype=c.typed(m, "model", "dtype", str, "auto"),
+        adapter=c.typed(m, "model", "adapter", str, None),
+        trust_remote_code=c.typed(m, "model", "trust_remote_code", bool, False))
+    if raw.get("model") is not None and not model.path:
+        c.bad("model.path", "required: a local folder, a hub id or the alias smollm2")
+    if model.dtype not in ("auto", "float32", "float16", "bfloat16"):
+        c.bad("model.dtype", f"expected auto, float32, float16 or bfloat16, got {model.dtype!r}")
+    if model.path and (model.path.startswith((".", "/", "~")) or (base / model.path).exists()):
+        model = dataclasses.replace(model, path=str(_resolve(base, model.path)))
+        if not Path(model.path).exists():
+            c.bad("model.path", f"no such folder: {model.path}")
+    if model.adapter:
+        model = dataclasses.replace(model, adapter=str(_resolve(base, model.adapter)))
+        if not Path(model.adapter).exists():
+            c.bad("model.adapter", f"no such folder: {model.adapter}")
+
+    i = c.section(raw, "input", shorthand="path")
+    columns = c.typed(i, "input", "columns", list, None)
+    if columns is not None and not all(isinstance(x, str) for x in columns):
+        c.bad("input.columns", "expected a list of column names")
+        columns = None
+    inp = InputSection(path=c.typed(i, "input", "path", str, ""), format=c.typed(i, "input", "format", str, "auto"),
+                       id_column=c.typed(i, "input", "id_column", str, None),
+                       columns=tuple(columns) if columns is not None else None)
+    if raw.get("input") is not None and not inp.path:
+        c.bad("input.path", "required: a file, folder or glob")
+    if inp.format not in _FORMATS:
+        c.bad("input.format", f"expected one of {', '.join(sorted(_FORMATS))}, got {inp.format!r}")
+    if inp.path:
+        inp = dataclasses.replace(inp, path=str(_resolve(base, inp.path)))
+        if not any(ch in inp.path for ch in "*?[") and not Path(inp.path).exists():
+            c.bad("input.path", f"no such file or folder: {inp.path}")
+
+    p = c.section(raw, "prompt", shorthand="template")
+    messages = c.typed(p, "prompt", "messages", list, None)
+    if messages is not None:
+        for n, msg in enumerate(messages):
+            if not isinstance(msg, dict) or set(msg) - {"role", "content"} or not isinstance(msg.get("content"), str) \
+                    or msg.get("role") not in ("system", "user", "assistant"):
+                c.bad(f"prompt.messages[{n}]", "expected {role: system|user|assistant, content: <template>}")
+    prompt = PromptSection(template=c.typed(p, "prompt", "template", str, None),
+                           messages=tuple(messages) if messages else None,
+                           system=c.typed(p, "prompt", "system", str, None),
+                           chat_template=c.typed(p, "prompt", "chat_template", bool, True))
+    if raw.get("prompt") is not None and (prompt.template is None) == (prompt.messages is None):
+        c.bad("prompt", "give exactly one of prompt.template or prompt.messages")
+
+    sampling = _sampling(c, raw)
+    o = c.section(raw, "output", shorthand="path")
+    out_path = c.typed(o, "output", "path", str, "")
+    if raw.get("output") is not None and not out_path:
+        c.bad("output.path", "required: the output folder")
+    ck = c.section(raw, "checkpoint")
+    checkpoint = CheckpointSection(c.typed(ck, "checkpoint", "every_rows", int, 256),
+                                   c.typed(ck, "checkpoint", "every_seconds", float, 60.0))
+    c.positive("checkpoint.every_rows", checkpoint.every_rows)
+    c.positive("checkpoint.every_seconds", checkpoint.every_seconds)
+    e = c.section(raw, "engine")
+    engine = EngineSection(*(c.typed(e, "engine", f.name, f.type == "float" and float or int, f.default)
+                             for f in dataclasses.fields(EngineSection)))
+    for f in dataclasses.fields(EngineSection):
+        c.positive(f"engine.{f.name}", getattr(engine, f.name))
+    if not 0 < engine.kv_memory_fraction <= 1:
+        c.bad("engine.kv_memory_fraction", f"must be in (0, 1], got {engine.kv_memory_fraction}")
+    seed = c.typed(raw, "<top>", "seed", int, 0)
+    max_error_rate = c.typed(raw, "<top>", "max_error_rate", float, 0.1)
+    if not 0 <= max_error_rate <= 1:
+        c.bad("max_error_rate", f"must be in [0, 1], got {max_error_rate}")
+    c.problems = [(k.replace("<top>.", ""), r) for k, r in c.problems]
+    if c.problems:
+        raise JobSpecError(source, c.problems)
+    return JobSpec(source, model, inp, prompt, sampling, _resolve(base, out_path), checkpoint, engine, seed,
+                   max_error_rate)
+
+
+def _sampling(c: _Checker, raw: dict[str, Any]) -> SamplingSection:
+    s = c.section(raw, "sampling")
+    overrides = s.get("overrides") or {}
+    if not isinstance(overrides, dict) or not all(isinstance(v, str) for v in overrides.values()):
+        c.bad("sampling.overrides", "expected a mapping of sampling parameter -> column name")
+        overrides = {}
+    for key in overrides:
+        if key not in SAMPLING_KEYS:
+            c.bad(f"sampling.overrides.{key}", "not a sampling parameter")
+    values = {k: v for k, v in s.items() if k != "overrides"}
+    for key in list(values):
+        if key not in SAMPLING_KEYS:
+            c.bad(f"sampling.{key}", f"unknown key (expected one of: {', '.join(sorted(SAMPLING_KEYS))}, overrides)")
+            values.pop(key)
+    for key in ("stop", "stop_token_ids"):
+        if isinstance(values.get(key), list):
+            values[key] = tuple(values[key])
+    values.setdefault("temperature", 0.0)  # offline jobs default to greedy: reproducible labels
+    try:
+        params = SamplingParams(**values)
+    except (ValueError, TypeError) as exc:
+        field_name = getattr(exc, "field", None)
+        c.bad(f"sampling.{field_name}" if field_name else "sampling", getattr(exc, "reason", str(exc)))
+        params = SamplingParams(temperature=0.0)
+    return SamplingSection(params, dict(overrides))
+
+
+def _resolve(base: Path, value: str) -> Path:
+    p = Path(value).expanduser()
+    return (p if p.is_absolute() else (base / p)).resolve()
