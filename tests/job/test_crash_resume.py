@@ -1,0 +1,129 @@
+"""Crash and resume with real processes: kill -9 at several points, run again, compare with an unbroken run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from jobkit import texts, write_job, write_jsonl
+
+ROWS = 120
+
+
+def start(job: Path, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-m", "mlxbatch.cli", "run", str(job), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def finish(job: Path, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    proc = start(job, env_extra)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
+
+
+def manifest_rows(out: Path) -> int:
+    try:
+        return sum(s["rows"] for s in json.loads((out / "manifest.json").read_text())["shards"])
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return 0
+
+
+def outputs(out: Path) -> dict[str, tuple]:
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == ROWS, "every id exactly once"
+    return {r["id"]: (r["text"], r["generated_tokens"], r["finish_reason"], r["error"]) for r in rows}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model_path):
+    root = tmp_path_factory.mktemp("crash")
+    data = write_jsonl(root / "in.jsonl", texts(ROWS))
+    ref_job = write_job(root, tiny_model_path, data, root / "reference")
+    ref_job = ref_job.rename(root / "reference.yaml")
+    res = finish(ref_job)
+    assert res.returncode == 0, res.stderr
+    return root, data, outputs(root / "reference")
+
+
+def _job(root: Path, data: Path, model: Path, name: str) -> Path:
+    d = root / name
+    d.mkdir()
+    return write_job(d, model, data, d / "out")
+
+
+def test_kill_9_after_some_shards_then_resume(setup, tiny_model_path):
+    root, data, expected = setup
+    job = _job(root, data, tiny_model_path, "kill-after-shards")
+    out = job.parent / "out"
+    for target in (20, 60):  # two crashes at different points
+        proc = start(job)
+        deadline = time.monotonic() + 120
+        while manifest_rows(out) < target and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not (out / "_SUCCESS").exists()
+    res = finish(job)
+    assert res.returncode == 0, res.stderr
+    assert outputs(out) == expected
+
+
+@pytest.mark.parametrize("fault", ["mid-shard:3", "after-rename:2"])
+def test_kill_9_while_a_shard_is_written_then_resume(setup, tiny_model_path, fault):
+    root, data, expected = setup
+    job = _job(root, data, tiny_model_path, f"fault-{fault.replace(':', '-')}")
+    out = job.parent / "out"
+    crashed = finish(job, {"MLXBATCH_FAULT": fault})
+    assert crashed.returncode == -signal.SIGKILL
+    shards = sorted(p.name for p in (out / "shards").iterdir())
+    if fault.startswith("mid-shard"):
+        assert any(name.endswith(".tmp") for name in shards)  # the torn write is on disk
+    res = finish(job)
+    assert res.returncode == 0, res.stderr
+    assert outputs(out) == expected
+    st = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "status", str(out)], capture_output=True, text=True)
+    assert st.returncode == 0 and "complete" in st.stdout
+
+
+def test_truncated_shard_is_detected_and_its_rows_redone(setup, tiny_model_path):
+    root, data, expected = setup
+    job = _job(root, data, tiny_model_path, "truncated")
+    out = job.parent / "out"
+    proc = start(job)
+    while manifest_rows(out) < 30 and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    shard = sorted((out / "shards").glob("shard-*.arrow"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a disk that lost the tail
+    res = finish(job)
+    assert res.returncode == 0, res.stderr
+    assert outputs(out) == expected
+    assert list((out / "shards" / "corrupt").iterdir())
+
+
+def test_sigterm_finishes_the_shard_and_exits_cleanly(setup, tiny_model_path):
+    root, data, expected = setup
+    job = _job(root, data, tiny_model_path, "sigterm")
+    out = job.parent / "out"
+    proc = start(job)
+    while manifest_rows(out) < 10 and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:  # it had already finished: nothing to interrupt
+        return
+    assert proc.returncode == 130, err.decode()
+    assert b"resume" in err
+    res = finish(job)
+    assert res.returncode == 0, res.stderr
+    assert outputs(out) == expected

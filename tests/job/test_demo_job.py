@@ -1,0 +1,33 @@
+"""The shipped demo job, on the real SmolLM2-135M-Instruct, gives sensible labels (a subset of rows)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import yaml
+from click.testing import CliRunner
+
+from mlxbatch.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_demo_job_labels_reviews(tmp_path):
+    rows = [json.loads(line) for line in (ROOT / "jobs" / "data" / "reviews.jsonl").read_text().splitlines()][:48]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "reviews.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = yaml.safe_load((ROOT / "jobs" / "demo.yaml").read_text())
+    job["output"]["path"] = str(tmp_path / "out")
+    (tmp_path / "demo.yaml").write_text(yaml.safe_dump(job))
+    res = CliRunner().invoke(main, ["run", str(tmp_path / "demo.yaml"), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    out = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
+    assert [r["id"] for r in out] == [r["id"] for r in rows]
+
+    def right(r):
+        other = "negative" if r["gold"] == "positive" else "positive"
+        return r["gold"] in r["text"].lower() and other not in r["text"].lower()
+
+    assert sum(map(right, out)) >= 0.7 * len(out)  # measured: 89% on all 300 rows
