@@ -43,7 +43,8 @@ def preload_openblas() -> str:
             stacklevel=3,
         )
         return loaded_path
-    for candidate in _CANDIDATES:
+    override = os.environ.get("MLXBATCH_OPENBLAS")  # a custom OpenBLAS location, tried alone
+    for candidate in (override,) if override else _CANDIDATES:
         try:
             ctypes.CDLL(candidate, mode=ctypes.RTLD_GLOBAL)
         except OSError:

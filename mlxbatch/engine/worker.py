@@ -75,11 +75,12 @@ def device_info() -> DeviceInfo:
     dev = mx.default_device()
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     if dev == mx.gpu:
-        kind = "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "metal"
-        total = int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0)
-        if not total and kind == "cuda":
-            total = int(info.get("total_memory", 0))
-        avail = max(0, total - mx.get_active_memory())
+        kind = "metal" if mx.metal.is_available() else "cuda"
+        # Metal reports the recommended working set; CUDA reports total and free memory (through NVML)
+        total = int(info.get("max_recommended_working_set_size") or info.get("memory_size")
+                    or info.get("total_memory") or 0)
+        free = info.get("free_memory")
+        avail = int(free) if free is not None else max(0, total - mx.get_active_memory())
         return DeviceInfo(kind, str(info.get("device_name", kind)), total, avail, "")
     total = _meminfo("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     avail = _meminfo("MemAvailable") or total // 2
@@ -110,6 +111,9 @@ class Worker:
     def kv_budget_bytes(self, fraction: float) -> int:
         """Memory the engine may fill with KV: a fraction of what is free after the weights."""
         free = device_info().available_memory
+        if free <= 0:  # the backend did not say: assume 8 GiB rather than starving the batch
+            log.warning("device memory unknown; assuming 8 GiB are free for KV")
+            free = 8 << 30
         return max(self.geometry.bytes_per_token * 256, int(free * fraction))
 
     def warm_up(self) -> float:

@@ -29,11 +29,15 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int | None = None  # None: the tokenizer's size
     max_position_embeddings: int = 4096
+    # Untied, peaked output weights make a tiny random model's greedy choices clear and varied (good for
+    # tests); the 0.5B shape keeps Qwen2.5-0.5B's tied embeddings (494M parameters).
+    tie_word_embeddings: bool = False
 
 
 TINY = ModelShape(128, 2, 4, 2, 256)
 SMALL = ModelShape(256, 4, 8, 2, 512)
-QWEN2_0_5B = ModelShape(896, 24, 14, 2, 4864, vocab_size=151936, max_position_embeddings=32768)
+QWEN2_0_5B = ModelShape(896, 24, 14, 2, 4864, vocab_size=151936, max_position_embeddings=32768,
+                        tie_word_embeddings=True)
 SHAPES = {"tiny": TINY, "small": SMALL, "0.5b": QWEN2_0_5B}
 
 
@@ -82,9 +86,14 @@ def build_random_model(
     from mlx_lm.models import qwen2
 
     out = Path(out)
-    if (out / ".complete").exists():
-        return out
     shape = SHAPES[shape] if isinstance(shape, str) else shape
+    marker = f"{shape!r} seed={seed} dtype={dtype}"
+    if (out / ".complete").exists() and (out / ".complete").read_text() == marker:
+        return out
+    if out.exists():  # built from another recipe: rebuild
+        import shutil
+
+        shutil.rmtree(out)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     tok_vocab = build_tokenizer(tmp)
@@ -100,7 +109,7 @@ def build_random_model(
         "max_position_embeddings": shape.max_position_embeddings,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": shape.tie_word_embeddings,
         "torch_dtype": dtype,
         "eos_token_id": SPECIAL_TOKENS.index("<|im_end|>"),  # specials take the first ids
     }
@@ -108,13 +117,14 @@ def build_random_model(
     model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
     # Larger embeddings make the random model's next-token distribution peaked, so greedy argmax is
     # decided by clear margins rather than by float rounding.
-    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape)
-    model.lm_head.weight = mx.random.normal(model.lm_head.weight.shape) * (4.0 / shape.hidden_size**0.5)
+    if not shape.tie_word_embeddings:
+        model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape)
+        model.lm_head.weight = mx.random.normal(model.lm_head.weight.shape) * (4.0 / shape.hidden_size**0.5)
     model.set_dtype(getattr(mx, dtype))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / ".complete").touch()
+    (tmp / ".complete").write_text(marker)
     if out.exists():  # another process finished first
         import shutil
 
