@@ -2,6 +2,7 @@
 """mlxbatch benchmarks: every figure is a ratio against baselines run in the same process.
 
     .venv/bin/python scripts/bench.py --section engine --model tiny [--json results.json]
+    .venv/bin/python scripts/bench.py --section job --model tiny     # job layer: see bench_job.py
 
 The method is ../shared/design/benchmarks.md: one model object (loaded once, same dtype) serves every
 baseline and mlxbatch; workloads are token ids generated from a seed (``bench_workloads.py``); each path
@@ -14,7 +15,8 @@ tokenizer wrapper with no EOS ids) and the engine runs with ``ignore_eos``: ever
 
 Sections are functions registered in ``SECTIONS`` (``@section("name")``); each receives the shared
 ``Bench`` (model, tokenizer, flags, measuring helpers) and returns ``Table``s. Add a section by writing a
-function; add a workload in ``bench_workloads.py``.
+function; add a workload in ``bench_workloads.py``. The ``job`` section (mlxbatch run vs the engine alone,
+and streaming memory of the reader + checkpoint path) lives in ``bench_job.py``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from mlx_lm import batch_generate, stream_generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_workloads as wl  # noqa: E402
+
+sys.modules.setdefault("bench", sys.modules[__name__])  # bench_job's ``from bench import ...`` gets this module
 
 from mlxbatch import _blas  # noqa: E402
 from mlxbatch.engine import Engine, EngineConfig, LoadedModel, ModelSpec, load_model  # noqa: E402
@@ -458,6 +462,14 @@ def engine_decode_levels(b: Bench) -> Table:
     return tab
 
 
+@section("job")
+def job_section(b: Bench) -> list[Table]:
+    """mlxbatch run (in process) vs the engine alone on the same rows; streaming memory at 10k-1M rows."""
+    import bench_job
+
+    return bench_job.job_section(b)
+
+
 # -- main --------------------------------------------------------------------------------------------
 def machine_meta(b: Bench) -> dict[str, Any]:
     cfg = b.loaded.config
@@ -528,14 +540,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=None,
                     help="engine max_num_seqs = B1 completion_batch_size (default 32 on CPU, 256 on GPU)")
     ap.add_argument("--prefill-batch", type=int, default=8, help="B1/B2 prefill_batch_size (default 8, as mlx-lm)")
-    ap.add_argument("--repeats", type=int, default=None, help="runs per path, median reported (default 1 CPU, 3 GPU)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs per path, median reported (default: engine 1 on CPU, 3 on GPU; job 3)")
     ap.add_argument("--decode-levels", default="1,8,64,256",
                     help="concurrent sequences for the decode table (default 1,8,64,256; '' skips it)")
     ap.add_argument("--decode-prompt-len", type=int, default=32, help="decode table prompt length (default 32)")
     ap.add_argument("--decode-new-tokens", type=int, default=128, help="decode table new tokens (default 128)")
+    ap.add_argument("--job-rows", type=int, default=512, help="job section: rows of the overhead run (default 512; "
+                    "0 skips it)")
+    ap.add_argument("--job-max-tokens", type=int, default=16, help="job section: max_tokens (default 16)")
+    ap.add_argument("--job-checkpoint-rows", type=int, default=64,
+                    help="job section: checkpoint.every_rows (default 64)")
+    ap.add_argument("--stream-rows", default="10000,100000,1000000",
+                    help="job section: rows streamed through reader + checkpoint, one process each ('' skips)")
+    ap.add_argument("--stream-checkpoint-rows", type=int, default=1000,
+                    help="job section: rows per checkpoint shard when streaming (default 1000)")
+    ap.add_argument("--stream-track-ids", default="1000000",
+                    help="job section: sizes also streamed with the run loop's duplicate-id set (default 1000000)")
+    ap.add_argument("--stream-timeout", type=int, default=1200, help="job section: seconds per size (default 1200)")
     ap.add_argument("--json", dest="json_path", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     args.section = args.section or ["engine"]
+    args.repeats_given = args.repeats is not None
     return args
 
 

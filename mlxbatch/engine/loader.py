@@ -74,7 +74,8 @@ def resolve_path(name: str) -> str:
 
 def _identity(path: Path, adapter: str | None, dtype: str) -> str:
     h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors.index.json", "tokenizer.json"):
+    for name in ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja", "chat_template.json", "generation_config.json"):
         f = path / name
         if f.exists():
             h.update(f.read_bytes())

@@ -74,10 +74,12 @@ class RowPreparer:
                 changes[name] = tuple(value) if name in ("stop", "stop_token_ids") and isinstance(value, list) \
                     else value
         if row.request is not None:
+            changes.setdefault("temperature", 1.0)  # the OpenAI API's default, not the job's greedy one
             changes.update(_openai_params(row.request))
-        if "seed" not in changes and base.seed is None:
-            changes["seed"] = row_seed(self.spec.seed, row.row_id)
-        return dataclasses.replace(base, **changes) if changes else base
+        params = dataclasses.replace(base, **changes) if changes else base
+        if params.seed is None and not params.greedy:  # greedy rows need no seed: it stays out of their key
+            params = dataclasses.replace(params, seed=row_seed(self.spec.seed, row.row_id))
+        return params
 
     def _failed(self, row: InputRow, error: str, kind: str, params: SamplingParams | None = None) -> PreparedRow:
         p = params or self.spec.sampling.params

@@ -160,9 +160,10 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     for key in raw:
         if key not in _TOP:
             c.bad(key, f"unknown key (expected one of: {', '.join(sorted(_TOP))})")
-    for key in ("model", "input", "prompt", "output"):
+    openai = isinstance(raw.get("input"), dict) and raw["input"].get("format") == "openai-batch"
+    for key in ("model", "input", "output") + (() if openai else ("prompt",)):
         if raw.get(key) is None:
-            c.bad(key, "required")
+            c.bad(key, "required" + ("" if key != "prompt" else " (unless input.format is openai-batch)"))
 
     m = c.section(raw, "model", shorthand="path")
     model = ModelSection(
@@ -210,7 +211,9 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
                            messages=tuple(messages) if messages else None,
                            system=c.typed(p, "prompt", "system", str, None),
                            chat_template=c.typed(p, "prompt", "chat_template", bool, True))
-    if raw.get("prompt") is not None and (prompt.template is None) == (prompt.messages is None):
+    if openai and raw.get("prompt") is None:
+        prompt = PromptSection(template="{{ prompt }}")  # rows without messages use their body's prompt
+    elif raw.get("prompt") is not None and (prompt.template is None) == (prompt.messages is None):
         c.bad("prompt", "give exactly one of prompt.template or prompt.messages")
 
     sampling = _sampling(c, raw)

@@ -24,6 +24,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxbatch.errors import MlxbatchError
+
 __all__ = ["SMOLLM2_ALIAS", "ModelFetchError", "default_cache_dir", "ensure_smollm2"]
 
 logger = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-class ModelFetchError(RuntimeError):
+class ModelFetchError(MlxbatchError, RuntimeError):
     """The SmolLM2 wheel or GGUF could not be obtained."""
 
 

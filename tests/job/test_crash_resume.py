@@ -127,3 +127,17 @@ def test_sigterm_finishes_the_shard_and_exits_cleanly(setup, tiny_model_path):
     res = finish(job)
     assert res.returncode == 0, res.stderr
     assert outputs(out) == expected
+
+
+def test_status_reads_a_folder_while_a_run_holds_it(setup, tiny_model_path):
+    root, data, _ = setup
+    job = _job(root, data, tiny_model_path, "status-live")
+    out = job.parent / "out"
+    proc = start(job)
+    while manifest_rows(out) < 10 and proc.poll() is None:
+        time.sleep(0.02)
+    st = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "status", str(out), "--json"], capture_output=True,
+                        text=True)
+    proc.communicate(timeout=120)
+    assert st.returncode == 0, st.stderr
+    assert json.loads(st.stdout)["checkpointed_rows"] >= 10
