@@ -16,7 +16,7 @@ class EngineConfig:
     """
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: 2048 on CPU, 8192 on a GPU (prefill per step)
     prefill_chunk_size: int = 512
     kv_memory_fraction: float = 0.5
     kv_budget_bytes: int | None = None
@@ -26,6 +26,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             v = getattr(self, name)
+            if v is None and name == "max_num_batched_tokens":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidRequestError(name, v, "must be an integer >= 1")
         if not 0 < self.kv_memory_fraction <= 1:

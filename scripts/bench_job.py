@@ -15,7 +15,8 @@ Two parts:
    ``--stream-child``) streams that many short JSONL rows through ``open_reader``, builds a ``ResultRecord`` per
    row, appends a checkpoint shard every ``--stream-checkpoint-rows`` rows and ``finalize``s the Parquet against
    the expected rows (the input re-read, keys recomputed, as ``JobRunner`` does); it reports its wall time and
-   peak RSS (``getrusage`` ``ru_maxrss``). No model. The top-level imports here are stdlib only, so the child's
+   peak RSS (``VmHWM``: ``getrusage``'s ``ru_maxrss`` would include the parent's RSS, carried across
+   fork + exec on Linux). No model. The top-level imports here are stdlib only, so the child's
    RSS is the I/O layer's (``mlxbatch.io``: pyarrow, numpy), not MLX's.
 """
 
@@ -277,10 +278,10 @@ def job_overhead(b: Any, repeats: int) -> list[Any]:
         f"results.parquet {j_run.extra['results_bytes'] / 1024:,.0f} KiB). Not timed: the CLI's process start "
         "and model load.",
         "engine = Engine(loaded, EngineConfig(<the job's engine section>, seed)) on the same rendered prompts "
-        "with the job's SamplingParams (greedy; the job's per-row seeds do not change greedy output); EngineCore "
+        "with the job's SamplingParams (greedy: a seed could not change the output); EngineCore "
         "construction (with its warm-up) is inside both paths.",
-        f"generated tokens: engine {e_run.gen_tokens}, job {j_run.gen_tokens} (EOS on: some rows stop early); "
-        f"job error rows: {j_run.extra['errors']}.",
+        f"generated tokens: engine {e_run.gen_tokens}, job {j_run.gen_tokens} of {n * a.job_max_tokens} at most "
+        f"(EOS is on in both); job error rows: {j_run.extra['errors']}.",
     ]
 
     split = Table("job vs engine alone: where the time goes (median run, seconds)",
@@ -301,7 +302,7 @@ def job_overhead(b: Any, repeats: int) -> list[Any]:
         f"prefill {jp['prefill_s']:.2f} s, decode {jp['decode_s']:.2f} s, {jp['steps']} steps.",
         "job stages timed by wrapping EngineCore(...), count_rows, CheckpointStore.append (write, fsync, rename, "
         "manifest rewrite) and finalize (re-read + re-render the input for the expected keys, then the Parquet) "
-        "for the run; other = wall minus the named stages: reading and preparing rows (render, per-row seed, "
+        "for the run; other = wall minus the named stages: reading and preparing rows (render, sampling params, "
         "result key), building records, the report, _SUCCESS. Engine other = generate()'s submission (tokenizing) "
         "and close().",
     ]
@@ -361,14 +362,15 @@ def stream_memory(b: Any) -> Any:
                          r["anon_peak"] / MB, r["maxrss"] / base if base else None])
     tab.notes += [
         "each size runs in its own `python scripts/bench_job.py --stream-child` process (imports mlxbatch.io only: "
-        "pyarrow, numpy; no MLX), so its peak RSS (getrusage ru_maxrss, which counts touched pages of the "
-        "memory-mapped shards too) is that size's alone; 'peak anon' = the highest RssAnon sampled every 20 ms "
+        "pyarrow, numpy; no MLX), so its peak RSS is that size's alone: VmHWM from /proc/self/status (which counts "
+        "touched pages of the memory-mapped shards too; getrusage's ru_maxrss is not used because Linux carries "
+        "the parent's RSS into it across fork + exec); 'peak anon' = the highest RssAnon sampled every 20 ms "
         "(heap only, no file pages).",
         "stream = open_reader(InputSpec(path, id_column='id')) -> per row a result_key (sha256, as the job keys "
         "rows) and a ResultRecord (the row's text as input column, a ~10-word output text, token counts, "
         "timings, model, canonical params) -> CheckpointStore.append every N rows (Arrow IPC shard, fsync, "
         "rename, manifest rewrite); finalize = finalize(store, out, expected rows (the input re-read, keys "
-        "recomputed, as JobRunner does)) -> results.parquet (zstd). 'peak RSS streaming' is ru_maxrss just "
+        "recomputed, as JobRunner does)) -> results.parquet (zstd). 'peak RSS streaming' is VmHWM just "
         "before finalize.",
         "'+ id tracker' adds the DuplicateIdTracker (a set of every row id) that JobRunner's row preparer keeps "
         "during the run and again while listing the expected rows.",
@@ -399,7 +401,13 @@ def _status_kb(field: str) -> int:
 
 
 def _maxrss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    """Peak RSS of this process: VmHWM (the high-water mark of this process image's memory).
+
+    Not getrusage's ru_maxrss here: on Linux it keeps the parent's RSS across fork + exec (the bench parent
+    holds a model), so a child started from a big process reports at least the parent's size.
+    """
+    hwm = _status_kb("VmHWM")
+    return hwm * 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def stream_child(inp: str, out: str, every: int, track_ids: bool) -> dict[str, Any]:
@@ -464,7 +472,8 @@ def stream_child(inp: str, out: str, every: int, track_ids: bool) -> dict[str, A
             "shards": len(shards), "shard_bytes": sum(s.bytes for s in shards),
             "results_bytes": final.results_path.stat().st_size, "rss_imports": rss_imports,
             "maxrss_stream": maxrss_stream, "maxrss": _maxrss(), "anon_peak": anon_peak[0],
-            "rss_file_end": _status_kb("RssFile") * 1024}
+            "rss_file_end": _status_kb("RssFile") * 1024,
+            "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def main(argv: list[str] | None = None) -> int:

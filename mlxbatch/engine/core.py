@@ -64,8 +64,9 @@ class EngineCore:
         self.worker = worker or Worker(loaded)
         budget = self.config.kv_budget_bytes or self.worker.kv_budget_bytes(self.config.kv_memory_fraction)
         self.runner = ModelRunner(loaded.model, self.worker.geometry)
+        step_tokens = self.config.max_num_batched_tokens or (2048 if self.worker.device.kind == "cpu" else 8192)
         self.scheduler = Scheduler(
-            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+            SchedulerConfig(self.config.max_num_seqs, step_tokens,
                             self.config.prefill_chunk_size, budget),
             self.runner.kv_cost,
         )

@@ -134,20 +134,25 @@ class SlotBatch:
         self._rows_cap, self._pos_cap = rows, pos
 
     # -- rows ----------------------------------------------------------------------------------
-    @staticmethod
-    def _take(buf: mx.array, row: int, n: int) -> mx.array:
-        # An evaluated copy: a lazy slice would keep the buffer referenced, and the update that follows
-        # would then copy the whole buffer instead of writing in place (measured: 67 ms vs 0.1 ms).
-        out = mx.contiguous(buf[row, :, :n, :])
+    def _row_copies(self, row: int, n: int) -> list[mx.array]:
+        """Evaluated copies of one row's first ``n`` positions, every layer's keys then values, in one sync.
+
+        A lazy slice would keep the buffer referenced, and the update that follows would then copy the whole
+        buffer instead of writing in place (measured on CPU: 67 ms vs 0.1 ms); one eval for all layers keeps
+        a row move to a single device sync (on a GPU, one per layer cost ~10 ms a move).
+        """
+        out = [mx.contiguous(buf[row, :, :n, :]) for buf in (*self._keys, *self._values)]
         mx.eval(out)
         return out
+
+    def _put_row(self, row: int, n: int, copies: list[mx.array]) -> None:
+        for buf, arr in zip((*self._keys, *self._values), copies):
+            buf[row, :, :n, :] = arr
 
     def _copy_row(self, src: int, dst: int) -> None:
         n = self.lengths[src]
         if n and src != dst:
-            for bufs in (self._keys, self._values):
-                for buf in bufs:
-                    buf[dst, :, :n, :] = self._take(buf, src, n)
+            self._put_row(dst, n, self._row_copies(src, n))
         self.ids[dst], self.lengths[dst] = self.ids[src], self.lengths[src]
 
     def _swap(self, a: int, b: int) -> None:
@@ -155,11 +160,9 @@ class SlotBatch:
             return
         n = max(self.lengths[a], self.lengths[b])
         if n:
-            for bufs in (self._keys, self._values):
-                for buf in bufs:
-                    ra, rb = self._take(buf, a, n), self._take(buf, b, n)
-                    buf[a, :, :n, :] = rb
-                    buf[b, :, :n, :] = ra
+            ra, rb = self._row_copies(a, n), self._row_copies(b, n)
+            self._put_row(a, n, rb)
+            self._put_row(b, n, ra)
         self.ids[a], self.ids[b] = self.ids[b], self.ids[a]
         self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
 
@@ -206,7 +209,9 @@ class SlotBatch:
         """A copy of one row's KV, per layer ``[1, H, length, D]``."""
         row = self.ids.index(request_id)
         n = self.lengths[row]
-        return [(self._take(k, row, n)[None], self._take(v, row, n)[None]) for k, v in zip(self._keys, self._values)]
+        copies = self._row_copies(row, n)
+        layers = len(self._keys)
+        return [(copies[i][None], copies[layers + i][None]) for i in range(layers)]
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]]) -> mx.array:

@@ -188,9 +188,11 @@ class ModelRunner:
             self.batch.advance(r.request_id, 1)
         for c in out.prefills:
             self.batch.advance(c.request.request_id, c.end - c.start)
-        for c in out.prefills:  # only after every length is committed: promotion moves rows by length
-            if c.last:
-                self.batch.promote(c.request.request_id)
+        # only after every length is committed (promotion moves rows by length), and in row order: a finished
+        # prefill row already at the head of the prefill region joins the decode rows without moving
+        done = {c.request.request_id for c in out.prefills if c.last}
+        for rid in [rid for rid in self.batch.ids[self.batch.n_decode :] if rid in done]:
+            self.batch.promote(rid)
 
     def free(self, request_ids: list[str]) -> None:
         """Drop the KV of sequences that finished, were aborted or were preempted."""

@@ -27,6 +27,7 @@ class PreparedRow:
     inputs: dict[str, Any]  # the input columns kept in the output
     prompt: str | list[dict[str, str]] | None
     params: SamplingParams
+    params_json: str  # canonical JSON of ``params`` (computed once per distinct parameter set)
     error: str | None = None
     error_kind: str | None = None
 
@@ -58,6 +59,15 @@ class RowPreparer:
         self.model_identity = model_identity
         self.renderer = PromptRenderer(spec.prompt, openai_batch)
         self.duplicates = DuplicateIdTracker()
+        self._json: dict[SamplingParams, str] = {}
+
+    def _canonical(self, params: SamplingParams) -> str:
+        text = self._json.get(params)
+        if text is None:
+            if len(self._json) > 10_000:  # per-row seeds make every set distinct: keep the cache bounded
+                self._json.clear()
+            text = self._json[params] = canonical_params(params)
+        return text
 
     def _keep(self, fields: dict[str, Any]) -> dict[str, Any]:
         cols = self.spec.input.columns
@@ -83,9 +93,9 @@ class RowPreparer:
 
     def _failed(self, row: InputRow, error: str, kind: str, params: SamplingParams | None = None) -> PreparedRow:
         p = params or self.spec.sampling.params
-        key = result_key(row.row_id, f"<error {row.source}:{row.position}> {error}", self.model_identity,
-                         canonical_params(p), p.seed)
-        return PreparedRow(row.row_id, key, self._keep(row.fields), None, p, error, kind)
+        pj = self._canonical(p)
+        key = result_key(row.row_id, f"<error {row.source}:{row.position}> {error}", self.model_identity, pj, p.seed)
+        return PreparedRow(row.row_id, key, self._keep(row.fields), None, p, pj, error, kind)
 
     def prepare(self, row: InputRow) -> PreparedRow:
         if not self.duplicates.add(row.row_id):
@@ -100,5 +110,6 @@ class RowPreparer:
             rendered = self.renderer.render(row.fields, row.request)
         except RenderError as exc:
             return self._failed(row, f"{row.source}:{row.position}: {exc}", "render", params)
-        key = result_key(row.row_id, rendered.identity, self.model_identity, canonical_params(params), params.seed)
-        return PreparedRow(row.row_id, key, self._keep(row.fields), rendered.prompt, params)
+        pj = self._canonical(params)
+        key = result_key(row.row_id, rendered.identity, self.model_identity, pj, params.seed)
+        return PreparedRow(row.row_id, key, self._keep(row.fields), rendered.prompt, params, pj)

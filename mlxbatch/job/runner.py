@@ -31,7 +31,6 @@ from mlxbatch.io import (
     InputFormat,
     InputSpec,
     ResultRecord,
-    canonical_params,
     clear_success,
     count_rows,
     finalize,
@@ -200,7 +199,7 @@ class JobRunner:
 
     def _record(self, prep: PreparedRow, out: RequestOutput | None, model_identity: str,
                 error: str | None = None, error_kind: str | None = None) -> ResultRecord:
-        params = canonical_params(prep.params)
+        params = prep.params_json
         model = f"{self.spec.model.path}@{model_identity}"
         if out is None:
             return ResultRecord.failed(prep.row_id, prep.key, error or "unknown error", error_kind or "error",

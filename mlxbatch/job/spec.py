@@ -68,7 +68,7 @@ class CheckpointSection:
 @dataclass(frozen=True)
 class EngineSection:
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: the engine's default for the device
     prefill_chunk_size: int = 512
     kv_memory_fraction: float = 0.5
 
@@ -230,7 +230,8 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     engine = EngineSection(*(c.typed(e, "engine", f.name, f.type == "float" and float or int, f.default)
                              for f in dataclasses.fields(EngineSection)))
     for f in dataclasses.fields(EngineSection):
-        c.positive(f"engine.{f.name}", getattr(engine, f.name))
+        if getattr(engine, f.name) is not None:
+            c.positive(f"engine.{f.name}", getattr(engine, f.name))
     if not 0 < engine.kv_memory_fraction <= 1:
         c.bad("engine.kv_memory_fraction", f"must be in (0, 1], got {engine.kv_memory_fraction}")
     seed = c.typed(raw, "<top>", "seed", int, 0)
