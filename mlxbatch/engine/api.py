@@ -52,16 +52,20 @@ class Engine:
             if len(per_row) != len(prompts):
                 raise InvalidRequestError("params", f"<{len(per_row)} items>",
                                           f"expected one SamplingParams or {len(prompts)} of them")
-        ids = []
+        encoded = [self.core.encode(p) for p in prompts]
+        # Longest first: neighbours in the queue have similar lengths, so batched prefill pads little and
+        # long prompts do not straggle at the end. Outputs still come back in input order.
+        order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i])) if not stream else range(len(encoded))
+        ids: dict[int, str] = {}
         try:
-            for prompt, p in zip(prompts, per_row):
-                ids.append(self.core.add_request(prompt, p, stream=stream))
+            for i in order:
+                ids[i] = self.core.add_request(encoded[i], per_row[i], stream=stream)
         except Exception:
-            for rid in ids:  # all or nothing: a bad prompt leaves no half-submitted batch
+            for rid in ids.values():  # all or nothing: a bad prompt leaves no half-submitted batch
                 self.core.abort(rid)
             self.core.step()
             raise
-        return ids
+        return [ids[i] for i in range(len(encoded))]
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
