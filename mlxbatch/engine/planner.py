@@ -1,0 +1,203 @@
+"""Prefix planner: the order an offline job runs its rows in, and how long each shared prefix's KV is kept.
+
+An offline job knows every prompt before it starts. Sorting the token sequences lexicographically visits
+the rows in depth-first order of their token trie, so rows sharing a prefix run back to back and each
+distinct trie token has to be prefilled only once: ``distinct_tokens`` (the trie's node count) is the
+prefill floor, reached when every row reuses the KV of ``shared_prefix`` tokens it shares with the row
+before it.
+
+Retention comes from the LCP array of the sorted rows (``lcp[k]`` = tokens row ``k`` shares with row
+``k - 1``): each *LCP interval* ``[i, j]`` with value ``L`` (``min(lcp[i+1..j]) == L`` and the interval
+cannot be widened) is a prefix of length ``L`` shared by exactly the rows ``i..j``; its KV is computed with
+row ``i`` and may be dropped once row ``j`` has been admitted. Only intervals with
+``L >= min_shared_tokens`` are kept (shorter prefixes are not worth holding).
+
+Jobs too big to plan whole are planned window by window (consecutive input rows); windows are planned
+independently, so nothing is reused or retained across a window boundary and a window's plan depends only
+on its own rows (it can be planned while the previous one runs).
+
+Owns only the decision; the prefix cache (block granularity, eviction) and the scheduler act on it.
+Pure Python: no mlx, no numpy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mlxbatch.errors import InvalidRequestError
+
+JSON_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRow:
+    index: int  # position in the input
+    order: int  # position in the plan
+    num_tokens: int
+    shared_prefix: int  # tokens shared with the previous row in plan order (0 at a window's first row)
+    window: int  # which window planned it (0 when not windowed)
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens this row must prefill when the shared prefix's KV is reused."""
+        return self.num_tokens - self.shared_prefix
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """The first ``prefix_len`` tokens of the row at ``first_order``, needed by rows first..last_order."""
+
+    prefix_len: int
+    first_order: int
+    last_order: int  # after this row is admitted the prefix's KV can be dropped
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: tuple[PlannedRow, ...]  # in plan order
+    retention: tuple[Retention, ...]  # sorted by (first_order, prefix_len)
+    total_tokens: int
+    distinct_tokens: int  # sum of new_tokens: trie node count per window (the prefill floor)
+    windowed: bool  # more than one window: distinct_tokens may exceed the whole-job trie's node count
+    window_size: int | None
+    min_shared_tokens: int
+    fingerprint: str  # of the input token sequences: a resumed run checks it follows the same job
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """Input indices in plan order."""
+        return tuple(r.index for r in self.rows)
+
+    @property
+    def saving(self) -> float:
+        """Share of prefill work the plan can avoid: ``1 - distinct / total`` (0.0 for an empty job)."""
+        return 1.0 - self.distinct_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    def peak_retained_tokens(self) -> int:
+        """The most prefix tokens the plan ever asks the cache to hold at once.
+
+        At plan position ``p`` (while row ``p`` is admitted) the alive intervals are those with
+        ``first_order <= p <= last_order``. They all contain ``p``, so they are all prefixes of row ``p``
+        and nest along its trie path: the longer one's KV contains the shorter one's, so their memory is
+        the longest alive ``prefix_len`` (counted once), never their sum. This is the depth of the current
+        path, bounded by the longest retained prefix and independent of the number of rows. The KV of
+        rows that are running (their own suffixes and generated tokens) is the scheduler's, not counted.
+        """
+        return max((r.prefix_len for r in self.retention), default=0)
+
+
+def fingerprint(token_seqs: Sequence[Sequence[int]]) -> str:
+    """A digest of the rows' token ids, in input order (64-bit ids)."""
+    h = hashlib.blake2b(digest_size=16)
+    for seq in token_seqs:
+        h.update(len(seq).to_bytes(8, "little"))
+        h.update(array("q", seq).tobytes())
+    return h.hexdigest()
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix; compares slices (C speed) in a binary search."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _lcp_intervals(lcp: list[int], start: int, min_len: int) -> list[Retention]:
+    """LCP intervals of one window (``lcp[0]`` is its first row, always 0) with value >= ``min_len``.
+
+    Stack algorithm (Abouelhoda, Kurtz, Ohlebusch 2004); positions are offset by ``start``.
+    """
+    out: list[Retention] = []
+    stack: list[list[int]] = [[0, 0]]  # [lcp value, left bound]
+    for k in range(1, len(lcp) + 1):
+        cur = lcp[k] if k < len(lcp) else 0
+        left = k - 1
+        while cur < stack[-1][0]:
+            value, left = stack.pop()
+            if value >= min_len:
+                out.append(Retention(value, start + left, start + k - 1))
+        if cur > stack[-1][0]:
+            stack.append([cur, left])
+    return out
+
+
+def plan(token_seqs: Sequence[Sequence[int]], window: int | None = None, min_shared_tokens: int = 16) -> Plan:
+    """Order the rows along their token trie and derive which prefix to keep until when.
+
+    Order: lexicographic by token ids (a row that is a prefix of another comes first), equal rows in input
+    order. With ``window`` each run of ``window`` consecutive input rows is ordered on its own and the
+    windows follow each other in input order.
+    """
+    if window is not None and window < 1:
+        raise InvalidRequestError("window", window, "must be a positive number of rows or None")
+    if min_shared_tokens < 1:
+        raise InvalidRequestError("min_shared_tokens", min_shared_tokens, "must be >= 1")
+    seqs = [s if isinstance(s, list) else list(s) for s in token_seqs]
+    n = len(seqs)
+    size = window if window is not None else max(n, 1)
+    rows: list[PlannedRow] = []
+    retention: list[Retention] = []
+    total = distinct = 0
+    for w, w0 in enumerate(range(0, n, size)):
+        idx = sorted(range(w0, min(w0 + size, n)), key=seqs.__getitem__)  # stable: equal rows keep input order
+        lcp = [0] * len(idx)
+        prev: list[int] = []
+        for k, i in enumerate(idx):
+            seq = seqs[i]
+            if k:
+                lcp[k] = common_prefix_len(prev, seq)
+            rows.append(PlannedRow(i, w0 + k, len(seq), lcp[k], w))
+            total += len(seq)
+            distinct += len(seq) - lcp[k]
+            prev = seq
+        retention.extend(_lcp_intervals(lcp, w0, min_shared_tokens))
+    retention.sort(key=lambda r: (r.first_order, r.prefix_len))
+    return Plan(tuple(rows), tuple(retention), total, distinct, windowed=n > size, window_size=window,
+                min_shared_tokens=min_shared_tokens, fingerprint=fingerprint(seqs))
+
+
+def to_json(p: Plan) -> dict[str, Any]:
+    """A JSON-able dict, column-wise (compact for 100k rows), saved with the checkpoints."""
+    return {
+        "version": JSON_VERSION,
+        "window_size": p.window_size,
+        "windowed": p.windowed,
+        "min_shared_tokens": p.min_shared_tokens,
+        "fingerprint": p.fingerprint,
+        "index": [r.index for r in p.rows],
+        "num_tokens": [r.num_tokens for r in p.rows],
+        "shared_prefix": [r.shared_prefix for r in p.rows],
+        "window": [r.window for r in p.rows],
+        "retention": {
+            "prefix_len": [r.prefix_len for r in p.retention],
+            "first_order": [r.first_order for r in p.retention],
+            "last_order": [r.last_order for r in p.retention],
+        },
+    }
+
+
+def from_json(d: dict[str, Any]) -> Plan:
+    if d.get("version") != JSON_VERSION:
+        raise InvalidRequestError("version", d.get("version"), f"plan JSON version must be {JSON_VERSION}")
+    cols = (d["index"], d["num_tokens"], d["shared_prefix"], d["window"])
+    if len({len(c) for c in cols}) > 1:
+        raise InvalidRequestError("rows", [len(c) for c in cols], "plan JSON row columns differ in length")
+    rows = tuple(PlannedRow(i, k, nt, sp, w) for k, (i, nt, sp, w) in enumerate(zip(*cols)))
+    ret = d["retention"]
+    retention = tuple(Retention(*t) for t in zip(ret["prefix_len"], ret["first_order"], ret["last_order"]))
+    total = sum(r.num_tokens for r in rows)
+    distinct = sum(r.new_tokens for r in rows)
+    return Plan(rows, retention, total, distinct, windowed=bool(d["windowed"]), window_size=d["window_size"],
+                min_shared_tokens=d["min_shared_tokens"], fingerprint=d["fingerprint"])
