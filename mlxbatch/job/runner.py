@@ -145,25 +145,33 @@ class JobRunner:
 
         try:
             while True:
-                while not exhausted and len(pending) < max_inflight and self._stop_signal is None:
-                    row = next(rows, None)
-                    if row is None:
-                        exhausted = True
-                        break
-                    prep = preparer.prepare(row)
-                    if prep.key in done:
-                        stats.skipped += 1
-                        bar.update(1)
-                        continue
-                    if prep.error is not None:
-                        finish(self._record(prep, None, loaded.identity, prep.error, prep.error_kind))
-                        continue
-                    try:
-                        core.add_request(prep.prompt, prep.params, request_id=prep.key)
-                    except InvalidRequestError as exc:
-                        finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "request"))
-                        continue
-                    pending[prep.key] = prep
+                if len(pending) <= max_inflight // 2 and not exhausted and self._stop_signal is None:
+                    # refill in windows (not row by row) so that each window can be submitted longest first:
+                    # neighbours of similar length batch their prefill with little padding
+                    window: list[tuple[PreparedRow, list[int]]] = []
+                    while len(pending) + len(window) < max_inflight:
+                        row = next(rows, None)
+                        if row is None:
+                            exhausted = True
+                            break
+                        prep = preparer.prepare(row)
+                        if prep.key in done:
+                            stats.skipped += 1
+                            bar.update(1)
+                        elif prep.error is not None:
+                            finish(self._record(prep, None, loaded.identity, prep.error, prep.error_kind))
+                        else:
+                            try:
+                                window.append((prep, core.encode(prep.prompt)))
+                            except InvalidRequestError as exc:
+                                finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "request"))
+                    for prep, ids in sorted(window, key=lambda w: -len(w[1])):
+                        try:
+                            core.add_request(ids, prep.params, request_id=prep.key)
+                        except InvalidRequestError as exc:
+                            finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "request"))
+                            continue
+                        pending[prep.key] = prep
                 if pending and self._stop_signal is None:
                     for delta in core.step():
                         if delta.output is not None and delta.request_id in pending:
