@@ -66,6 +66,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self._calm_steps = 0  # steps since the last out-of-memory failure
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -135,10 +136,21 @@ class Scheduler:
                 chunk.request.status = RequestStatus.DECODING
         for r in out.decodes:
             r.num_computed_tokens += 1
+        self._recover_limits()
         done = [r for r in self.running if r.status.finished]
         if done:
             self.running = [r for r in self.running if not r.status.finished]
         return done
+
+    def _recover_limits(self, calm: int = 64) -> None:
+        """After ``calm`` good steps since an out-of-memory failure, double the limits back towards the config's."""
+        if self._max_seqs >= self.config.max_num_seqs and self._budget >= self.config.kv_budget_bytes:
+            return
+        self._calm_steps += 1
+        if self._calm_steps >= calm:
+            self._calm_steps = 0
+            self._max_seqs = min(self.config.max_num_seqs, 2 * self._max_seqs)
+            self._budget = min(self.config.kv_budget_bytes, 2 * self._budget)
 
     def preempt_for_memory(self, failed: SchedulerOutput) -> list[Request]:
         """An allocation failed during ``failed``: shrink the batch and return whose KV must be dropped.
@@ -147,6 +159,7 @@ class Scheduler:
         prefilling in the failed step restart their prefill (their KV may be half-written).
         """
         self.num_preemptions += 1
+        self._calm_steps = 0
         keep = max(1, len(self.running) // 2)
         victims = self.running[keep:]
         self.running = self.running[:keep]

@@ -77,7 +77,7 @@ class JobRunner:
 
     def _input_spec(self) -> InputSpec:
         i = self.spec.input
-        return InputSpec(i.path, format=i.format, id_column=i.id_column)
+        return InputSpec(i.path, format=i.format, id_column=i.id_column, split=i.split)
 
     # -- run -------------------------------------------------------------------------------------------
     def run(self) -> RunResult:

@@ -43,6 +43,7 @@ class InputSection:
     format: str = "auto"
     id_column: str | None = None
     columns: tuple[str, ...] | None = None  # input columns to keep in the output (None: all)
+    split: str | None = None  # the split of a saved Hugging Face DatasetDict
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class JobSpec:
 _TOP = {"model", "input", "prompt", "sampling", "output", "checkpoint", "engine", "seed", "max_error_rate"}
 _SECTIONS: dict[str, set[str]] = {
     "model": {"path", "dtype", "adapter", "trust_remote_code"},
-    "input": {"path", "format", "id_column", "columns"},
+    "input": {"path", "format", "id_column", "columns", "split"},
     "prompt": {"template", "messages", "system", "chat_template"},
     "output": {"path"},
     "checkpoint": {"every_rows", "every_seconds"},
@@ -190,7 +191,8 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
         columns = None
     inp = InputSection(path=c.typed(i, "input", "path", str, ""), format=c.typed(i, "input", "format", str, "auto"),
                        id_column=c.typed(i, "input", "id_column", str, None),
-                       columns=tuple(columns) if columns is not None else None)
+                       columns=tuple(columns) if columns is not None else None,
+                       split=c.typed(i, "input", "split", str, None))
     if raw.get("input") is not None and not inp.path:
         c.bad("input.path", "required: a file, folder or glob")
     if inp.format not in _FORMATS:

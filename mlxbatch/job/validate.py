@@ -24,7 +24,8 @@ def validate_job(path: str | Path) -> JobSpec:
         renderer = PromptRenderer(spec.prompt)
     except RenderError as exc:
         raise JobSpecError(spec.source, [("prompt", str(exc))]) from exc
-    ispec = InputSpec(spec.input.path, format=spec.input.format, id_column=spec.input.id_column)
+    ispec = InputSpec(spec.input.path, format=spec.input.format, id_column=spec.input.id_column,
+                      split=spec.input.split)
     try:
         sources = resolve_inputs(ispec)
         rows = list(itertools.islice(open_reader(ispec), SAMPLE_ROWS))

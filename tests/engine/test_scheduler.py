@@ -103,3 +103,15 @@ def test_abort_removes_waiting_and_running():
     gone = s.abort(["a", "b"])
     assert {r.request_id for r in gone} == {"a", "b"} and not s.has_work
     assert a.status.finished and b.status.finished
+
+
+def test_limits_grow_back_after_calm_steps():
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, kv_budget_bytes=10**6), cost)
+    for i in range(4):
+        s.add(req(f"r{i}", 4, 500))
+    run_step(s)
+    s.preempt_for_memory(s.schedule())
+    assert s._max_seqs == 2 and s.kv_budget_bytes < 10**6
+    for _ in range(64 * 8):
+        run_step(s)
+    assert s._max_seqs == 8 and s.kv_budget_bytes == 10**6

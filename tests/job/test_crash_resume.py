@@ -36,6 +36,15 @@ def manifest_rows(out: Path) -> int:
         return 0
 
 
+def start_until(job: Path, out: Path, rows: int) -> subprocess.Popen:
+    """Start a run and return once at least ``rows`` rows are checkpointed (or it ended)."""
+    proc = start(job)
+    deadline = time.monotonic() + 120
+    while manifest_rows(out) < rows and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return proc
+
+
 def outputs(out: Path) -> dict[str, tuple]:
     rows = pq.read_table(out / "results.parquet").to_pylist()
     ids = [r["id"] for r in rows]
@@ -65,10 +74,7 @@ def test_kill_9_after_some_shards_then_resume(setup, tiny_model_path):
     job = _job(root, data, tiny_model_path, "kill-after-shards")
     out = job.parent / "out"
     for target in (20, 60):  # two crashes at different points
-        proc = start(job)
-        deadline = time.monotonic() + 120
-        while manifest_rows(out) < target and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+        proc = start_until(job, out, target)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert not (out / "_SUCCESS").exists()
@@ -98,9 +104,7 @@ def test_truncated_shard_is_detected_and_its_rows_redone(setup, tiny_model_path)
     root, data, expected = setup
     job = _job(root, data, tiny_model_path, "truncated")
     out = job.parent / "out"
-    proc = start(job)
-    while manifest_rows(out) < 30 and proc.poll() is None:
-        time.sleep(0.02)
+    proc = start_until(job, out, 30)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     shard = sorted((out / "shards").glob("shard-*.arrow"))[0]
@@ -115,9 +119,7 @@ def test_sigterm_finishes_the_shard_and_exits_cleanly(setup, tiny_model_path):
     root, data, expected = setup
     job = _job(root, data, tiny_model_path, "sigterm")
     out = job.parent / "out"
-    proc = start(job)
-    while manifest_rows(out) < 10 and proc.poll() is None:
-        time.sleep(0.02)
+    proc = start_until(job, out, 10)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     if proc.returncode == 0:  # it had already finished: nothing to interrupt
@@ -133,9 +135,7 @@ def test_status_reads_a_folder_while_a_run_holds_it(setup, tiny_model_path):
     root, data, _ = setup
     job = _job(root, data, tiny_model_path, "status-live")
     out = job.parent / "out"
-    proc = start(job)
-    while manifest_rows(out) < 10 and proc.poll() is None:
-        time.sleep(0.02)
+    proc = start_until(job, out, 10)
     st = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "status", str(out), "--json"], capture_output=True,
                         text=True)
     proc.communicate(timeout=120)

@@ -126,3 +126,16 @@ def test_too_many_errors_stop_the_job_and_keep_finished_rows(tmp_path, tiny_mode
     job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", max_error_rate=1.0)
     done = run(job).report
     assert done["rows"]["resumed"] == len(kept) and done["rows"]["output"] == 80
+
+
+def test_local_hf_dataset_with_a_chosen_split(tmp_path, tiny_model_path):
+    import datasets
+
+    rows = texts(6)
+    dd = datasets.DatasetDict({"validation": datasets.Dataset.from_list(rows[:4]),
+                               "test": datasets.Dataset.from_list(rows[4:])})
+    dd.save_to_disk(str(tmp_path / "ds"))
+    job = write_job(tmp_path, tiny_model_path, tmp_path / "ds", tmp_path / "out",
+                    input={"path": str(tmp_path / "ds"), "id_column": "id", "format": "hf", "split": "validation"})
+    run(job)
+    assert list(results(tmp_path / "out")) == [r["id"] for r in rows[:4]]
