@@ -20,6 +20,8 @@ class EngineConfig:
     prefill_chunk_size: int = 512
     kv_memory_fraction: float = 0.5
     kv_budget_bytes: int | None = None
+    prefix_cache: bool = True  # keep full prompt blocks' KV and start matching prompts from it
+    prefix_cache_bytes: int | None = None  # None: a quarter of the KV budget, at most 2 GiB
     seed: int | None = None  # engine-wide seed: unseeded requests derive theirs from it and their id
     warm_up: bool = True
 

@@ -63,12 +63,16 @@ class EngineCore:
         self.loaded = loaded
         self.worker = worker or Worker(loaded)
         budget = self.config.kv_budget_bytes or self.worker.kv_budget_bytes(self.config.kv_memory_fraction)
-        self.runner = ModelRunner(loaded.model, self.worker.geometry)
+        cache_bytes = 0
+        if self.config.prefix_cache:
+            cache_bytes = self.config.prefix_cache_bytes or min(budget // 4, 2 << 30)
+        self.runner = ModelRunner(loaded.model, self.worker.geometry, cache_bytes)
         step_tokens = self.config.max_num_batched_tokens or (2048 if self.worker.device.kind == "cpu" else 8192)
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, step_tokens,
                             self.config.prefill_chunk_size, budget),
             self.runner.kv_cost,
+            self.runner.lookup_prefix if self.runner.prefix is not None else None,
         )
         self._groups: dict[str, _Group] = {}
         self._seqs: dict[str, Request] = {}
@@ -215,6 +219,7 @@ class EngineCore:
     def stats(self) -> dict[str, Any]:
         return {"profile": self.runner.profile.as_dict(), "kv_budget_bytes": self.scheduler.kv_budget_bytes,
                 "kv_bytes": self.runner.kv_bytes, "preemptions": self.scheduler.num_preemptions,
+                "prefix_cache": self.runner.prefix.stats() if self.runner.prefix is not None else None,
                 "device": self.worker.device.kind}
 
 

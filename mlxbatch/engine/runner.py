@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxbatch.engine.kv_slots import SlotBatch
+from mlxbatch.engine.prefix_cache import PrefixCache, PrefixHit
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sampling import SampledToken, SampleRow, sample
 from mlxbatch.engine.scheduler import PrefillChunk, SchedulerOutput
@@ -96,13 +97,27 @@ def split_model(model: Any) -> SplitModel | None:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, geometry: KVGeometry) -> None:
+    def __init__(self, model: Any, geometry: KVGeometry, prefix_cache_bytes: int = 0) -> None:
         self.model = model
         self._split = split_model(model)
         self.geometry = geometry
+        dtype = getattr(mx, geometry.dtype)
         self.batch = SlotBatch(geometry.num_layers)
-        self.batch.allocate(geometry.kv_heads, geometry.head_dim, getattr(mx, geometry.dtype))
+        self.batch.allocate(geometry.kv_heads, geometry.head_dim, dtype)
+        self.prefix = (PrefixCache(geometry.num_layers, geometry.kv_heads, geometry.head_dim, dtype,
+                                   geometry.bytes_per_token, prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
+        self._hits: dict[str, PrefixHit] = {}  # looked up at admission, copied in at the first chunk
         self.profile = StepProfile()
+
+    def lookup_prefix(self, request: Request) -> int:
+        """Tokens of ``request`` whose KV the prefix cache holds (the scheduler starts its prefill there)."""
+        if self.prefix is None:
+            return 0
+        hit = self.prefix.lookup(request.tokens(0, request.num_tokens))
+        if hit is None:
+            return 0
+        self._hits[request.request_id] = hit
+        return hit.num_tokens
 
     def kv_cost(self, reserved_lengths: list[int]) -> int:
         return SlotBatch.cost_positions(reserved_lengths) * self.geometry.bytes_per_token
@@ -138,8 +153,15 @@ class ModelRunner:
         if out.prefills:
             t0 = time.perf_counter()
             for chunk in out.prefills:
-                if chunk.request.request_id not in batch:
-                    batch.add(chunk.request.request_id)
+                rid = chunk.request.request_id
+                if rid not in batch:
+                    hit = self._hits.pop(rid, None)
+                    if hit is not None and self.prefix is not None:
+                        batch.add(rid, self.prefix.kv(hit), hit.num_tokens)
+                        mx.eval(batch.kv_arrays())  # copied before the cache's blocks may be overwritten
+                        self.prefix.release(hit)
+                    else:
+                        batch.add(rid)
             groups = _pad_groups(out.prefills)
             # arrange once, before any forward: rows move by committed length, and this step's writes
             # are not committed yet
@@ -188,6 +210,10 @@ class ModelRunner:
             self.batch.advance(r.request_id, 1)
         for c in out.prefills:
             self.batch.advance(c.request.request_id, c.end - c.start)
+            if c.last and self.prefix is not None:  # offer the prompt's full blocks to later sequences
+                r = c.request
+                if r.num_prompt_tokens >= self.prefix.block_size:
+                    self.prefix.store(r.prompt_token_ids, self.batch.extract(r.request_id))
         # only after every length is committed (promotion moves rows by length), and in row order: a finished
         # prefill row already at the head of the prefill region joins the decode rows without moving
         done = {c.request.request_id for c in out.prefills if c.last}
@@ -197,6 +223,9 @@ class ModelRunner:
     def free(self, request_ids: list[str]) -> None:
         """Drop the KV of sequences that finished, were aborted or were preempted."""
         for rid in request_ids:
+            hit = self._hits.pop(rid, None)
+            if hit is not None and self.prefix is not None:
+                self.prefix.release(hit)
             if rid in self.batch:
                 self.batch.remove(rid)
         if request_ids:

@@ -21,6 +21,7 @@ from mlxbatch.engine.request import Request, RequestStatus
 log = logging.getLogger(__name__)
 
 KVCost = Callable[[list[int]], int]  # reserved lengths of the running sequences -> bytes
+PrefixLookup = Callable[[Request], int]  # a sequence being admitted -> tokens whose KV is cached
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cost: KVCost) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cost: KVCost, prefix_lookup: PrefixLookup | None = None) -> None:
         self.config = config
         self._kv_cost = kv_cost
+        self._prefix_lookup = prefix_lookup
         self._budget = config.kv_budget_bytes
         self._max_seqs = config.max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -115,6 +117,10 @@ class Scheduler:
                             nxt.request_id, cost, self._budget)
             self.waiting.popleft()
             nxt.status = RequestStatus.PREFILLING
+            if self._prefix_lookup is not None and nxt.num_computed_tokens == 0:
+                cached = self._prefix_lookup(nxt)  # the runner copies that KV in when it runs the first chunk
+                nxt.num_computed_tokens = cached
+                nxt.num_cached_tokens = max(nxt.num_cached_tokens, min(cached, nxt.num_prompt_tokens))
             self.running.append(nxt)
             reserved.append(nxt.reserved_tokens)
             chunk = self._chunk(nxt, budget)

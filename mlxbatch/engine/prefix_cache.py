@@ -1,0 +1,129 @@
+"""The prefix cache: KV of full prompt blocks, kept after their sequence moved on, found by content.
+
+Owns the block tensors (per layer, ``[blocks, kv_heads, block_size, head_dim]``, grown on demand up to the
+byte budget) and drives a ``BlockPool`` for the bookkeeping (ids, ref counts, chained-hash index, LRU).
+A new sequence whose prompt starts with cached blocks gets their KV copied into its slot and prefills only
+the rest; a sequence whose prefill finished offers its prompt's full blocks. Blocks are keyed by the hash of
+their whole prefix, so a block is reused only when every token before it matches too. A full cache evicts
+least recently used blocks; when nothing can be evicted it simply stores less: recomputing, never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxbatch.engine.kv_blocks import BlockPool, NoFreeBlocks, block_hashes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    block_ids: tuple[int, ...]  # retained until the copy into the slot is done
+    num_tokens: int
+
+
+class PrefixCache:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, bytes_per_token: int,
+                 budget_bytes: int, block_size: int = 16) -> None:
+        self.block_size = block_size
+        bytes_per_block = bytes_per_token * block_size
+        self.pool = BlockPool(max(1, budget_bytes // max(1, bytes_per_block)), block_size, bytes_per_block)
+        self._shape = (kv_heads, block_size, head_dim)
+        self._dtype = dtype
+        self._num_layers = num_layers
+        self._keys: list[mx.array] = []
+        self._values: list[mx.array] = []
+        self._capacity = 0
+        self.lookups = 0
+        self.tokens_reused = 0  # prompt tokens whose KV came from the cache
+
+    def _ensure(self, max_id: int) -> None:
+        if max_id < self._capacity:
+            return
+        cap = min(self.pool.num_blocks, max(64, 2 * self._capacity, max_id + 1))
+        for bufs in (self._keys, self._values):
+            if not bufs:
+                bufs.extend(mx.zeros((cap, *self._shape), self._dtype) for _ in range(self._num_layers))
+                continue
+            for i, old in enumerate(bufs):
+                grown = mx.zeros((cap, *self._shape), self._dtype)
+                grown[: old.shape[0]] = old
+                bufs[i] = grown
+        mx.eval(self._keys, self._values)
+        self._capacity = cap
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self._keys, *self._values))
+
+    def lookup(self, tokens: Sequence[int]) -> PrefixHit | None:
+        """The cached blocks a sequence can start from (at least one token is always left to compute)."""
+        usable = (len(tokens) - 1) // self.block_size * self.block_size
+        if usable <= 0:
+            return None
+        self.lookups += 1
+        ids = self.pool.match(block_hashes(tokens[:usable], self.block_size))
+        if not ids:
+            return None
+        self.tokens_reused += len(ids) * self.block_size
+        self.pool.retain(ids)
+        return PrefixHit(tuple(ids), len(ids) * self.block_size)
+
+    def kv(self, hit: PrefixHit) -> list[tuple[mx.array, mx.array]]:
+        """The hit's KV per layer, ``[1, H, tokens, D]``, ready for ``SlotBatch.add``."""
+        idx = mx.array(hit.block_ids, dtype=mx.int32)
+        out = []
+        for k, v in zip(self._keys, self._values):
+            kb, vb = k[idx], v[idx]  # [n, H, B, D]
+            n, H, B, D = kb.shape
+            out.append((kb.transpose(1, 0, 2, 3).reshape(1, H, n * B, D),
+                        vb.transpose(1, 0, 2, 3).reshape(1, H, n * B, D)))
+        return out
+
+    def release(self, hit: PrefixHit) -> None:
+        self.pool.release(list(hit.block_ids))
+
+    def store(self, tokens: Sequence[int], row_kv: list[tuple[mx.array, mx.array]]) -> int:
+        """Offer the full blocks of ``tokens`` whose KV (per layer ``[1, H, >=len, D]``) is ``row_kv``.
+
+        Returns how many new blocks were stored; already cached blocks are skipped.
+        """
+        full = len(tokens) // self.block_size
+        if full == 0:
+            return 0
+        hashes = block_hashes(tokens[: full * self.block_size], self.block_size)
+        known = len(self.pool.match(hashes))
+        new = hashes[known:]
+        if not new:
+            return 0
+        try:
+            ids = self.pool.allocate(len(new))
+        except NoFreeBlocks:
+            return 0  # everything is in use: keep computing instead
+        self._ensure(max(ids))
+        B = self.block_size
+        idx = mx.array(ids, dtype=mx.int32)
+        start, stop = known * B, (known + len(new)) * B
+        for layer, (k, v) in enumerate(row_kv):
+            H, D = k.shape[1], k.shape[3]
+            kb = k[0, :, start:stop, :].reshape(H, len(new), B, D).transpose(1, 0, 2, 3)
+            vb = v[0, :, start:stop, :].reshape(H, len(new), B, D).transpose(1, 0, 2, 3)
+            self._keys[layer][idx] = kb
+            self._values[layer][idx] = vb
+        mx.eval(self._keys, self._values)
+        stored = 0
+        for bid, h in zip(ids, new):
+            kept = self.pool.register(bid, h)
+            stored += kept == bid
+        self.pool.release(ids)  # cached, unreferenced: evictable when space is needed
+        return stored
+
+    def stats(self) -> dict[str, int]:
+        st = self.pool.stats
+        return {"lookups": self.lookups, "tokens_reused": self.tokens_reused, "blocks_cached": st.blocks_cached,
+                "evictions": st.evictions, "bytes_allocated": self.nbytes, "block_size": self.block_size}
