@@ -332,7 +332,8 @@ def engine_section(b: Bench) -> list[Table]:
 
 def engine_unique(b: Bench) -> list[Table]:
     a, C = b.args, b.concurrency
-    w = b.workload("unique", a.rows, max_tokens=a.max_tokens)
+    kw = {"max_tokens": a.max_tokens} if a.max_tokens else {}
+    w = b.workload(a.workload, a.rows, **kw)
     b0w = w.subset(wl.length_quantile_subset(w.prompts, a.b0_rows)) if a.b0_rows else None
     P = a.prefill_batch
     paths: dict[str, Callable[[], Run]] = {
@@ -340,8 +341,10 @@ def engine_unique(b: Bench) -> list[Table]:
         "B2": lambda: b.run_b1(w, C, P, sort=True, name="B2"),
         "engine": lambda: b.run_engine(w, max_num_seqs=C),
     }
+    if a.workload != "unique":  # the same engine without its prefix cache: what the cache itself buys
+        paths["engine-nocache"] = lambda: b.run_engine(w, name="engine-nocache", max_num_seqs=C, prefix_cache=False)
     warm = wl.Workload("warm-up", sorted(w.prompts, key=len)[:2], min(8, w.max_tokens))
-    log(f"unique: {w.rows} rows, {w.prompt_tokens} prompt tokens, {w.max_tokens} new tokens each; "
+    log(f"{w.name}: {w.rows} rows, {w.prompt_tokens} prompt tokens, {w.max_tokens} new tokens each; "
         f"concurrency {C}; warming up")
     b.run_b1(warm, C, P)
     b.run_engine(warm, max_num_seqs=C)
@@ -355,8 +358,8 @@ def engine_unique(b: Bench) -> list[Table]:
     ref = b1.median.tokens
     n_cmp = w.max_tokens
     tab = Table(
-        f"unique: {w.rows} rows, prompts {w.meta['min_len']}-{w.meta['max_len']} tokens "
-        f"({w.prompt_tokens} in all), {w.max_tokens} new tokens, greedy, EOS ignored, concurrency {C}",
+        f"{w.name}: {w.rows} rows, {w.prompt_tokens} prompt tokens (distinct-trie floor {w.trie_floor}), "
+        f"{w.max_tokens} new tokens, greedy, EOS ignored, concurrency {C}",
         ["path", "rows", "wall s", "rows/s", "gen tok/s", "x B1", "x B0", "x B2", "MLX peak MB",
          "MLX over start MB", "mem x B1", "RSS peak MB", "agree vs B1"],
     )
@@ -394,19 +397,22 @@ def engine_unique(b: Bench) -> list[Table]:
         tab.notes.append(f"WARNING: some rows did not generate {w.max_tokens} tokens: {sorted(set(short))}")
 
     # where the time goes
-    split = Table("unique: where the time goes (median run, seconds)",
+    split = Table(f"{w.name}: where the time goes (median run, seconds)",
                   ["path", "wall", "prefill", "decode fwd", "sampling", "other (host)", "steps", "prefill tok",
-                   "decode tok"])
+                   "prefill / floor", "decode tok"])
     for name in ("B1", "B2"):
         e = res[name].median.extra
         split.rows.append([name, res[name].median.wall_s, e["prompt_s"], e["decode_s"], None,
                            max(0.0, res[name].median.wall_s - e["prompt_s"] - e["decode_s"]),
-                           e["generation_steps"], w.prompt_tokens, res[name].median.gen_tokens])
+                           e["generation_steps"], w.prompt_tokens, ratio(w.prompt_tokens, w.trie_floor),
+                           res[name].median.gen_tokens])
+    for name in [n for n in res if n.startswith("engine")]:
+        run = res[name].median
+        p = run.extra["profile"]
+        split.rows.append([name, run.wall_s, p["prefill_s"], p["decode_s"], p["sampling_s"],
+                           max(0.0, run.wall_s - p["prefill_s"] - p["decode_s"] - p["sampling_s"]), p["steps"],
+                           p["prefill_tokens"], ratio(p["prefill_tokens"], w.trie_floor), p["decode_tokens"]])
     run = res["engine"].median
-    p = run.extra["profile"]
-    split.rows.append(["engine", run.wall_s, p["prefill_s"], p["decode_s"], p["sampling_s"],
-                       max(0.0, run.wall_s - p["prefill_s"] - p["decode_s"] - p["sampling_s"]), p["steps"],
-                       p["prefill_tokens"], p["decode_tokens"]])
     split.notes += [
         "mlx-lm: BatchStats prompt_time / decode_time (its decode step includes sampling); other = wall minus both.",
         "engine: StepProfile (stats()['profile']); other = wall minus prefill, decode and sampling (scheduling, "
@@ -535,7 +541,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cache-dir", default="~/.cache/mlxbatch/bench", help="where random models are built")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     ap.add_argument("--rows", type=int, default=256, help="rows of the main workload (default 256)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per row (default 64)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="new tokens per row (default: the workload's: unique 64, label 32, fewshot 8, chat 32)")
+    ap.add_argument("--workload", default="unique", choices=["unique", "label", "fewshot", "chat"],
+                    help="engine section workload (default unique; others add engine-nocache)")
     ap.add_argument("--b0-rows", type=int, default=16, help="rows B0 runs (default 16; 0 skips B0)")
     ap.add_argument("--concurrency", type=int, default=None,
                     help="engine max_num_seqs = B1 completion_batch_size (default 32 on CPU, 256 on GPU)")
