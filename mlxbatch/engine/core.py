@@ -73,6 +73,7 @@ class EngineCore:
                             self.config.prefill_chunk_size, budget),
             self.runner.kv_cost,
             self.runner.lookup_prefix if self.runner.prefix is not None else None,
+            self.runner.prefix_in_progress if self.runner.prefix is not None else None,
         )
         self._groups: dict[str, _Group] = {}
         self._seqs: dict[str, Request] = {}

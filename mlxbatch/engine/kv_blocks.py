@@ -228,6 +228,10 @@ class BlockPool:
         self._hits += len(ids)
         return ids
 
+    def has(self, block_hash: int) -> bool:
+        """Whether a block with this chained hash is cached (no side effects)."""
+        return block_hash in self._index
+
     def evict(self, block_id: int) -> bool:
         """Drop a cached block from the index now (the planner's "prefix no longer needed").
 

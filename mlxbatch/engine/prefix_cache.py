@@ -61,6 +61,20 @@ class PrefixCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (*self._keys, *self._values))
 
+    def hashes(self, tokens: Sequence[int]) -> list[int]:
+        """Chained hashes of the blocks a lookup of ``tokens`` can use (full blocks, one token left over)."""
+        usable = (len(tokens) - 1) // self.block_size * self.block_size
+        return block_hashes(tokens[:usable], self.block_size) if usable > 0 else []
+
+    def cached_blocks(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``hashes`` are cached (does not count as a lookup)."""
+        n = 0
+        for h in hashes:
+            if not self.pool.has(h):
+                break
+            n += 1
+        return n
+
     def lookup(self, tokens: Sequence[int]) -> PrefixHit | None:
         """The cached blocks a sequence can start from (at least one token is always left to compute)."""
         usable = (len(tokens) - 1) // self.block_size * self.block_size

@@ -9,6 +9,7 @@ succeeded, so a failed (out-of-memory) step leaves nothing half-counted.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -107,17 +108,42 @@ class ModelRunner:
         self.prefix = (PrefixCache(geometry.num_layers, geometry.kv_heads, geometry.head_dim, dtype,
                                    geometry.bytes_per_token, prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
         self._hits: dict[str, PrefixHit] = {}  # looked up at admission, copied in at the first chunk
+        # block hashes that admitted sequences are computing now (cached once their prefill ends)
+        self._computing: dict[str, list[int]] = {}
+        self._computing_count: collections.Counter[int] = collections.Counter()
         self.profile = StepProfile()
 
     def lookup_prefix(self, request: Request) -> int:
         """Tokens of ``request`` whose KV the prefix cache holds (the scheduler starts its prefill there)."""
         if self.prefix is None:
             return 0
-        hit = self.prefix.lookup(request.tokens(0, request.num_tokens))
+        tokens = request.tokens(0, request.num_tokens)
+        hit = self.prefix.lookup(tokens)
+        hashes = self.prefix.hashes(tokens)
+        self._computing[request.request_id] = hashes
+        self._computing_count.update(hashes)
         if hit is None:
             return 0
         self._hits[request.request_id] = hit
         return hit.num_tokens
+
+    def prefix_in_progress(self, request: Request) -> bool:
+        """Whether an admitted sequence is computing the next blocks of ``request``'s prefix right now.
+
+        Admitting it later (once those blocks are cached) computes a shared prefix once instead of once per
+        sequence admitted in the meantime.
+        """
+        if self.prefix is None or not self._computing_count:
+            return False
+        hashes = self.prefix.hashes(request.tokens(0, request.num_tokens))
+        cached = self.prefix.cached_blocks(hashes)
+        return cached < len(hashes) and self._computing_count[hashes[cached]] > 0
+
+    def _done_computing(self, rid: str) -> None:
+        hashes = self._computing.pop(rid, None)
+        if hashes:
+            self._computing_count.subtract(hashes)
+            self._computing_count += collections.Counter()  # drop zero counts
 
     def kv_cost(self, reserved_lengths: list[int]) -> int:
         return SlotBatch.cost_positions(reserved_lengths) * self.geometry.bytes_per_token
@@ -214,6 +240,7 @@ class ModelRunner:
                 r = c.request
                 if r.num_prompt_tokens >= self.prefix.block_size:
                     self.prefix.store(r.prompt_token_ids, self.batch.extract(r.request_id))
+                self._done_computing(r.request_id)
         # only after every length is committed (promotion moves rows by length), and in row order: a finished
         # prefill row already at the head of the prefill region joins the decode rows without moving
         done = {c.request.request_id for c in out.prefills if c.last}
@@ -223,6 +250,7 @@ class ModelRunner:
     def free(self, request_ids: list[str]) -> None:
         """Drop the KV of sequences that finished, were aborted or were preempted."""
         for rid in request_ids:
+            self._done_computing(rid)
             hit = self._hits.pop(rid, None)
             if hit is not None and self.prefix is not None:
                 self.prefix.release(hit)

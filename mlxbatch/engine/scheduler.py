@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 KVCost = Callable[[list[int]], int]  # reserved lengths of the running sequences -> bytes
 PrefixLookup = Callable[[Request], int]  # a sequence being admitted -> tokens whose KV is cached
+PrefixPending = Callable[[Request], bool]  # is an admitted sequence computing this one's next prefix blocks?
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cost: KVCost, prefix_lookup: PrefixLookup | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cost: KVCost, prefix_lookup: PrefixLookup | None = None,
+                 prefix_pending: PrefixPending | None = None) -> None:
         self.config = config
         self._kv_cost = kv_cost
         self._prefix_lookup = prefix_lookup
+        self._prefix_pending = prefix_pending
         self._budget = config.kv_budget_bytes
         self._max_seqs = config.max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -109,6 +112,8 @@ class Scheduler:
         reserved = [r.reserved_tokens for r in self.running]
         while self.waiting and budget > 0 and len(self.running) < self._max_seqs:
             nxt = self.waiting[0]
+            if self.running and self._prefix_pending is not None and self._prefix_pending(nxt):
+                break  # its shared prefix is being computed: admit it once that KV is cached
             cost = self._kv_cost(reserved + [nxt.reserved_tokens])
             if cost > self._budget and self.running:
                 break  # it waits for memory; an empty engine admits it anyway (nothing else can free)

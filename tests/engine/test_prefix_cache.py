@@ -47,10 +47,9 @@ def test_label_job_prefill_approaches_the_distinct_token_floor(tiny_loaded):
     _, stats = run(tiny_loaded, prompts, cache=True, max_num_seqs=8)
     floor = plan(prompts).distinct_tokens
     computed = stats["profile"]["prefill_tokens"]
-    # rows admitted together before the first prefill finished recompute the prefix (up to max_num_seqs of
-    # them) and every row recomputes its partial last block; the planner issue closes this gap
-    assert computed < sum(map(len, prompts)) * 0.5
-    assert computed >= floor
+    # rows wait for a shared prefix being computed instead of recomputing it; what is left above the floor is
+    # block granularity: each row recomputes the shared tokens of its last, partial block (< 16 each)
+    assert floor <= computed <= floor + len(prompts) * 15
 
 
 def test_different_prefixes_never_share_and_a_tiny_cache_degrades_to_recomputing(tiny_loaded):
