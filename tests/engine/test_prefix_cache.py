@@ -24,7 +24,19 @@ def fewshot_like(n: int, seed: int = 1) -> list[list[int]]:
 
 def run(loaded, prompts, cache: bool, **cfg):
     eng = Engine(loaded, EngineConfig(prefix_cache=cache, warm_up=False, **cfg))
+    if cache:  # the block pool's invariants hold after every engine step
+        step = eng.core.step
+
+        def checked_step():
+            out = step()
+            eng.core.runner.prefix.pool.check_integrity()
+            return out
+
+        eng.core.step = checked_step
     outs = eng.generate(prompts, GREEDY)
+    if cache:
+        pool = eng.core.runner.prefix.pool
+        assert pool.stats.blocks_referenced == 0  # every hit was released after its copy
     return outs, eng.stats()
 
 
