@@ -213,6 +213,13 @@ class SlotBatch:
         layers = len(self._keys)
         return [(copies[i][None], copies[layers + i][None]) for i in range(layers)]
 
+    def row_view(self, request_id: str) -> list[tuple[mx.array, mx.array]]:
+        """Lazy slices of one row's KV, per layer ``[1, H, length, D]``: evaluate them before the next forward
+        (a pending slice keeps the buffer referenced, so the forward's in-place write would copy it whole)."""
+        row = self.ids.index(request_id)
+        n = self.lengths[row]
+        return [(k[row : row + 1, :, :n, :], v[row : row + 1, :, :n, :]) for k, v in zip(self._keys, self._values)]
+
     # -- forward -------------------------------------------------------------------------------
     def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]]) -> mx.array:
         """Run rows ``[start, start+len(tokens))`` over their new tokens; returns each row's last output.

@@ -39,6 +39,7 @@ class PrefixCache:
         self._keys: list[mx.array] = []
         self._values: list[mx.array] = []
         self._capacity = 0
+        self._dirty = False
         self.lookups = 0
         self.tokens_reused = 0  # prompt tokens whose KV came from the cache
 
@@ -129,13 +130,19 @@ class PrefixCache:
             vb = v[0, :, start:stop, :].reshape(H, len(new), B, D).transpose(1, 0, 2, 3)
             self._keys[layer][idx] = kb
             self._values[layer][idx] = vb
-        mx.eval(self._keys, self._values)
+        self._dirty = True  # evaluated by flush(), once for every store of a step
         stored = 0
         for bid, h in zip(ids, new):
             kept = self.pool.register(bid, h)
             stored += kept == bid
         self.pool.release(ids)  # cached, unreferenced: evictable when space is needed
         return stored
+
+    def flush(self) -> None:
+        """Evaluate pending stores (their sources are lazy views of the running batch's slots)."""
+        if self._dirty:
+            mx.eval(self._keys, self._values)
+            self._dirty = False
 
     def stats(self) -> dict[str, int]:
         st = self.pool.stats

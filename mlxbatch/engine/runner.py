@@ -178,16 +178,20 @@ class ModelRunner:
             logits.append(step_logits)
         if out.prefills:
             t0 = time.perf_counter()
+            copied: list[PrefixHit] = []
             for chunk in out.prefills:
                 rid = chunk.request.request_id
                 if rid not in batch:
                     hit = self._hits.pop(rid, None)
                     if hit is not None and self.prefix is not None:
                         batch.add(rid, self.prefix.kv(hit), hit.num_tokens)
-                        mx.eval(batch.kv_arrays())  # copied before the cache's blocks may be overwritten
-                        self.prefix.release(hit)
+                        copied.append(hit)
                     else:
                         batch.add(rid)
+            if copied and self.prefix is not None:
+                mx.eval(batch.kv_arrays())  # one sync for every copy-in, before the blocks may be reused
+                for hit in copied:
+                    self.prefix.release(hit)
             groups = _pad_groups(out.prefills)
             # arrange once, before any forward: rows move by committed length, and this step's writes
             # are not committed yet
@@ -239,8 +243,10 @@ class ModelRunner:
             if c.last and self.prefix is not None:  # offer the prompt's full blocks to later sequences
                 r = c.request
                 if r.num_prompt_tokens >= self.prefix.block_size:
-                    self.prefix.store(r.prompt_token_ids, self.batch.extract(r.request_id))
+                    self.prefix.store(r.prompt_token_ids, self.batch.row_view(r.request_id))
                 self._done_computing(r.request_id)
+        if self.prefix is not None:
+            self.prefix.flush()  # one sync for every store of the step, before the slots are written again
         # only after every length is committed (promotion moves rows by length), and in row order: a finished
         # prefill row already at the head of the prefill region joins the decode rows without moving
         done = {c.request.request_id for c in out.prefills if c.last}
