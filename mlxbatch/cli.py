@@ -1,4 +1,4 @@
-"""The command line: ``mlxbatch run | validate | status | generate | info``.
+"""The command line: ``mlxbatch run | validate | plan | status | generate | info``.
 
 Owns process-level concerns only: logging set-up (once, here), exit codes and messages. Exit codes: 0 done,
 1 error, 2 invalid job file, 3 too many row errors, 130 interrupted (resume by running the same command).
@@ -77,6 +77,27 @@ def validate(job_file: Path) -> None:
         click.echo(f"mlxbatch: {exc}", err=True)
         sys.exit(EXIT_INVALID)
     click.echo(f"{job_file}: ok (model {spec.model.path}, input {spec.input.path}, output {spec.output})")
+
+
+@main.command("plan")
+@click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--window", default=200_000, show_default=True, help="Plan jobs larger than this in windows of rows.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan report as JSON.")
+def plan_cmd(job_file: Path, window: int, as_json: bool) -> None:
+    """Dry run: tokenize JOB_FILE's prompts and plan the run, without loading model weights."""
+    from mlxbatch.job.plan import as_dict, plan_job
+    from mlxbatch.job.spec import JobSpecError
+    from mlxbatch.job.validate import validate_job
+
+    try:
+        report = plan_job(validate_job(job_file), window=window)
+    except JobSpecError as exc:
+        click.echo(f"mlxbatch: {exc}", err=True)
+        sys.exit(EXIT_INVALID)
+    except MlxbatchError as exc:
+        click.echo(f"mlxbatch: {exc}", err=True)
+        sys.exit(1)
+    click.echo(json.dumps(as_dict(report), indent=2) if as_json else report.summary())
 
 
 @main.command()

@@ -56,6 +56,25 @@ class _Group:
                              cached_tokens=first.num_cached_tokens)
 
 
+def encode_prompt(tok: Any, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt with tokenizer ``tok``: text, token ids, or chat messages (the chat template)."""
+    if isinstance(prompt, str):
+        return list(tok.encode(prompt))
+    items = list(prompt)
+    if items and all(isinstance(m, dict) for m in items):
+        if getattr(tok, "chat_template", None) is None:
+            raise InvalidRequestError("prompt", "<messages>", "the model's tokenizer has no chat template")
+        try:
+            ids = tok.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:
+            raise InvalidRequestError("prompt", "<messages>", f"chat template failed: {exc}") from exc
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [int(t) for t in items]
+    raise InvalidRequestError("prompt", type(prompt).__name__,
+                              "expected a string, a list of token ids or a list of chat messages")
+
+
 class EngineCore:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  worker: Worker | None = None) -> None:
@@ -88,22 +107,7 @@ class EngineCore:
     # -- submission ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text, token ids, or chat messages (rendered with the chat template)."""
-        tok = self.loaded.tokenizer
-        if isinstance(prompt, str):
-            return list(tok.encode(prompt))
-        items = list(prompt)
-        if items and all(isinstance(m, dict) for m in items):
-            if getattr(tok, "chat_template", None) is None:
-                raise InvalidRequestError("prompt", "<messages>", "the model's tokenizer has no chat template")
-            try:
-                ids = tok.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
-            except Exception as exc:
-                raise InvalidRequestError("prompt", "<messages>", f"chat template failed: {exc}") from exc
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            return [int(t) for t in items]
-        raise InvalidRequestError("prompt", type(prompt).__name__,
-                                  "expected a string, a list of token ids or a list of chat messages")
+        return encode_prompt(self.loaded.tokenizer, prompt)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = False) -> str:

@@ -1,0 +1,97 @@
+"""``mlxbatch plan``: a dry run that tokenizes a job's prompts and plans it, without loading model weights.
+
+Owns the plan report: rows, prompt tokens, the distinct-trie-token floor (the least prefill any order can do),
+the expected prefill saving, and the peak KV the plan retains for shared prefixes. Rows are kept as compact
+``array('i')`` token sequences (4 bytes a token), and jobs larger than ``window`` rows are planned window by window.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxbatch.engine.core import encode_prompt
+from mlxbatch.engine.loader import resolve_path
+from mlxbatch.engine.planner import plan
+from mlxbatch.errors import InvalidRequestError
+from mlxbatch.io import InputFormat, InputSpec, open_reader, resolve_inputs
+from mlxbatch.job.prepare import RowPreparer
+from mlxbatch.job.spec import JobSpec
+
+DEFAULT_WINDOW = 200_000
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    rows: int
+    planned_rows: int
+    skipped_rows: int  # rows that cannot run (input or render errors, prompts the tokenizer rejects)
+    prompt_tokens: int
+    distinct_tokens: int
+    saving: float
+    peak_retained_tokens: int
+    kv_bytes_per_token: int
+    windowed: bool
+    window: int
+    seconds: float
+
+    @property
+    def peak_retained_bytes(self) -> int:
+        return self.peak_retained_tokens * self.kv_bytes_per_token
+
+    def summary(self) -> str:
+        return "\n".join([
+            f"rows: {self.rows} ({self.planned_rows} planned, {self.skipped_rows} would be error rows)",
+            f"prompt tokens: {self.prompt_tokens}",
+            f"distinct trie tokens (prefill floor): {self.distinct_tokens}",
+            f"expected prefill saving: {self.saving:.1%} (prefill {self.distinct_tokens} instead of "
+            f"{self.prompt_tokens} tokens)",
+            f"peak shared-prefix KV retained: {self.peak_retained_tokens} tokens "
+            f"({self.peak_retained_bytes / 2**20:.1f} MiB at {self.kv_bytes_per_token} bytes/token, float32)",
+            f"planned {'in windows of ' + str(self.window) + ' rows' if self.windowed else 'whole'} "
+            f"in {self.seconds:.1f} s",
+        ])
+
+
+def _kv_bytes_per_token(model_dir: Path) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = int(cfg.get("num_attention_heads", 1))
+    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // max(1, heads))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return 2 * int(cfg.get("num_hidden_layers", 0)) * kv_heads * head_dim * 4
+
+
+def plan_job(spec: JobSpec, window: int = DEFAULT_WINDOW) -> PlanReport:
+    from mlx_lm.utils import load_tokenizer  # tokenizer files only: no weights are read
+
+    t0 = time.perf_counter()
+    model_dir = Path(resolve_path(spec.model.path))
+    tok = load_tokenizer(model_dir)
+    ispec = InputSpec(spec.input.path, format=spec.input.format, id_column=spec.input.id_column, split=spec.input.split)
+    openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(ispec))
+    preparer = RowPreparer(spec, "plan", openai)
+    seqs: list[array[int]] = []
+    rows = skipped = 0
+    for row in open_reader(ispec):
+        rows += 1
+        prep = preparer.prepare(row)
+        if prep.error is not None or prep.prompt is None:
+            skipped += 1
+            continue
+        try:
+            seqs.append(array("i", encode_prompt(tok, prep.prompt)))
+        except InvalidRequestError:
+            skipped += 1
+    p = plan(seqs, window=window if len(seqs) > window else None)
+    return PlanReport(rows, len(seqs), skipped, p.total_tokens, p.distinct_tokens, p.saving,
+                      p.peak_retained_tokens(), _kv_bytes_per_token(model_dir), p.windowed, window,
+                      time.perf_counter() - t0)
+
+
+def as_dict(r: PlanReport) -> dict[str, Any]:
+    return {**{k: getattr(r, k) for k in r.__dataclass_fields__}, "peak_retained_bytes": r.peak_retained_bytes}

@@ -1,0 +1,34 @@
+"""``mlxbatch plan``: the dry run tokenizes and plans without model weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from click.testing import CliRunner
+from jobkit import write_job, write_jsonl
+
+from mlxbatch.cli import main
+
+
+def test_plan_reports_the_floor_without_weights(tmp_path, tiny_model_path):
+    no_weights = tmp_path / "tokenizer-only"
+    no_weights.mkdir()
+    for f in tiny_model_path.iterdir():
+        if f.suffix in (".json", ".jinja"):
+            shutil.copy(f, no_weights / f.name)
+    assert not list(no_weights.glob("*.safetensors"))
+    instruction = "Label the following text as alpha or beta, carefully and with care. " * 4
+    rows = [{"id": f"r{i}", "text": f"item number {i} " * (1 + i % 3)} for i in range(40)]
+    rows.append({"id": "bad"})  # a render error: counted, not planned
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    job = write_job(tmp_path, no_weights, data, tmp_path / "out",
+                    prompt={"template": instruction + "{{ text }}"})
+    res = CliRunner().invoke(main, ["plan", str(job), "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    assert rep["rows"] == 41 and rep["planned_rows"] == 40 and rep["skipped_rows"] == 1
+    assert rep["distinct_tokens"] < rep["prompt_tokens"] * 0.5 and rep["saving"] > 0.5
+    assert rep["peak_retained_tokens"] >= 16 and rep["kv_bytes_per_token"] > 0
+    text = CliRunner().invoke(main, ["plan", str(job)]).output
+    assert "distinct trie tokens (prefill floor)" in text and "expected prefill saving" in text
