@@ -1,8 +1,10 @@
 """``mlxbatch plan``: a dry run that tokenizes a job's prompts and plans it, without loading model weights.
 
 Owns the plan report: rows, prompt tokens, the distinct-trie-token floor (the least prefill any order can do),
-the expected prefill saving, and the peak KV the plan retains for shared prefixes. Rows are kept as compact
-``array('i')`` token sequences (4 bytes a token), and jobs larger than ``window`` rows are planned window by window.
+the expected prefill saving, and the peak KV the plan retains for shared prefixes. Prompts are rendered one by one
+and tokenized in large batches through the fast tokenizer, exactly as the engine would tokenize them (text prompts
+with the tokenizer's special tokens, chat renders without). Rows are kept as compact ``array('i')`` token sequences
+(4 bytes a token), and jobs larger than ``window`` rows are planned window by window.
 """
 
 from __future__ import annotations
@@ -14,15 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.engine.core import encode_prompt
 from mlxbatch.engine.loader import resolve_path
 from mlxbatch.engine.planner import plan
-from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io import InputFormat, InputSpec, open_reader, resolve_inputs
 from mlxbatch.job.prepare import RowPreparer
 from mlxbatch.job.spec import JobSpec
 
 DEFAULT_WINDOW = 200_000
+TOKENIZE_BATCH = 4096
 
 
 @dataclass(frozen=True)
@@ -77,16 +78,33 @@ def plan_job(spec: JobSpec, window: int = DEFAULT_WINDOW) -> PlanReport:
     preparer = RowPreparer(spec, "plan", openai)
     seqs: list[array[int]] = []
     rows = skipped = 0
+    batch: list[tuple[str, bool]] = []  # (text, add_special_tokens) as the engine would encode it
+
+    def flush() -> None:
+        for special in (True, False):  # text prompts get the tokenizer's specials; chat renders carry their own
+            texts = [t for t, sp in batch if sp is special]
+            if texts:
+                ids = hf(texts, add_special_tokens=special)["input_ids"]  # one Rust call, all cores
+                seqs.extend(array("i", x) for x in ids)
+        batch.clear()
+
+    hf = tok._tokenizer  # the Hugging Face fast tokenizer inside mlx-lm's wrapper
     for row in open_reader(ispec):
         rows += 1
         prep = preparer.prepare(row)
         if prep.error is not None or prep.prompt is None:
             skipped += 1
             continue
-        try:
-            seqs.append(array("i", encode_prompt(tok, prep.prompt)))
-        except InvalidRequestError:
-            skipped += 1
+        if isinstance(prep.prompt, str):
+            batch.append((prep.prompt, True))
+        else:
+            try:
+                batch.append((tok.apply_chat_template(prep.prompt, add_generation_prompt=True, tokenize=False), False))
+            except Exception:  # the engine would reject it: an error row, not part of the plan
+                skipped += 1
+        if len(batch) >= TOKENIZE_BATCH:
+            flush()
+    flush()
     p = plan(seqs, window=window if len(seqs) > window else None)
     return PlanReport(rows, len(seqs), skipped, p.total_tokens, p.distinct_tokens, p.saving,
                       p.peak_retained_tokens(), _kv_bytes_per_token(model_dir), p.windowed, window,

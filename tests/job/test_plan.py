@@ -32,3 +32,24 @@ def test_plan_reports_the_floor_without_weights(tmp_path, tiny_model_path):
     assert rep["peak_retained_tokens"] >= 16 and rep["kv_bytes_per_token"] > 0
     text = CliRunner().invoke(main, ["plan", str(job)]).output
     assert "distinct trie tokens (prefill floor)" in text and "expected prefill saving" in text
+
+
+def test_plan_tokenizes_exactly_as_the_engine(tmp_path, tiny_model_path, tiny_loaded):
+    from mlxbatch.engine.core import encode_prompt
+    from mlxbatch.job.plan import plan_job
+    from mlxbatch.job.prepare import RowPreparer
+    from mlxbatch.job.validate import validate_job
+
+    rows = [{"id": f"r{i}", "text": f"row {i}: " + "word " * (i % 7)} for i in range(30)]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    for prompt in ({"template": "Say: {{ text }}"},
+                   {"template": None, "system": "Be brief.", "messages": [{"role": "user", "content": "{{ text }}"}]}):
+        job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", prompt=prompt)
+        spec = validate_job(job)
+        report = plan_job(spec)
+        prep = RowPreparer(spec, "x")
+        from mlxbatch.io import InputSpec, open_reader
+
+        expected = sum(len(encode_prompt(tiny_loaded.tokenizer, prep.prepare(r).prompt))
+                       for r in open_reader(InputSpec(str(data), id_column="id")))
+        assert report.prompt_tokens == expected
