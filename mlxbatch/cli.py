@@ -81,7 +81,7 @@ def validate(job_file: Path) -> None:
 
 @main.command("plan")
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--window", default=200_000, show_default=True, help="Plan jobs larger than this in windows of rows.")
+@click.option("--window", default=100_000, show_default=True, help="Plan jobs larger than this in windows of rows.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan report as JSON.")
 def plan_cmd(job_file: Path, window: int, as_json: bool) -> None:
     """Dry run: tokenize JOB_FILE's prompts and plan the run, without loading model weights."""

@@ -4,7 +4,8 @@ Owns the plan report: rows, prompt tokens, the distinct-trie-token floor (the le
 the expected prefill saving, and the peak KV the plan retains for shared prefixes. Prompts are rendered one by one
 and tokenized in large batches through the fast tokenizer, exactly as the engine would tokenize them (text prompts
 with the tokenizer's special tokens, chat renders without). Rows are kept as compact ``array('i')`` token sequences
-(4 bytes a token), and jobs larger than ``window`` rows are planned window by window.
+(4 bytes a token); jobs larger than ``window`` rows are planned window by window while the input is read, so
+memory holds one window, whatever the job's size.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mlxbatch.io import InputFormat, InputSpec, open_reader, resolve_inputs
 from mlxbatch.job.prepare import RowPreparer
 from mlxbatch.job.spec import JobSpec
 
-DEFAULT_WINDOW = 200_000
+DEFAULT_WINDOW = 100_000
 TOKENIZE_BATCH = 4096
 
 
@@ -77,7 +78,17 @@ def plan_job(spec: JobSpec, window: int = DEFAULT_WINDOW) -> PlanReport:
     openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(ispec))
     preparer = RowPreparer(spec, "plan", openai)
     seqs: list[array[int]] = []
-    rows = skipped = 0
+    rows = skipped = planned = windows = total = distinct = peak = 0
+
+    def plan_window(n: int) -> None:
+        """Plan the first ``n`` pending rows as one window and drop them: memory stays one window deep."""
+        nonlocal planned, windows, total, distinct, peak
+        p = plan(seqs[:n])
+        del seqs[:n]
+        planned, windows = planned + n, windows + 1
+        total, distinct = total + p.total_tokens, distinct + p.distinct_tokens
+        peak = max(peak, p.peak_retained_tokens())
+
     batch: list[tuple[str, bool]] = []  # (text, add_special_tokens) as the engine would encode it
 
     def flush() -> None:
@@ -104,11 +115,14 @@ def plan_job(spec: JobSpec, window: int = DEFAULT_WINDOW) -> PlanReport:
                 skipped += 1
         if len(batch) >= TOKENIZE_BATCH:
             flush()
+            while len(seqs) >= window:
+                plan_window(window)
     flush()
-    p = plan(seqs, window=window if len(seqs) > window else None)
-    return PlanReport(rows, len(seqs), skipped, p.total_tokens, p.distinct_tokens, p.saving,
-                      p.peak_retained_tokens(), _kv_bytes_per_token(model_dir), p.windowed, window,
-                      time.perf_counter() - t0)
+    while seqs:
+        plan_window(min(window, len(seqs)))
+    saving = 1 - distinct / total if total else 0.0
+    return PlanReport(rows, planned, skipped, total, distinct, saving, peak, _kv_bytes_per_token(model_dir),
+                      windows > 1, window, time.perf_counter() - t0)
 
 
 def as_dict(r: PlanReport) -> dict[str, Any]:

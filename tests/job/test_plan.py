@@ -53,3 +53,17 @@ def test_plan_tokenizes_exactly_as_the_engine(tmp_path, tiny_model_path, tiny_lo
         expected = sum(len(encode_prompt(tiny_loaded.tokenizer, prep.prepare(r).prompt))
                        for r in open_reader(InputSpec(str(data), id_column="id")))
         assert report.prompt_tokens == expected
+
+
+def test_windowed_plan_sums_its_windows(tmp_path, tiny_model_path):
+    from mlxbatch.job.plan import plan_job
+    from mlxbatch.job.validate import validate_job
+
+    rows = [{"id": f"r{i}", "text": f"shared start {'x ' * 20} then {i}"} for i in range(50)]
+    job = write_job(tmp_path, tiny_model_path, write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out")
+    whole = plan_job(validate_job(job))
+    windowed = plan_job(validate_job(job), window=10)
+    assert windowed.windowed and not whole.windowed
+    assert windowed.prompt_tokens == whole.prompt_tokens and windowed.planned_rows == 50
+    # each of the 5 windows computes the shared start once: 4 more times than the whole plan
+    assert whole.distinct_tokens < windowed.distinct_tokens < whole.prompt_tokens
