@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -17,6 +18,16 @@ import mlxbatch  # noqa: F401  (preloads OpenBLAS before anything imports mlx)
 from mlxbatch.errors import MlxbatchError
 
 EXIT_INVALID, EXIT_ERRORS, EXIT_INTERRUPTED = 2, 3, 130
+
+
+def _fail(exc: MlxbatchError) -> NoReturn:
+    """Print ``exc`` as one line and exit with the code its kind maps to."""
+    from mlxbatch.job.runner import JobFailed, JobInterrupted
+    from mlxbatch.job.spec import JobSpecError
+
+    codes = {JobSpecError: EXIT_INVALID, JobInterrupted: EXIT_INTERRUPTED, JobFailed: EXIT_ERRORS}
+    click.echo(f"mlxbatch: {exc}", err=True)
+    sys.exit(next((code for kind, code in codes.items() if isinstance(exc, kind)), 1))
 
 
 def _setup_logging(verbose: int) -> None:
@@ -39,26 +50,13 @@ def main(verbose: int) -> None:
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when on a terminal).")
 def run(job_file: Path, progress: bool | None) -> None:
     """Run JOB_FILE; run it again after a crash to resume where it stopped."""
-    from mlxbatch.job.runner import JobFailed, JobInterrupted, JobRunner
-    from mlxbatch.job.spec import JobSpecError
+    from mlxbatch.job.runner import JobRunner
     from mlxbatch.job.validate import validate_job
 
     try:
-        spec = validate_job(job_file)
-    except JobSpecError as exc:
-        click.echo(f"mlxbatch: {exc}", err=True)
-        sys.exit(EXIT_INVALID)
-    try:
-        result = JobRunner(spec, progress=progress).run()
-    except JobInterrupted as exc:
-        click.echo(f"mlxbatch: {exc}", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    except JobFailed as exc:
-        click.echo(f"mlxbatch: {exc}", err=True)
-        sys.exit(EXIT_ERRORS)
+        result = JobRunner(validate_job(job_file), progress=progress).run()
     except MlxbatchError as exc:
-        click.echo(f"mlxbatch: {exc}", err=True)
-        sys.exit(1)
+        _fail(exc)
     r = result.report
     click.echo(f"done: {r['rows']['output']} rows ({r['rows']['errors']} errors this run, {r['rows']['resumed']} "
                f"resumed), {r['generated_tokens_per_s']} tok/s -> {result.out_dir}/results.parquet")
@@ -68,14 +66,12 @@ def run(job_file: Path, progress: bool | None) -> None:
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
 def validate(job_file: Path) -> None:
     """Check JOB_FILE without loading a model: keys, types, files, template fields."""
-    from mlxbatch.job.spec import JobSpecError
     from mlxbatch.job.validate import validate_job
 
     try:
         spec = validate_job(job_file)
-    except JobSpecError as exc:
-        click.echo(f"mlxbatch: {exc}", err=True)
-        sys.exit(EXIT_INVALID)
+    except MlxbatchError as exc:
+        _fail(exc)
     click.echo(f"{job_file}: ok (model {spec.model.path}, input {spec.input.path}, output {spec.output})")
 
 
@@ -86,17 +82,12 @@ def validate(job_file: Path) -> None:
 def plan_cmd(job_file: Path, window: int, as_json: bool) -> None:
     """Dry run: tokenize JOB_FILE's prompts and plan the run, without loading model weights."""
     from mlxbatch.job.plan import as_dict, plan_job
-    from mlxbatch.job.spec import JobSpecError
     from mlxbatch.job.validate import validate_job
 
     try:
         report = plan_job(validate_job(job_file), window=window)
-    except JobSpecError as exc:
-        click.echo(f"mlxbatch: {exc}", err=True)
-        sys.exit(EXIT_INVALID)
     except MlxbatchError as exc:
-        click.echo(f"mlxbatch: {exc}", err=True)
-        sys.exit(1)
+        _fail(exc)
     click.echo(json.dumps(as_dict(report), indent=2) if as_json else report.summary())
 
 
@@ -110,8 +101,7 @@ def status(out_dir: Path, as_json: bool) -> None:
     try:
         st = read_status(out_dir)
     except MlxbatchError as exc:
-        click.echo(f"mlxbatch: {exc}", err=True)
-        sys.exit(1)
+        _fail(exc)
     click.echo(json.dumps(st, indent=2) if as_json else st["summary"])
 
 
@@ -133,8 +123,7 @@ def generate(model: str, max_tokens: int, temperature: float, seed: int | None, 
             items = [[{"role": "user", "content": p}] if chat else p for p in prompts]
             outs = engine.generate(items, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed))
     except MlxbatchError as exc:
-        click.echo(f"mlxbatch: {exc}", err=True)
-        sys.exit(1)
+        _fail(exc)
     for p, o in zip(prompts, outs):
         click.echo(f"> {p}\n{o.text}\n[{o.finish_reason.value if o.finish_reason else '?'}, {o.generated_tokens} tokens]")
 

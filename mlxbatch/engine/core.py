@@ -24,7 +24,7 @@ from mlxbatch.engine.sampling import derive_seed, uniform_for
 from mlxbatch.engine.scheduler import Scheduler, SchedulerConfig
 from mlxbatch.engine.worker import Worker
 from mlxbatch.errors import EngineClosedError, InvalidRequestError, OutOfMemoryError
-from mlxbatch.types import FinishReason, RequestOutput, RequestTimings, SamplingParams, StreamDelta
+from mlxbatch.types import RequestOutput, RequestTimings, SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +227,3 @@ class EngineCore:
                 "prefix_cache": self.runner.prefix.stats() if self.runner.prefix is not None else None,
                 "device": self.worker.device.kind}
 
-
-def aborted_output(request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput:
-    return RequestOutput(request_id, 0, (), RequestTimings(time.perf_counter()), True, error=reason.value)

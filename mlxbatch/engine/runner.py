@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -41,7 +41,6 @@ class StepProfile:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    batch_sizes: list[int] = field(default_factory=list, repr=False)
 
     @property
     def host_s(self) -> float:
