@@ -8,7 +8,7 @@ from mlxbatch._blas import preload_openblas
 preload_openblas()
 
 from mlxbatch.errors import InvalidRequestError, MlxbatchError  # noqa: E402
-from mlxbatch.types import FinishReason, RequestOutput, SamplingParams  # noqa: E402
+from mlxbatch.types import FinishReason, OutputConstraint, RequestOutput, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -16,6 +16,7 @@ __all__ = [
     "FinishReason",
     "InvalidRequestError",
     "MlxbatchError",
+    "OutputConstraint",
     "RequestOutput",
     "SamplingParams",
     "__version__",

@@ -12,6 +12,46 @@ from dataclasses import dataclass, field
 from mlxbatch.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+CONSTRAINT_KINDS = ("choice", "regex", "json_schema")
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What a request's output must match: one of ``choices``, a ``regex`` or a JSON schema (constrained decoding).
+
+    ``value`` is a tuple of strings for ``choice``, a pattern for ``regex``, and the schema as a canonical JSON
+    string for ``json_schema`` (so the constraint stays hashable and comparable).
+    """
+
+    kind: str
+    value: str | tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequestError("constraint.kind", self.kind, f"must be one of {', '.join(CONSTRAINT_KINDS)}")
+        if self.kind == "choice":
+            if isinstance(self.value, str) or not isinstance(self.value, (list, tuple)):
+                raise InvalidRequestError("constraint.choice", self.value, "must be a list of strings")
+            object.__setattr__(self, "value", tuple(self.value))
+            if not self.value or any(not isinstance(c, str) or not c for c in self.value):
+                raise InvalidRequestError("constraint.choice", list(self.value), "must be non-empty strings, at least one")
+        elif not isinstance(self.value, str) or not self.value:
+            raise InvalidRequestError(f"constraint.{self.kind}", self.value, "must be a non-empty string")
+
+    @classmethod
+    def choice(cls, options: list[str] | tuple[str, ...]) -> OutputConstraint:
+        return cls("choice", tuple(options))
+
+    @classmethod
+    def regex(cls, pattern: str) -> OutputConstraint:
+        return cls("regex", pattern)
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> OutputConstraint:
+        import json
+
+        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        return cls("json_schema", text)
 
 
 class FinishReason(str, enum.Enum):
@@ -41,6 +81,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus the top-k alternatives
     n: int = 1
+    constraint: OutputConstraint | None = None  # constrained decoding (choice / regex / JSON schema)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +135,8 @@ class SamplingParams:
             isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.constraint is not None and not isinstance(self.constraint, OutputConstraint):
+            raise bad("constraint", "must be an OutputConstraint")
 
     @property
     def greedy(self) -> bool:
