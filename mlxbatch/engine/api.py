@@ -14,6 +14,7 @@ from tqdm import tqdm
 from mlxbatch.config import EngineConfig
 from mlxbatch.engine.core import EngineCore, Prompt
 from mlxbatch.engine.loader import LoadedModel, ModelSpec
+from mlxbatch.engine.planner import Submission, plan, submission_order
 from mlxbatch.engine.registry import REGISTRY
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.types import RequestOutput, SamplingParams, StreamDelta
@@ -53,13 +54,20 @@ class Engine:
                 raise InvalidRequestError("params", f"<{len(per_row)} items>",
                                           f"expected one SamplingParams or {len(prompts)} of them")
         encoded = [self.core.encode(p) for p in prompts]
-        # Longest first: neighbours in the queue have similar lengths, so batched prefill pads little and
-        # long prompts do not straggle at the end. Outputs still come back in input order.
-        order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i])) if not stream else range(len(encoded))
+        # The plan's order (engine/planner.py): rows sharing a prefix back to back along the token trie, each
+        # keeping only the prefix KV later rows reuse; rows sharing nothing longest first, so neighbours batch
+        # their prefill with little padding. Outputs still come back in input order.
+        if stream:
+            order = [Submission(i, None) for i in range(len(encoded))]
+        elif self.core.runner.prefix is not None:
+            order = submission_order(plan(encoded))
+        else:
+            order = [Submission(i, None) for i in sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))]
         ids: dict[int, str] = {}
         try:
-            for i in order:
-                ids[i] = self.core.add_request(encoded[i], per_row[i], stream=stream)
+            for s in order:
+                ids[s.index] = self.core.add_request(encoded[s.index], per_row[s.index], stream=stream,
+                                                     cache_tokens=s.cache_tokens)
         except Exception:
             for rid in ids.values():  # all or nothing: a bad prompt leaves no half-submitted batch
                 self.core.abort(rid)

@@ -110,8 +110,13 @@ class EngineCore:
         return encode_prompt(self.loaded.tokenizer, prompt)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = False) -> str:
-        """Validate and queue one request; raises InvalidRequestError (the engine goes on) if it cannot run."""
+                    request_id: str | None = None, stream: bool = False, cache_tokens: int | None = None) -> str:
+        """Validate and queue one request; raises InvalidRequestError (the engine goes on) if it cannot run.
+
+        ``cache_tokens`` is the plan's retention for this prompt: how many of its leading tokens later requests
+        share (their KV is kept in the prefix cache, longer cached prefixes of it are dropped once it is
+        admitted). None (no plan) caches every full block and evicts least recently used first.
+        """
         if self._closed:
             raise EngineClosedError("the engine has shut down")
         params = params or SamplingParams()
@@ -139,7 +144,7 @@ class EngineCore:
             Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}", group_id=request_id, index=i,
                 prompt_token_ids=ids, params=params, seed=derive_seed(seed, i), eos_token_ids=self._eos,
-                max_context=ctx,
+                max_context=ctx, cache_tokens=cache_tokens,
                 text=TextTracker(self.loaded.tokenizer, params.stop, params.include_stop_str_in_output,
                                  incremental, self._vocab_size),
             )

@@ -232,6 +232,10 @@ class BlockPool:
         """Whether a block with this chained hash is cached (no side effects)."""
         return block_hash in self._index
 
+    def cached_id(self, block_hash: int) -> int | None:
+        """The id of the block cached under this chained hash, if any (no side effects)."""
+        return self._index.get(block_hash)
+
     def evict(self, block_id: int) -> bool:
         """Drop a cached block from the index now (the planner's "prefix no longer needed").
 

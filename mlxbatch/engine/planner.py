@@ -168,6 +168,47 @@ def plan(token_seqs: Sequence[Sequence[int]], window: int | None = None, min_sha
                 min_shared_tokens=min_shared_tokens, fingerprint=fingerprint(seqs))
 
 
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """One row as the engine gets it: its input index and how many prompt tokens later rows reuse."""
+
+    index: int
+    cache_tokens: int | None  # prompt tokens worth keeping in the prefix cache for later rows (None: unknown)
+
+
+def submission_order(p: Plan) -> list[Submission]:
+    """The order to submit ``p``'s rows in, with each row's retention (how much of its prefix to keep).
+
+    Rows that share at least ``min_shared_tokens`` with a neighbour form groups, submitted in trie order so each
+    shared prefix is computed once and dropped after its last user. Rows that share nothing worth keeping are
+    submitted after the groups of their window, longest first: neighbours of similar length batch their prefill
+    with little padding (trie order would interleave lengths at random). A row's ``cache_tokens`` is what it
+    shares with the next submitted row: in trie order no later row shares more, so its prefix KV beyond that
+    is dead once it is admitted (the plan's retention, acted on by the prefix cache).
+    """
+    m = p.min_shared_tokens
+    out: list[Submission] = []
+    rows = p.rows
+    k = 0
+    while k < len(rows):
+        w = rows[k].window
+        end = k
+        while end < len(rows) and rows[end].window == w:
+            end += 1
+        group: list[PlannedRow] = []
+        alone: list[PlannedRow] = []
+        for j in range(k, end):
+            shares_prev = j > k and rows[j].shared_prefix >= m
+            shares_next = j + 1 < end and rows[j + 1].shared_prefix >= m
+            (group if shares_prev or shares_next else alone).append(rows[j])
+        for j, r in enumerate(group):
+            nxt = group[j + 1].shared_prefix if j + 1 < len(group) and group[j + 1].shared_prefix >= m else 0
+            out.append(Submission(r.index, nxt))
+        out.extend(Submission(r.index, 0) for r in sorted(alone, key=lambda r: -r.num_tokens))
+        k = end
+    return out
+
+
 def to_json(p: Plan) -> dict[str, Any]:
     """A JSON-able dict, column-wise (compact for 100k rows), saved with the checkpoints."""
     return {

@@ -42,6 +42,7 @@ class PrefixCache:
         self._dirty = False
         self.lookups = 0
         self.tokens_reused = 0  # prompt tokens whose KV came from the cache
+        self.plan_evictions = 0  # blocks dropped because the plan said nobody needs them any more
 
     def _ensure(self, max_id: int) -> None:
         if max_id < self._capacity:
@@ -138,6 +139,19 @@ class PrefixCache:
         self.pool.release(ids)  # cached, unreferenced: evictable when space is needed
         return stored
 
+    def drop_after(self, tokens: Sequence[int], keep_tokens: int) -> int:
+        """Evict the cached blocks of ``tokens``'s chain past its first ``keep_tokens`` tokens (dead: the plan
+        says no later sequence shares them). Referenced blocks stay; returns how many were evicted."""
+        hashes = self.hashes(tokens)[keep_tokens // self.block_size:]
+        dropped = 0
+        for h in hashes:
+            bid = self.pool.cached_id(h)
+            if bid is None:
+                break
+            dropped += self.pool.evict(bid)
+        self.plan_evictions += dropped
+        return dropped
+
     def flush(self) -> None:
         """Evaluate pending stores (their sources are lazy views of the running batch's slots)."""
         if self._dirty:
@@ -147,4 +161,4 @@ class PrefixCache:
     def stats(self) -> dict[str, int]:
         st = self.pool.stats
         return {"lookups": self.lookups, "tokens_reused": self.tokens_reused, "blocks_cached": st.blocks_cached,
-                "evictions": st.evictions, "bytes_allocated": self.nbytes, "block_size": self.block_size}
+                "evictions": st.evictions, "plan_evictions": self.plan_evictions, "bytes_allocated": self.nbytes, "block_size": self.block_size}

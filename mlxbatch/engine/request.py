@@ -43,6 +43,8 @@ class Request:
     logprobs: list[TokenLogprob] | None = None
     num_computed_tokens: int = 0  # tokens whose KV exists (prefix cache included)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    # prompt tokens later sequences will reuse (the plan's retention); None: unknown, cache every full block
+    cache_tokens: int | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     first_scheduled: float | None = None

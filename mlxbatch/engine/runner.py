@@ -110,6 +110,7 @@ class ModelRunner:
         # block hashes that admitted sequences are computing now (cached once their prefill ends)
         self._computing: dict[str, list[int]] = {}
         self._computing_count: collections.Counter[int] = collections.Counter()
+        self._admitted_planned: list[Request] = []  # admitted this step with a plan retention to apply
         self.profile = StepProfile()
 
     def lookup_prefix(self, request: Request) -> int:
@@ -118,13 +119,19 @@ class ModelRunner:
             return 0
         tokens = request.tokens(0, request.num_tokens)
         hit = self.prefix.lookup(tokens)
-        hashes = self.prefix.hashes(tokens)
+        hashes = self.prefix.hashes(tokens)[: self._stored_tokens(request) // self.prefix.block_size]
         self._computing[request.request_id] = hashes
         self._computing_count.update(hashes)
         if hit is None:
             return 0
         self._hits[request.request_id] = hit
         return hit.num_tokens
+
+    @staticmethod
+    def _stored_tokens(request: Request) -> int:
+        """Prompt tokens whose full blocks this sequence offers the cache once its prefill is done."""
+        n = request.num_prompt_tokens
+        return n if request.cache_tokens is None else min(n, request.cache_tokens)
 
     def prefix_in_progress(self, request: Request) -> bool:
         """Whether an admitted sequence is computing the next blocks of ``request``'s prefix right now.
@@ -178,9 +185,12 @@ class ModelRunner:
         if out.prefills:
             t0 = time.perf_counter()
             copied: list[PrefixHit] = []
+            planned: list[Request] = []
             for chunk in out.prefills:
                 rid = chunk.request.request_id
                 if rid not in batch:
+                    if chunk.request.cache_tokens is not None:
+                        planned.append(chunk.request)
                     hit = self._hits.pop(rid, None)
                     if hit is not None and self.prefix is not None:
                         batch.add(rid, self.prefix.kv(hit), hit.num_tokens)
@@ -191,6 +201,7 @@ class ModelRunner:
                 mx.eval(batch.kv_arrays())  # one sync for every copy-in, before the blocks may be reused
                 for hit in copied:
                     self.prefix.release(hit)
+            self._admitted_planned = planned
             groups = _pad_groups(out.prefills)
             # arrange once, before any forward: rows move by committed length, and this step's writes
             # are not committed yet
@@ -241,10 +252,16 @@ class ModelRunner:
             self.batch.advance(c.request.request_id, c.end - c.start)
             if c.last and self.prefix is not None:  # offer the prompt's full blocks to later sequences
                 r = c.request
-                if r.num_prompt_tokens >= self.prefix.block_size:
-                    self.prefix.store(r.prompt_token_ids, self.batch.row_view(r.request_id))
+                keep = self._stored_tokens(r)
+                if keep >= self.prefix.block_size:
+                    self.prefix.store(r.prompt_token_ids[:keep], self.batch.row_view(r.request_id))
                 self._done_computing(r.request_id)
         if self.prefix is not None:
+            # the plan's retention: what no later sequence shares is dead once these rows copied it in (after
+            # this step's stores, which may have offered those very blocks again)
+            for r in self._admitted_planned:
+                self.prefix.drop_after(r.prompt_token_ids, r.cache_tokens or 0)
+            self._admitted_planned = []
             self.prefix.flush()  # one sync for every store of the step, before the slots are written again
         # only after every length is committed (promotion moves rows by length), and in row order: a finished
         # prefill row already at the head of the prefill region joins the decode rows without moving
