@@ -22,6 +22,7 @@ from mlxbatch.engine.planner import plan
 from mlxbatch.io import InputFormat, InputSpec, open_reader, resolve_inputs
 from mlxbatch.job.prepare import RowPreparer
 from mlxbatch.job.spec import JobSpec
+from mlxbatch.job.tokenize import PromptEncoder
 
 DEFAULT_WINDOW = 100_000
 TOKENIZE_BATCH = 4096
@@ -89,30 +90,25 @@ def plan_job(spec: JobSpec, window: int = DEFAULT_WINDOW) -> PlanReport:
         total, distinct = total + p.total_tokens, distinct + p.distinct_tokens
         peak = max(peak, p.peak_retained_tokens())
 
-    batch: list[tuple[str, bool]] = []  # (text, add_special_tokens) as the engine would encode it
+    batch: list[Any] = []  # prompts waiting to be tokenized together
+    encoder = PromptEncoder(tok)
 
     def flush() -> None:
-        for special in (True, False):  # text prompts get the tokenizer's specials; chat renders carry their own
-            texts = [t for t, sp in batch if sp is special]
-            if texts:
-                ids = hf(texts, add_special_tokens=special)["input_ids"]  # one Rust call, all cores
-                seqs.extend(array("i", x) for x in ids)
+        nonlocal skipped
+        for ids in encoder.encode_many(batch):
+            if isinstance(ids, str):  # the engine would reject it: an error row, not part of the plan
+                skipped += 1
+            else:
+                seqs.append(array("i", ids))
         batch.clear()
 
-    hf = tok._tokenizer  # the Hugging Face fast tokenizer inside mlx-lm's wrapper
     for row in open_reader(ispec):
         rows += 1
         prep = preparer.prepare(row)
         if prep.error is not None or prep.prompt is None:
             skipped += 1
             continue
-        if isinstance(prep.prompt, str):
-            batch.append((prep.prompt, True))
-        else:
-            try:
-                batch.append((tok.apply_chat_template(prep.prompt, add_generation_prompt=True, tokenize=False), False))
-            except Exception:  # the engine would reject it: an error row, not part of the plan
-                skipped += 1
+        batch.append(prep.prompt)
         if len(batch) >= TOKENIZE_BATCH:
             flush()
             while len(seqs) >= window:

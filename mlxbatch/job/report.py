@@ -27,6 +27,7 @@ class RunStats:
     started: float = field(default_factory=time.monotonic)
     errors_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
     engine: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)
 
     def add(self, record: ResultRecord) -> None:
         self.finished += 1
@@ -65,6 +66,7 @@ class RunStats:
             "prefix_reuse": {"prefill_tokens_computed": prof.get("prefill_tokens", 0),
                              "prompt_tokens": self.prompt_tokens,
                              "cached_tokens": (self.engine.get("prefix_cache") or {}).get("tokens_reused", 0)},
+            "plan": self.plan,
             "engine": self.engine,
             "wall_s": round(wall, 3),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -9,6 +9,7 @@ job stops with a clear error, keeping what finished.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -40,6 +41,7 @@ from mlxbatch.io import (
     write_openai_batch_output,
     write_report,
 )
+from mlxbatch.job.feed import Failed, RowFeed
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.report import RunStats
 from mlxbatch.job.spec import JobSpec
@@ -119,7 +121,8 @@ class JobRunner:
         core = EngineCore(loaded, EngineConfig(max_num_seqs=e.max_num_seqs,
                                                max_num_batched_tokens=e.max_num_batched_tokens,
                                                prefill_chunk_size=e.prefill_chunk_size,
-                                               kv_memory_fraction=e.kv_memory_fraction, seed=spec.seed))
+                                               kv_memory_fraction=e.kv_memory_fraction,
+                                               prefix_cache=e.prefix_cache, seed=spec.seed))
         preparer = RowPreparer(spec, loaded.identity, is_openai)
         done = store.done_keys()
         stats = RunStats(total=count_rows(self._input_spec()), resumed_shards=len(store.shards))
@@ -127,8 +130,9 @@ class JobRunner:
         pending: dict[str, PreparedRow] = {}
         buffer: list[ResultRecord] = []
         last_flush = last_log = time.monotonic()
-        rows = open_reader(self._input_spec())
-        exhausted = False
+        self._save_plan_params(store)
+        feed = RowFeed(open_reader(self._input_spec()), preparer, loaded.tokenizer, done,
+                       window=self.spec.plan.window, planned=self.spec.plan.enabled)
         max_inflight = 4 * e.max_num_seqs
 
         def flush() -> None:
@@ -145,33 +149,22 @@ class JobRunner:
 
         try:
             while True:
-                if len(pending) <= max_inflight // 2 and not exhausted and self._stop_signal is None:
-                    # refill in windows (not row by row) so that each window can be submitted longest first:
-                    # neighbours of similar length batch their prefill with little padding
-                    window: list[tuple[PreparedRow, list[int]]] = []
-                    while len(pending) + len(window) < max_inflight:
-                        row = next(rows, None)
-                        if row is None:
-                            exhausted = True
-                            break
-                        prep = preparer.prepare(row)
-                        if prep.key in done:
-                            stats.skipped += 1
-                            bar.update(1)
-                        elif prep.error is not None:
-                            finish(self._record(prep, None, loaded.identity, prep.error, prep.error_kind))
-                        else:
-                            try:
-                                window.append((prep, core.encode(prep.prompt)))
-                            except InvalidRequestError as exc:
-                                finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "request"))
-                    for prep, ids in sorted(window, key=lambda w: -len(w[1])):
+                if len(pending) <= max_inflight // 2 and not feed.finished and self._stop_signal is None:
+                    skipped = feed.skipped
+                    for item in feed.take(max_inflight - len(pending)):
+                        if isinstance(item, Failed):
+                            finish(self._record(item.prep, None, loaded.identity, item.error, item.kind))
+                            continue
+                        prep = item.prep
                         try:
-                            core.add_request(ids, prep.params, request_id=prep.key)
+                            core.add_request(item.token_ids, prep.params, request_id=prep.key,
+                                             cache_tokens=item.cache_tokens)
                         except InvalidRequestError as exc:
                             finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "request"))
                             continue
                         pending[prep.key] = prep
+                    stats.skipped += feed.skipped - skipped
+                    bar.update(feed.skipped - skipped)
                 if pending and self._stop_signal is None:
                     for delta in core.step():
                         if delta.output is not None and delta.request_id in pending:
@@ -196,14 +189,27 @@ class JobRunner:
                     flush()
                     raise JobInterrupted(f"stopped by signal {self._stop_signal}; {stats.finished} rows "
                                          f"checkpointed in {spec.output}. Run the same command to resume.")
-                if exhausted and not pending:
+                if feed.finished and not pending:
                     flush()
                     break
         finally:
             bar.close()
             stats.engine = core.stats()
+            stats.plan = feed.stats.as_dict()
             core.shutdown()
         return stats
+
+    def _save_plan_params(self, store: CheckpointStore) -> None:
+        """The plan's parameters go into the manifest on the first run; a resumed run plans with the saved ones
+        (the same windows, hence the same order), whatever the job file says now."""
+        saved = store.get_meta("plan")
+        current = {"window": self.spec.plan.window, "enabled": self.spec.plan.enabled, "order": "trie-v1"}
+        if saved is None:
+            store.set_meta("plan", current)
+        elif saved != current:
+            log.warning("resuming with the plan of the first run %s (the job file now says %s)", saved, current)
+            self.spec = dataclasses.replace(self.spec, plan=dataclasses.replace(
+                self.spec.plan, window=int(saved["window"]), enabled=bool(saved["enabled"])))
 
     def _record(self, prep: PreparedRow, out: RequestOutput | None, model_identity: str,
                 error: str | None = None, error_kind: str | None = None) -> ResultRecord:

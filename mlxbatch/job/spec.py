@@ -72,6 +72,13 @@ class EngineSection:
     max_num_batched_tokens: int | None = None  # None: the engine's default for the device
     prefill_chunk_size: int = 512
     kv_memory_fraction: float = 0.5
+    prefix_cache: bool = True
+
+
+@dataclass(frozen=True)
+class PlanSection:
+    enabled: bool = True  # order rows along the token trie (off: longest first, LRU prefix cache)
+    window: int = 10_000  # input rows planned together (memory holds one window)
 
 
 @dataclass(frozen=True)
@@ -86,16 +93,18 @@ class JobSpec:
     engine: EngineSection = EngineSection()
     seed: int = 0
     max_error_rate: float = 0.1
+    plan: PlanSection = PlanSection()
 
 
-_TOP = {"model", "input", "prompt", "sampling", "output", "checkpoint", "engine", "seed", "max_error_rate"}
+_TOP = {"model", "input", "prompt", "sampling", "output", "checkpoint", "engine", "seed", "max_error_rate", "plan"}
 _SECTIONS: dict[str, set[str]] = {
     "model": {"path", "dtype", "adapter", "trust_remote_code"},
     "input": {"path", "format", "id_column", "columns", "split"},
     "prompt": {"template", "messages", "system", "chat_template"},
     "output": {"path"},
     "checkpoint": {"every_rows", "every_seconds"},
-    "engine": {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_memory_fraction"},
+    "engine": {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_memory_fraction", "prefix_cache"},
+    "plan": {"enabled", "window"},
 }
 _FORMATS = {"auto", "jsonl", "parquet", "hf", "openai-batch"}
 
@@ -229,13 +238,17 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     c.positive("checkpoint.every_rows", checkpoint.every_rows)
     c.positive("checkpoint.every_seconds", checkpoint.every_seconds)
     e = c.section(raw, "engine")
-    engine = EngineSection(*(c.typed(e, "engine", f.name, f.type == "float" and float or int, f.default)
+    kinds = {"float": float, "bool": bool}
+    engine = EngineSection(*(c.typed(e, "engine", f.name, kinds.get(str(f.type), int), f.default)
                              for f in dataclasses.fields(EngineSection)))
     for f in dataclasses.fields(EngineSection):
-        if getattr(engine, f.name) is not None:
+        if getattr(engine, f.name) is not None and str(f.type) != "bool":
             c.positive(f"engine.{f.name}", getattr(engine, f.name))
     if not 0 < engine.kv_memory_fraction <= 1:
         c.bad("engine.kv_memory_fraction", f"must be in (0, 1], got {engine.kv_memory_fraction}")
+    pl = c.section(raw, "plan")
+    plan = PlanSection(c.typed(pl, "plan", "enabled", bool, True), c.typed(pl, "plan", "window", int, 10_000))
+    c.positive("plan.window", plan.window)
     seed = c.typed(raw, "<top>", "seed", int, 0)
     max_error_rate = c.typed(raw, "<top>", "max_error_rate", float, 0.1)
     if not 0 <= max_error_rate <= 1:
@@ -244,7 +257,7 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     if c.problems:
         raise JobSpecError(source, c.problems)
     return JobSpec(source, model, inp, prompt, sampling, _resolve(base, out_path), checkpoint, engine, seed,
-                   max_error_rate)
+                   max_error_rate, plan)
 
 
 def _sampling(c: _Checker, raw: dict[str, Any]) -> SamplingSection:

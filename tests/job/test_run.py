@@ -113,7 +113,8 @@ def test_too_many_errors_stop_the_job_and_keep_finished_rows(tmp_path, tiny_mode
         del r["text"]
     data = write_jsonl(tmp_path / "in.jsonl", rows)
     job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", max_error_rate=0.2,
-                    checkpoint={"every_rows": 5}, engine={"max_num_seqs": 2})
+                    checkpoint={"every_rows": 5}, engine={"max_num_seqs": 2},
+                    plan={"window": 10})  # a window's error rows are recorded before its rows run
     with pytest.raises(JobFailed, match="max_error_rate"):
         run(job)
     from mlxbatch.io import CheckpointStore

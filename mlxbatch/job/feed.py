@@ -1,0 +1,125 @@
+"""The job's row feed: input rows -> engine submissions, in the plan's order.
+
+Owns reading ahead. Rows are read in windows of ``window`` input rows. Each row is prepared; rows finished by an
+earlier run are skipped, rows that cannot run come back as errors, and the prompts of the rest are tokenized in
+batches (``job.tokenize``, exactly as the engine would). Each window's runnable rows are planned
+(``engine.planner``): rows sharing a prefix reach the engine back to back in trie order, each with the plan's
+retention (how much of its prompt later rows reuse), and rows sharing nothing come after them, longest first.
+
+Windows are cut by input position, counting every row, and a trie order restricted to a subset of its rows is
+that subset's own trie order. So a resumed run, which skips the rows already done, follows the same plan as the
+first run. Memory holds one window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Set
+from dataclasses import dataclass, field
+
+from mlxbatch.engine.planner import plan, submission_order
+from mlxbatch.io import InputRow
+from mlxbatch.job.prepare import PreparedRow, RowPreparer
+from mlxbatch.job.tokenize import PromptEncoder
+
+
+@dataclass(frozen=True)
+class Submit:
+    prep: PreparedRow
+    token_ids: list[int]
+    cache_tokens: int | None  # the plan's retention (None when planning is off)
+
+
+@dataclass(frozen=True)
+class Failed:
+    prep: PreparedRow
+    error: str
+    kind: str
+
+
+@dataclass
+class PlanStats:
+    """What the plan of this run's rows promised: summed over windows."""
+
+    window: int
+    enabled: bool
+    windows: int = 0
+    rows: int = 0
+    prompt_tokens: int = 0
+    distinct_tokens: int = 0  # the prefill floor of this run's rows under windowed planning
+    window_rows: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        saving = 1 - self.distinct_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return {"enabled": self.enabled, "window": self.window, "windows": self.windows,
+                "windowed": self.windows > 1, "rows": self.rows, "prompt_tokens": self.prompt_tokens,
+                "distinct_tokens": self.distinct_tokens, "expected_saving": round(saving, 4)}
+
+
+class RowFeed:
+    def __init__(self, rows: Iterator[InputRow], preparer: RowPreparer, tokenizer: object, done: Set[str],
+                 window: int, planned: bool = True) -> None:
+        self._rows = rows
+        self._preparer = preparer
+        self._encoder = PromptEncoder(tokenizer)
+        self._done = done
+        self.window = window
+        self.planned = planned
+        self._queue: deque[Submit | Failed] = deque()
+        self.exhausted = False  # the input is read to the end (the queue may still hold rows)
+        self.skipped = 0  # rows done by an earlier run
+        self.stats = PlanStats(window, planned)
+
+    @property
+    def finished(self) -> bool:
+        return self.exhausted and not self._queue
+
+    def take(self, max_submits: int) -> list[Submit | Failed]:
+        """The next items in plan order, with at most ``max_submits`` rows to submit (errors come along)."""
+        out: list[Submit | Failed] = []
+        n = 0
+        while n < max_submits:
+            if not self._queue:
+                if self.exhausted:
+                    break
+                self._read_window()
+                continue
+            item = self._queue.popleft()
+            out.append(item)
+            n += isinstance(item, Submit)
+        return out
+
+    def _read_window(self) -> None:
+        runnable: list[PreparedRow] = []
+        for _ in range(self.window):
+            row = next(self._rows, None)
+            if row is None:
+                self.exhausted = True
+                break
+            prep = self._preparer.prepare(row)
+            if prep.key in self._done:
+                self.skipped += 1
+            elif prep.error is not None or prep.prompt is None:
+                self._queue.append(Failed(prep, prep.error or "no prompt", prep.error_kind or "input"))
+            else:
+                runnable.append(prep)
+        encoded = self._encoder.encode_many([p.prompt for p in runnable])  # type: ignore[misc]
+        rows: list[tuple[PreparedRow, list[int]]] = []
+        for prep, ids in zip(runnable, encoded):
+            if isinstance(ids, str):
+                self._queue.append(Failed(prep, f"{prep.row_id}: {ids}", "request"))
+            else:
+                rows.append((prep, ids))
+        if not rows:
+            return
+        p = plan([ids for _, ids in rows])
+        st = self.stats
+        st.windows += 1
+        st.rows += len(rows)
+        st.prompt_tokens += p.total_tokens
+        st.distinct_tokens += p.distinct_tokens
+        if self.planned:
+            self._queue.extend(Submit(rows[s.index][0], rows[s.index][1], s.cache_tokens)
+                               for s in submission_order(p))
+        else:  # planning off: longest first, every full block offered to the cache (LRU)
+            self._queue.extend(Submit(prep, ids, None) for prep, ids in sorted(rows, key=lambda r: -len(r[1])))

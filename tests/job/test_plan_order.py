@@ -1,0 +1,82 @@
+"""Jobs run in the plan's order (windows of input rows, trie order inside), and a killed run resumes in it."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pyarrow as pa
+from jobkit import write_job, write_jsonl
+from test_crash_resume import finish, start_until
+
+from mlxbatch.job.runner import JobRunner
+from mlxbatch.job.validate import validate_job
+
+INSTRUCTION = ("You label short product reviews. Answer with one word: positive, negative or neutral. "
+               "Think about tone, not topic. Review: ")
+
+
+def rows(n: int) -> list[dict]:
+    words = ["great", "awful", "fine", "broke", "love", "meh", "returned", "perfect", "slow", "cheap"]
+    return [{"id": f"r{i:03d}", "text": " ".join(words[(i * 7 + k * 3) % 10] for k in range(1 + i % 6))}
+            for i in range(n)]
+
+
+def expected_order(loaded, data: list[dict], window: int) -> list[str]:
+    """Trie order of the rendered prompts' token ids, window by window of input rows."""
+    out = []
+    for w in range(0, len(data), window):
+        chunk = data[w : w + window]
+        ids = {r["id"]: loaded.tokenizer.encode(INSTRUCTION + r["text"] + "\n") for r in chunk}
+        out += sorted(ids, key=lambda k: (ids[k], k))
+    return out
+
+
+def shard_order(out) -> list[str]:
+    manifest = json.loads((out / "manifest.json").read_text())
+    order = []
+    for s in manifest["shards"]:
+        with pa.memory_map(str(out / "shards" / s["name"])) as f:
+            order += pa.ipc.open_file(f).read_all().column("row_id").to_pylist()
+    return order
+
+
+def job_for(tmp_path, model, n: int, window: int, **kw):
+    data = rows(n)
+    path = write_jsonl(tmp_path / "in.jsonl", data)
+    job = write_job(tmp_path, model, path, tmp_path / "out", prompt={"template": INSTRUCTION + "{{ text }}\n"},
+                    sampling={"temperature": 0, "max_tokens": 3}, engine={"max_num_seqs": 1},
+                    plan={"window": window}, checkpoint={"every_rows": 4}, **kw)
+    return data, job
+
+
+def test_rows_run_in_trie_order_per_window_and_reuse_the_instruction(tmp_path, tiny_model_path, tiny_loaded):
+    data, job = job_for(tmp_path, tiny_model_path, 30, window=12)
+    report = JobRunner(validate_job(job), progress=False).run().report
+    # one sequence at a time: rows finish in the order they were submitted
+    assert shard_order(tmp_path / "out") == expected_order(tiny_loaded, data, 12)
+    plan = report["plan"]
+    assert plan["windows"] == 3 and plan["windowed"] and plan["rows"] == 30
+    reuse = report["prefix_reuse"]
+    assert reuse["cached_tokens"] > 0.5 * (reuse["prompt_tokens"] - plan["distinct_tokens"])
+    assert reuse["prefill_tokens_computed"] <= plan["distinct_tokens"] + 30 * 15  # block granularity
+    saved = json.loads((tmp_path / "out" / "manifest.json").read_text())["meta"]["plan"]
+    assert saved == {"window": 12, "enabled": True, "order": "trie-v1"}
+
+
+def test_a_killed_run_resumes_in_the_same_plan_order(tmp_path, tiny_model_path, tiny_loaded):
+    data, job = job_for(tmp_path, tiny_model_path, 40, window=16)
+    out = tmp_path / "out"
+    proc = start_until(job, out, 12)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # the job file's window changed since: the resumed run still plans with the saved one
+    text = job.read_text().replace("window: 16", "window: 5")
+    assert text != job.read_text()
+    job.write_text(text)
+    res = finish(job)
+    assert res.returncode == 0, res.stderr
+    order = shard_order(out)
+    assert len(order) == len(set(order)) == 40
+    assert order == expected_order(tiny_loaded, data, 16)
+    assert "resuming with the plan of the first run" in res.stderr
