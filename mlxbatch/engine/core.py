@@ -140,11 +140,12 @@ class EngineCore:
             seed = (int(uniform_for(self.config.seed, hash(request_id) & 0xFFFFFFFF) * (1 << 53))
                     if self.config.seed is not None else secrets.randbits(63))
         incremental = stream or bool(params.stop)
+        # sample 0 prefills the prompt; samples 1..n-1 fork its KV when that prefill ends (prefill once)
         seqs = [
             Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}", group_id=request_id, index=i,
                 prompt_token_ids=ids, params=params, seed=derive_seed(seed, i), eos_token_ids=self._eos,
-                max_context=ctx, cache_tokens=cache_tokens,
+                max_context=ctx, cache_tokens=cache_tokens, fork_parent=f"{request_id}#0" if i else None,
                 text=TextTracker(self.loaded.tokenizer, params.stop, params.include_stop_str_in_output,
                                  incremental, self._vocab_size),
             )
@@ -175,9 +176,9 @@ class EngineCore:
         if out.empty:
             return self._collect([])
         now = time.perf_counter()
-        for chunk in out.prefills:
-            if chunk.request.first_scheduled is None:
-                chunk.request.first_scheduled = now
+        for req in [c.request for c in out.prefills] + [child for _, child in out.forks]:
+            if req.first_scheduled is None:
+                req.first_scheduled = now
         try:
             sampled = self.runner.execute(out)
         except OutOfMemoryError as exc:

@@ -43,6 +43,9 @@ class Request:
     logprobs: list[TokenLogprob] | None = None
     num_computed_tokens: int = 0  # tokens whose KV exists (prefix cache included)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    # n > 1: the sequence whose prefill this one shares (its KV is forked when that prefill ends); None once
+    # forked, or when it has to prefill on its own
+    fork_parent: str | None = None
     # prompt tokens later sequences will reuse (the plan's retention); None: unknown, cache every full block
     cache_tokens: int | None = None
     finish_reason: FinishReason | None = None

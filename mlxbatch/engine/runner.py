@@ -225,13 +225,18 @@ class ModelRunner:
         if not due:
             self._commit(out)
             return {}
+        all_logits = mx.concatenate(logits, axis=0) if len(logits) > 1 else logits[0]
+        if out.forks:  # each forked sample draws its first token from its parent's last logits
+            pos = {r.request_id: i for i, r in enumerate(due)}
+            all_logits = mx.concatenate([all_logits, all_logits[mx.array([pos[p.request_id] for p, _ in out.forks])]])
+            due += [child for _, child in out.forks]
         t0 = time.perf_counter()
         rows_s = [
             SampleRow(r.params, r.seed, len(r.output_token_ids), r.prompt_token_ids, r.output_token_ids,
                       r.banned_ids)
             for r in due
         ]
-        tokens_out = sample(mx.concatenate(logits, axis=0) if len(logits) > 1 else logits[0], rows_s)
+        tokens_out = sample(all_logits, rows_s)
         prof.sampling_s += time.perf_counter() - t0
         self._commit(out)
         return {r.request_id: t for r, t in zip(due, tokens_out)}
@@ -263,9 +268,11 @@ class ModelRunner:
                 self.prefix.drop_after(r.prompt_token_ids, r.cache_tokens or 0)
             self._admitted_planned = []
             self.prefix.flush()  # one sync for every store of the step, before the slots are written again
+        for parent, child in out.forks:  # n > 1: the prompt was prefilled once, each sample gets a copy
+            self.batch.add(child.request_id, self.batch.extract(parent.request_id), parent.num_prompt_tokens)
         # only after every length is committed (promotion moves rows by length), and in row order: a finished
         # prefill row already at the head of the prefill region joins the decode rows without moving
-        done = {c.request.request_id for c in out.prefills if c.last}
+        done = {c.request.request_id for c in out.prefills if c.last} | {c.request_id for _, c in out.forks}
         for rid in [rid for rid in self.batch.ids[self.batch.n_decode :] if rid in done]:
             self.batch.promote(rid)
 

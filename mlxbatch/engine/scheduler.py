@@ -49,6 +49,9 @@ class PrefillChunk:
 class SchedulerOutput:
     decodes: tuple[Request, ...]
     prefills: tuple[PrefillChunk, ...]
+    # (parent, child): the parent's prefill ends this step and the child (another sample of the same request)
+    # starts from a copy of its KV, sampling its first token from the same logits
+    forks: tuple[tuple[Request, Request], ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -102,16 +105,36 @@ class Scheduler:
         decodes = [r for r in self.running if r.status is RequestStatus.DECODING]
         budget -= len(decodes)
         prefills: list[PrefillChunk] = []
+        # sequences whose KV a sibling sample can still fork (prompt-only prefill in progress)
+        prefilling = {r.request_id for r in self.running
+                      if r.status is RequestStatus.PREFILLING and not r.output_token_ids}
+        for r in self.running:
+            if r.fork_parent is not None and r.fork_parent not in prefilling:
+                r.fork_parent = None  # its parent was preempted or finished: it prefills on its own
         for r in self.running:
             if budget <= 0:
                 break
-            if r.status is RequestStatus.PREFILLING:
+            if r.status is RequestStatus.PREFILLING and r.fork_parent is None:
                 chunk = self._chunk(r, budget)
                 prefills.append(chunk)
                 budget -= chunk.end - chunk.start
         reserved = [r.reserved_tokens for r in self.running]
-        while self.waiting and budget > 0 and len(self.running) < self._max_seqs:
+        while self.waiting and len(self.running) < self._max_seqs and (
+                budget > 0 or self.waiting[0].fork_parent in prefilling):
             nxt = self.waiting[0]
+            parent = nxt.fork_parent
+            if parent is not None and parent not in prefilling:
+                nxt.fork_parent = parent = None  # too late to fork: its parent's prefill is over
+            if parent is not None:  # admitted with its parent: shares its prefill, takes no tokens of the budget
+                cost = self._kv_cost(reserved + [nxt.reserved_tokens])
+                if cost > self._budget:
+                    nxt.fork_parent = None  # no room to fork now: it prefills on its own later
+                    break
+                self.waiting.popleft()
+                nxt.status = RequestStatus.PREFILLING
+                self.running.append(nxt)
+                reserved.append(nxt.reserved_tokens)
+                continue
             if self.running and self._prefix_pending is not None and self._prefix_pending(nxt):
                 break  # its shared prefix is being computed: admit it once that KV is cached
             cost = self._kv_cost(reserved + [nxt.reserved_tokens])
@@ -128,10 +151,14 @@ class Scheduler:
                 nxt.num_cached_tokens = max(nxt.num_cached_tokens, min(cached, nxt.num_prompt_tokens))
             self.running.append(nxt)
             reserved.append(nxt.reserved_tokens)
+            prefilling.add(nxt.request_id)
             chunk = self._chunk(nxt, budget)
             prefills.append(chunk)
             budget -= chunk.end - chunk.start
-        return SchedulerOutput(tuple(decodes), tuple(prefills))
+        ending = {c.request.request_id: c.request for c in prefills if c.last}
+        forks = tuple((ending[r.fork_parent], r) for r in self.running
+                      if r.fork_parent is not None and r.fork_parent in ending)
+        return SchedulerOutput(tuple(decodes), tuple(prefills), forks)
 
     def _chunk(self, r: Request, budget: int) -> PrefillChunk:
         # a preempted sequence recomputes the KV of its prompt and generated tokens alike
@@ -145,6 +172,11 @@ class Scheduler:
             chunk.request.num_computed_tokens = chunk.end
             if chunk.last and not chunk.request.status.finished:
                 chunk.request.status = RequestStatus.DECODING
+        for parent, child in out.forks:
+            child.fork_parent = None
+            child.num_computed_tokens = parent.num_prompt_tokens
+            if not child.status.finished:
+                child.status = RequestStatus.DECODING
         for r in out.decodes:
             r.num_computed_tokens += 1
         self._recover_limits()
