@@ -185,6 +185,8 @@ class Completion:
     finish_reason: FinishReason | None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # scoring: whether every token of the scored continuation is the model's greedy choice
+    greedy: bool | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:

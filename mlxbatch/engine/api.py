@@ -90,6 +90,35 @@ class Engine:
         bar.close()
         return [done[i] for i in ids]
 
+    def score(self, items: Sequence[tuple[Prompt, Sequence[str | Sequence[int]]]],
+              use_tqdm: bool = False) -> list[RequestOutput]:
+        """Log-likelihood of candidate continuations: ``items`` = [(context, [candidate, ...]), ...].
+
+        Each output's completions are the candidates in order: ``logprobs`` per token, ``cumulative_logprob``
+        their sum, ``greedy`` whether every token is the model's greedy choice. Rows are submitted in trie order
+        of their contexts, so a context shared by several rows (a few-shot prefix) is computed once.
+        """
+        ctx = [self.core.encode(c) for c, _ in items]
+        ids: dict[int, str] = {}
+        try:
+            for i in sorted(range(len(items)), key=ctx.__getitem__):
+                ids[i] = self.core.add_score_request(ctx[i], items[i][1])
+        except Exception:
+            for rid in ids.values():
+                self.core.abort(rid)
+            self.core.step()
+            raise
+        order = [ids[i] for i in range(len(items))]
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), disable=not use_tqdm, unit="row")
+        while len(done) < len(order):
+            for d in self.core.step():
+                if d.output is not None and d.request_id in ids.values():
+                    done[d.request_id] = d.output
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in order]
+
     def stream(self, prompts: Sequence[Prompt] | Prompt,
                params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamDelta]:
         """Yield text deltas as they are generated; each request ends with a delta carrying its output."""

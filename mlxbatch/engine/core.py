@@ -29,6 +29,7 @@ from mlxbatch.types import RequestOutput, RequestTimings, SamplingParams, Stream
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
+_SCORE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # scoring generates nothing; greedy, no seed
 
 
 @dataclass
@@ -127,14 +128,7 @@ class EngineCore:
             raise InvalidRequestError("request_id", request_id, "already in flight")
         ids = self.encode(prompt)
         ctx = self.loaded.context_length
-        if not ids:
-            raise InvalidRequestError("prompt", prompt if isinstance(prompt, str) else "[]", "is empty")
-        if len(ids) >= ctx:
-            raise InvalidRequestError("prompt", f"<{len(ids)} tokens>",
-                                      f"is longer than the model's context ({ctx} tokens, room for one more)")
-        vocab = self.loaded.config.get("vocab_size") or self._vocab_size
-        if max(ids) >= vocab or min(ids) < 0:
-            raise InvalidRequestError("prompt", f"token id {max(ids)}", f"outside the vocabulary (size {vocab})")
+        self._check_ids(ids, "prompt", prompt)
         seed = params.seed
         if seed is None:
             seed = (int(uniform_for(self.config.seed, hash(request_id) & 0xFFFFFFFF) * (1 << 53))
@@ -152,6 +146,53 @@ class EngineCore:
             for i in range(params.n)
         ]
         self._groups[request_id] = _Group(request_id, seqs, stream)
+        for s in seqs:
+            self._seqs[s.request_id] = s
+            self.scheduler.add(s)
+        return request_id
+
+    def _check_ids(self, ids: list[int], what: str, shown: Any, room: int = 1) -> None:
+        ctx = self.loaded.context_length
+        if not ids:
+            raise InvalidRequestError(what, shown if isinstance(shown, str) else "[]", "is empty")
+        if len(ids) > ctx - room:
+            raise InvalidRequestError(what, f"<{len(ids)} tokens>", f"is longer than the model's context ({ctx} "
+                                      f"tokens{', room for one more' if room else ''})")
+        vocab = self.loaded.config.get("vocab_size") or self._vocab_size
+        if max(ids) >= vocab or min(ids) < 0:
+            raise InvalidRequestError(what, f"token id {max(ids)}", f"outside the vocabulary (size {vocab})")
+
+    def add_score_request(self, context: Prompt, continuations: Sequence[str | Sequence[int]],
+                          request_id: str | None = None) -> str:
+        """Queue the scoring of each continuation after ``context``: log-probability per token, their sum and
+        whether each token is the greedy choice (the output's completions, in order; nothing is generated).
+
+        Context and continuations are tokenized separately (a continuation's leading space stays its own), so
+        every candidate is scored on the same context tokens. The candidates share the context's KV through the
+        prefix cache: the first computes it, the others wait for its blocks and reuse them.
+        """
+        if self._closed:
+            raise EngineClosedError("the engine has shut down")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._groups:
+            raise InvalidRequestError("request_id", request_id, "already in flight")
+        ctx_ids = self.encode(context)
+        self._check_ids(ctx_ids, "context", context, room=0)
+        if isinstance(continuations, str) or not continuations:
+            raise InvalidRequestError("candidates", continuations if isinstance(continuations, str) else "[]",
+                                      "expected a non-empty list of continuations")
+        tok = self.loaded.tokenizer
+        seqs = []
+        for i, cont in enumerate(continuations):
+            ids = list(tok.encode(cont, add_special_tokens=False)) if isinstance(cont, str) else [int(t) for t in cont]
+            if not ids:
+                raise InvalidRequestError(f"candidates[{i}]", cont, "is empty")
+            self._check_ids(ctx_ids + ids, f"context + candidates[{i}]", cont, room=0)
+            seqs.append(Request(
+                request_id=f"{request_id}#{i}", group_id=request_id, index=i, prompt_token_ids=ctx_ids + ids,
+                params=_SCORE_PARAMS, seed=0, eos_token_ids=self._eos, max_context=self.loaded.context_length,
+                text=TextTracker(tok, (), False, False, self._vocab_size), score_from=len(ctx_ids)))
+        self._groups[request_id] = _Group(request_id, seqs, False)
         for s in seqs:
             self._seqs[s.request_id] = s
             self.scheduler.add(s)
@@ -187,6 +228,12 @@ class EngineCore:
             self.worker.shutdown()  # frees MLX's buffer cache
             return []
         touched = []
+        for rid, (scores, greedy) in self.runner.scored.items():
+            self._seqs[rid].add_scores(scores, greedy)
+        for chunk in out.prefills:
+            if chunk.last and chunk.request.score_from is not None:
+                chunk.request.finish_scored()
+                touched.append(chunk.request)
         for rid, tok in sampled.items():
             req = self._seqs[rid]
             req.append(tok.token_id, tok.logprob)

@@ -221,8 +221,9 @@ class SlotBatch:
         return [(k[row : row + 1, :, :n, :], v[row : row + 1, :, :n, :]) for k, v in zip(self._keys, self._values)]
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]]) -> mx.array:
-        """Run rows ``[start, start+len(tokens))`` over their new tokens; returns each row's last output.
+    def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]], full: bool = False) -> mx.array:
+        """Run rows ``[start, start+len(tokens))`` over their new tokens; returns each row's last output
+        (``[rows, dim]``), or every position's (``[rows, T, dim]``) with ``full``.
 
         ``model`` maps ``(inputs, cache=...)`` to per-position outputs (logits, or hidden states when the
         caller applies the LM head itself to the last positions only).
@@ -257,6 +258,8 @@ class SlotBatch:
         self._write_width = T
         pad = [list(t) + [0] * (T - len(t)) for t in tokens]
         out = model(mx.array(pad, dtype=mx.int32), cache=self.layers)
+        if full:
+            return out
         if T == 1:
             return out[:, 0, :]
         last = mx.array([len(t) - 1 for t in tokens], dtype=mx.int32)

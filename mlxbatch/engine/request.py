@@ -46,6 +46,9 @@ class Request:
     # n > 1: the sequence whose prefill this one shares (its KV is forked when that prefill ends); None once
     # forked, or when it has to prefill on its own
     fork_parent: str | None = None
+    # scoring: the prompt's tokens from here on are a continuation to score (log-probabilities, no generation)
+    score_from: int | None = None
+    score_greedy: list[bool] = field(default_factory=list)
     # prompt tokens later sequences will reuse (the plan's retention); None: unknown, cache every full block
     cache_tokens: int | None = None
     finish_reason: FinishReason | None = None
@@ -55,7 +58,7 @@ class Request:
     finished_at: float | None = None
 
     def __post_init__(self) -> None:
-        if self.params.logprobs is not None and self.logprobs is None:
+        if (self.params.logprobs is not None or self.score_from is not None) and self.logprobs is None:
             self.logprobs = []
 
     @property
@@ -83,6 +86,8 @@ class Request:
     @property
     def reserved_tokens(self) -> int:
         """KV positions this sequence may need by the time it finishes."""
+        if self.score_from is not None:
+            return self.num_prompt_tokens
         return min(self.num_prompt_tokens + self.params.max_tokens, self.max_context)
 
     @property
@@ -115,6 +120,19 @@ class Request:
             return self._finish(FinishReason.LENGTH, None)
         return None
 
+    def add_scores(self, scores: list[TokenLogprob], greedy: list[bool]) -> None:
+        """Log-probabilities of scored continuation tokens, in order (from the prefill chunk that saw them)."""
+        assert self.logprobs is not None
+        self.logprobs.extend(scores)
+        self.score_greedy.extend(greedy)
+
+    def finish_scored(self) -> None:
+        """Every continuation token is scored: the sequence is done (it generates nothing)."""
+        assert self.score_from is not None and len(self.score_greedy) == self.num_prompt_tokens - self.score_from
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+        self._finish(FinishReason.STOP, None)
+
     def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> FinishReason:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
@@ -126,6 +144,11 @@ class Request:
         self._finish(reason, None)
 
     def completion(self) -> Completion:
+        if self.score_from is not None:
+            return Completion(index=self.index, text="", token_ids=tuple(self.prompt_token_ids[self.score_from:]),
+                              finish_reason=self.finish_reason,
+                              logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
+                              greedy=all(self.score_greedy) if self.status.finished else None)
         return Completion(
             index=self.index,
             text=self.text.final_text(),

@@ -24,6 +24,7 @@ from mlxbatch.engine.sampling import SampledToken, SampleRow, sample
 from mlxbatch.engine.scheduler import PrefillChunk, SchedulerOutput
 from mlxbatch.engine.worker import KVGeometry
 from mlxbatch.errors import OutOfMemoryError
+from mlxbatch.types import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class ModelRunner:
         # block hashes that admitted sequences are computing now (cached once their prefill ends)
         self._computing: dict[str, list[int]] = {}
         self._computing_count: collections.Counter[int] = collections.Counter()
+        # scoring rows of the last step: request id -> (token log-probabilities, greedy flags), in token order
+        self.scored: dict[str, tuple[list[TokenLogprob], list[bool]]] = {}
         self._admitted_planned: list[Request] = []  # admitted this step with a plan retention to apply
         self.profile = StepProfile()
 
@@ -169,6 +172,7 @@ class ModelRunner:
 
     def _execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         prof, batch = self.profile, self.batch
+        self.scored = {}
         due: list[Request] = []
         logits: list[mx.array] = []
         if out.decodes:
@@ -210,9 +214,12 @@ class ModelRunner:
             for group in groups:
                 for i, c in enumerate(group):
                     assert batch.ids[start + i] == c.request.request_id and batch.lengths[start + i] == c.start
-                last = [i for i, c in enumerate(group) if c.last]
-                chunk_logits = self._forward(start, [c.request.tokens(c.start, c.end) for c in group],
-                                             rows=last)
+                last = [i for i, c in enumerate(group) if c.last and c.request.score_from is None]
+                tokens = [c.request.tokens(c.start, c.end) for c in group]
+                if any(c.request.score_from is not None for c in group):
+                    chunk_logits = self._score(start, group, tokens, last)
+                else:
+                    chunk_logits = self._forward(start, tokens, rows=last)
                 start += len(group)
                 if last:
                     logits.append(chunk_logits)
@@ -240,6 +247,41 @@ class ModelRunner:
         prof.sampling_s += time.perf_counter() - t0
         self._commit(out)
         return {r.request_id: t for r, t in zip(due, tokens_out)}
+
+    def _score(self, start: int, group: list[PrefillChunk], tokens: list[list[int]], last: list[int]) -> mx.array:
+        """A prefill forward that also scores continuation tokens (log-probability and greedy match).
+
+        For a scoring row, position ``p`` of its chunk predicts prompt token ``p + 1``; every position from the
+        one before the continuation up to the last but one is scored (a target in the next chunk is known: it
+        is in the prompt). Results go to ``self.scored``; returns the last-position logits of ``last`` rows.
+        """
+        fn = self._split.body if self._split else self.model
+        out = self.batch.forward(fn, start, tokens, full=True)  # [rows, T, dim]
+        rows, cols, targets, owners = [], [], [], []
+        for i, c in enumerate(group):
+            r = c.request
+            if r.score_from is None:
+                continue
+            for p in range(max(c.start, r.score_from - 1), min(c.end, r.num_prompt_tokens - 1)):
+                rows.append(i)
+                cols.append(p - c.start)
+                targets.append(r.prompt_token_ids[p + 1])
+                owners.append(r)
+        if rows:
+            h = out[mx.array(rows), mx.array(cols)]
+            lg = (self._split.head(h) if self._split else h).astype(mx.float32)
+            tgt = mx.array(targets, dtype=mx.int32)
+            chosen = mx.take_along_axis(lg - mx.logsumexp(lg, axis=-1, keepdims=True), tgt[:, None], axis=-1)[:, 0]
+            greedy = mx.argmax(lg, axis=-1) == tgt
+            mx.eval(chosen, greedy)
+            for r, t, lp, g in zip(owners, targets, chosen.tolist(), greedy.tolist()):
+                scores, flags = self.scored.setdefault(r.request_id, ([], []))
+                scores.append(TokenLogprob(t, lp))
+                flags.append(bool(g))
+        if not last:
+            return out[:0, 0]
+        h_last = out[mx.array(last), mx.array([len(tokens[i]) - 1 for i in last])]
+        return self._split.head(h_last) if self._split else h_last
 
     def _forward(self, start: int, tokens: list[list[int]], rows: list[int] | None = None) -> mx.array:
         """Last-position logits of the given rows (all rows if ``rows`` is None) of a forward pass."""
