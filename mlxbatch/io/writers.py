@@ -36,7 +36,8 @@ DEFAULT_ROW_GROUP_SIZE = 10_000
 MISSING_ERROR = "no result: the row was not processed"
 _EXPECTED_CHUNK = 65_536
 
-# Result columns after ``id``, ``key`` and the input columns; logprobs and extra only when some row has them.
+# Result columns after ``id``, ``key`` and the input columns; logprobs only when some row has them. The records'
+# ``extra`` JSON (task results: n > 1 samples, parsed JSON, scores) becomes one typed column per key, at the end.
 _HEAD = [pa.field("id", pa.string()), pa.field("key", pa.string())]
 _TAIL = [
     pa.field("text", pa.string()), pa.field("finish_reason", pa.string()),
@@ -108,7 +109,7 @@ def _chunks(n: int, size: int) -> Iterator[slice]:
 
 
 def _output_table(gathered: pa.Table, sel: _Selection, part: slice, inputs: list[InputColumn],
-                  schema: pa.Schema) -> pa.Table:
+                  extras: list[InputColumn], schema: pa.Schema) -> pa.Table:
     missing = pa.array(sel.positions[part] == MISSING)
     ids = sel.row_ids[part] if sel.row_ids is not None else gathered.column("row_id")
     keys = sel.keys[part] if sel.keys is not None else gathered.column("key")
@@ -116,8 +117,11 @@ def _output_table(gathered: pa.Table, sel: _Selection, part: slice, inputs: list
     columns: dict[str, Any] = {"id": ids, "key": keys}
     for column in inputs:
         columns[column.out_name] = build_column(rows, column)
-    for name in schema.names[len(columns):]:
+    extra_rows = decode_inputs(gathered.column("extra").to_pylist()) if extras else []
+    for name in schema.names[len(columns):len(schema.names) - len(extras)]:
         columns[name] = gathered.column(name)
+    for column in extras:
+        columns[column.out_name] = build_column(extra_rows, column)
     columns["error"] = pc.if_else(missing, pa.scalar(MISSING_ERROR), columns["error"])
     columns["error_kind"] = pc.if_else(missing, pa.scalar("missing"), columns["error_kind"])
     return pa.Table.from_pydict(columns, schema=schema)
@@ -149,20 +153,27 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
         raise IncompleteResultsError(missing_rows, ids)
 
     planner = ColumnPlanner(keep_columns, RESULT_COLUMNS)
+    has_extra = index.column_has_values("extra")
+    extra_planner = ColumnPlanner(None, RESULT_COLUMNS)
     for part in _chunks(n, row_group_size):  # first pass: the expanded columns' names and types
-        planner.observe(decode_inputs(index.gather(sel.positions[part], ["inputs"]).column("inputs").to_pylist()))
+        got = index.gather(sel.positions[part], ["inputs", "extra"] if has_extra else ["inputs"])
+        planner.observe(decode_inputs(got.column("inputs").to_pylist()))
+        if has_extra:
+            extra_planner.observe(decode_inputs(got.column("extra").to_pylist()))
     inputs = planner.columns()
+    # task results (n > 1 samples, parsed JSON, scores, ...) become typed columns at the end, named by their key
+    extras = [c for c in extra_planner.columns() if c.name not in {i.out_name for i in inputs}] if has_extra else []
     has_logprobs = index.column_has_values("logprobs") if include_logprobs is None else include_logprobs
-    tail = [f for f in _TAIL if (f.name != "logprobs" or has_logprobs)
-            and (f.name != "extra" or index.column_has_values("extra"))]
-    schema = pa.schema(_HEAD + [pa.field(c.out_name, c.type) for c in inputs] + tail)
-    needed = ["row_id", "key", "inputs"] + [f.name for f in tail]
+    tail = [f for f in _TAIL if (f.name != "logprobs" or has_logprobs) and f.name != "extra"]
+    schema = pa.schema(_HEAD + [pa.field(c.out_name, c.type) for c in inputs] + tail
+                       + [pa.field(c.out_name, c.type) for c in extras])
+    needed = ["row_id", "key", "inputs"] + [f.name for f in tail] + (["extra"] if extras else [])
 
     error_rows = 0
     path = out / filename
     with atomic_writer(path) as f, pq.ParquetWriter(f, schema, compression="zstd") as writer:
         for part in _chunks(n, row_group_size):
-            table = _output_table(index.gather(sel.positions[part], needed), sel, part, inputs, schema)
+            table = _output_table(index.gather(sel.positions[part], needed), sel, part, inputs, extras, schema)
             error_rows += table.num_rows - table.column("error").null_count
             writer.write_table(table, row_group_size=row_group_size)
         if n == 0:

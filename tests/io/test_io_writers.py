@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from io_helpers import make_record
@@ -96,7 +97,23 @@ def test_finalize_without_expected_rows_and_with_logprobs_and_clashing_names(tmp
     assert out.input_columns == ("input_text", "input_id") and rows[0]["input_text"] == "input text"
     assert rows[0]["logprobs"] == [{"token_id": 3, "logprob": -0.5, "top": [{"token_id": 3, "logprob": -0.5},
                                                                            {"token_id": 4, "logprob": -1.0}]}]
-    assert rows[1]["logprobs"] is None and json.loads(rows[0]["extra"]) == {"parsed": 1}
+    # task results in ``extra`` become typed columns named by their keys, null where a row has none
+    assert rows[1]["logprobs"] is None and rows[0]["parsed"] == 1 and rows[1]["parsed"] is None
+    assert "extra" not in rows[0]
+
+
+def test_task_results_become_typed_list_and_struct_columns(tmp_path: Path) -> None:
+    with CheckpointStore(tmp_path) as store:
+        store.append([make_record("a", extra={"samples": ["x", "y"], "parsed": {"label": "pos", "score": 1}}),
+                      make_record("b", extra={"samples": ["z"], "parsed": {"label": "neg", "score": 0.5}}),
+                      make_record("c")])
+        out = finalize(store, tmp_path, None, row_group_size=1)  # types unified across row groups
+    table = pq.read_table(out.results_path)
+    assert table.schema.field("samples").type == pa.list_(pa.string())
+    assert table.schema.field("parsed").type == pa.struct([("label", pa.string()), ("score", pa.float64())])
+    rows = table.to_pylist()
+    assert rows[0]["samples"] == ["x", "y"] and rows[1]["parsed"] == {"label": "neg", "score": 0.5}
+    assert rows[2]["samples"] is None
 
 
 def test_finalize_of_an_empty_job(tmp_path: Path) -> None:
