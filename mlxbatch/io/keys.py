@@ -37,6 +37,8 @@ def _normalize(value: Any) -> Any:
 def canonical_params(params: SamplingParams | Mapping[str, Any]) -> str:
     """Sampling parameters as canonical JSON (sorted keys, no spaces, 1.0 written as 1): stable for ``result_key``."""
     data = dataclasses.asdict(params) if isinstance(params, SamplingParams) else dict(params)
+    if data.get("constraint", 0) is None:
+        del data["constraint"]  # unconstrained rows keep the keys they had before constraints existed
     return json.dumps(_normalize(data), sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=list)
 
 

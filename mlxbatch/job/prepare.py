@@ -16,7 +16,7 @@ from typing import Any
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io import DuplicateIdTracker, InputRow, canonical_params, result_key
 from mlxbatch.job.prompts import PromptRenderer, RenderError
-from mlxbatch.job.spec import JobSpec
+from mlxbatch.job.spec import JobSpec, constraint_from
 from mlxbatch.types import SamplingParams
 
 
@@ -30,6 +30,8 @@ class PreparedRow:
     params_json: str  # canonical JSON of ``params`` (computed once per distinct parameter set)
     error: str | None = None
     error_kind: str | None = None
+    candidates: tuple[str, ...] | None = None  # task score: the continuations to score
+    answer: Any = None  # task score: the right candidate (index or text), when the job names an answer column
 
 
 def row_seed(job_seed: int, row_id: str) -> int:
@@ -86,6 +88,11 @@ class RowPreparer:
         if row.request is not None:
             changes.setdefault("temperature", 1.0)  # the OpenAI API's default, not the job's greedy one
             changes.update(_openai_params(row.request))
+        task = self.spec.task
+        if task.constraint is not None:
+            changes.setdefault("constraint", task.constraint)
+        if task.constraint_column is not None and row.fields.get(task.constraint_column) is not None:
+            changes["constraint"] = constraint_from(row.fields[task.constraint_column], task.constraint_column)
         params = dataclasses.replace(base, **changes) if changes else base
         if params.seed is None and not params.greedy:  # greedy rows need no seed: it stays out of their key
             params = dataclasses.replace(params, seed=row_seed(self.spec.seed, row.row_id))
@@ -111,5 +118,17 @@ class RowPreparer:
         except RenderError as exc:
             return self._failed(row, f"{row.source}:{row.position}: {exc}", "render", params)
         pj = self._canonical(params)
-        key = result_key(row.row_id, rendered.identity, self.model_identity, pj, params.seed)
-        return PreparedRow(row.row_id, key, self._keep(row.fields), rendered.prompt, params, pj)
+        identity, candidates, answer = rendered.identity, None, None
+        if self.spec.task.kind == "score":
+            task = self.spec.task
+            candidates = task.candidates or row.fields.get(task.candidates_column or "")
+            if not isinstance(candidates, (list, tuple)) or not candidates \
+                    or not all(isinstance(x, str) and x for x in candidates):
+                return self._failed(row, f"{row.source}:{row.position}: candidates must be a non-empty list of "
+                                         f"non-empty strings, got {candidates!r:.80}", "candidates", params)
+            candidates = tuple(candidates)
+            identity += "\x00candidates:" + "\x00".join(candidates)  # other candidates: another result
+            answer = row.fields.get(task.answer_column) if task.answer_column else None
+        key = result_key(row.row_id, identity, self.model_identity, pj, params.seed)
+        return PreparedRow(row.row_id, key, self._keep(row.fields), rendered.prompt, params, pj,
+                           candidates=candidates, answer=answer)

@@ -6,12 +6,26 @@ import collections
 import platform
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from mlxbatch.io import ResultRecord
 from mlxbatch.job.spec import JobSpec
 
 MIN_ROWS_FOR_ERROR_RATE = 20
+
+
+def accuracy(results: Path) -> dict[str, Any] | None:
+    """Correct / answered over the final results' ``correct`` column (None when the job scores no answers)."""
+    if "correct" not in pq.read_schema(results).names:
+        return None
+    col = pq.read_table(results, columns=["correct"]).column("correct")
+    answered = len(col) - col.null_count
+    right = pc.sum(col.cast("int64")).as_py() or 0
+    return {"answered": answered, "correct": right, "accuracy": round(right / answered, 4) if answered else None}
 
 
 @dataclass
@@ -28,6 +42,7 @@ class RunStats:
     errors_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
     engine: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
+    accuracy: dict[str, Any] | None = None  # task score with an answer column: over every row of the results
 
     def add(self, record: ResultRecord) -> None:
         self.finished += 1
@@ -67,6 +82,7 @@ class RunStats:
                              "prompt_tokens": self.prompt_tokens,
                              "cached_tokens": (self.engine.get("prefix_cache") or {}).get("tokens_reused", 0)},
             "plan": self.plan,
+            **({"accuracy": self.accuracy} if self.accuracy is not None else {}),
             "engine": self.engine,
             "wall_s": round(wall, 3),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

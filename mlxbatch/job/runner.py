@@ -43,8 +43,9 @@ from mlxbatch.io import (
 )
 from mlxbatch.job.feed import Failed, RowFeed
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
-from mlxbatch.job.report import RunStats
+from mlxbatch.job.report import RunStats, accuracy
 from mlxbatch.job.spec import JobSpec
+from mlxbatch.job.tasks import record_for, submit
 from mlxbatch.types import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class JobRunner:
                     preparer = RowPreparer(spec, loaded.identity, is_openai)
                     final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns)
                     stats.final_rows = final.rows
+                    stats.accuracy = accuracy(final.results_path)
             finally:
                 REGISTRY.release(model_spec, user)
             if is_openai:
@@ -157,8 +159,7 @@ class JobRunner:
                             continue
                         prep = item.prep
                         try:
-                            core.add_request(item.token_ids, prep.params, request_id=prep.key,
-                                             cache_tokens=item.cache_tokens)
+                            submit(core, prep, item.token_ids, item.cache_tokens)
                         except InvalidRequestError as exc:
                             finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "request"))
                             continue
@@ -218,12 +219,4 @@ class JobRunner:
         if out is None:
             return ResultRecord.failed(prep.row_id, prep.key, error or "unknown error", error_kind or "error",
                                        inputs=prep.inputs, model=model, params=params)
-        extra: dict[str, Any] = {}
-        if len(out.completions) > 1:
-            extra["samples"] = [c.text for c in out.completions]
-        t = out.timings
-        return ResultRecord(
-            row_id=prep.row_id, key=prep.key, inputs=prep.inputs, text=out.text,
-            finish_reason=out.finish_reason.value if out.finish_reason else None,
-            prompt_tokens=out.prompt_tokens, generated_tokens=out.generated_tokens, logprobs=out.logprobs,
-            latency_s=t.total, ttft_s=t.time_to_first_token, model=model, params=params, extra=extra)
+        return record_for(prep, out, model)

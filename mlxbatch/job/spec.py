@@ -8,14 +8,15 @@ provides) live in ``job.validate``.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from mlxbatch.errors import MlxbatchError
-from mlxbatch.types import SamplingParams
+from mlxbatch.errors import InvalidRequestError, MlxbatchError
+from mlxbatch.types import CONSTRAINT_KINDS, OutputConstraint, SamplingParams
 
 SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -82,6 +83,18 @@ class PlanSection:
 
 
 @dataclass(frozen=True)
+class TaskSection:
+    """What each row asks for: generated text (optionally constrained) or scores of candidate continuations."""
+
+    kind: str = "generate"  # generate | score
+    constraint: OutputConstraint | None = None  # output.choice / output.regex / output.json_schema
+    constraint_column: str | None = None  # a row column holding {choice: [...]} | {regex: ...} | {json_schema: ...}
+    candidates: tuple[str, ...] | None = None  # score.candidates given as a list
+    candidates_column: str | None = None  # score.candidates given as a column name
+    answer_column: str | None = None  # score.answer: the right candidate (its index or its text), for accuracy
+
+
+@dataclass(frozen=True)
 class JobSpec:
     source: str  # the job file
     model: ModelSection
@@ -94,14 +107,17 @@ class JobSpec:
     seed: int = 0
     max_error_rate: float = 0.1
     plan: PlanSection = PlanSection()
+    task: TaskSection = TaskSection()
 
 
-_TOP = {"model", "input", "prompt", "sampling", "output", "checkpoint", "engine", "seed", "max_error_rate", "plan"}
+_TOP = {"model", "input", "prompt", "sampling", "output", "checkpoint", "engine", "seed", "max_error_rate", "plan", "task",
+        "score"}
 _SECTIONS: dict[str, set[str]] = {
     "model": {"path", "dtype", "adapter", "trust_remote_code"},
     "input": {"path", "format", "id_column", "columns", "split"},
     "prompt": {"template", "messages", "system", "chat_template"},
-    "output": {"path"},
+    "output": {"path", "choice", "regex", "json_schema", "constraint_column"},
+    "score": {"candidates", "answer"},
     "checkpoint": {"every_rows", "every_seconds"},
     "engine": {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_memory_fraction", "prefix_cache"},
     "plan": {"enabled", "window"},
@@ -232,6 +248,7 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     out_path = c.typed(o, "output", "path", str, "")
     if raw.get("output") is not None and not out_path:
         c.bad("output.path", "required: the output folder")
+    task = _task(c, raw, o)
     ck = c.section(raw, "checkpoint")
     checkpoint = CheckpointSection(c.typed(ck, "checkpoint", "every_rows", int, 256),
                                    c.typed(ck, "checkpoint", "every_seconds", float, 60.0))
@@ -257,7 +274,7 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     if c.problems:
         raise JobSpecError(source, c.problems)
     return JobSpec(source, model, inp, prompt, sampling, _resolve(base, out_path), checkpoint, engine, seed,
-                   max_error_rate, plan)
+                   max_error_rate, plan, task)
 
 
 def _sampling(c: _Checker, raw: dict[str, Any]) -> SamplingSection:
@@ -285,6 +302,58 @@ def _sampling(c: _Checker, raw: dict[str, Any]) -> SamplingSection:
         c.bad(f"sampling.{field_name}" if field_name else "sampling", getattr(exc, "reason", str(exc)))
         params = SamplingParams(temperature=0.0)
     return SamplingSection(params, dict(overrides))
+
+
+def constraint_from(value: Any, where: str) -> OutputConstraint:
+    """An OutputConstraint from a mapping with exactly one of choice / regex / json_schema (job file or row)."""
+    if not isinstance(value, dict):
+        raise InvalidRequestError(where, value, "expected a mapping with one of choice, regex, json_schema")
+    given = [k for k in CONSTRAINT_KINDS if value.get(k) is not None]
+    if len(given) != 1:
+        raise InvalidRequestError(where, sorted(value), "give exactly one of choice, regex, json_schema")
+    kind = given[0]
+    v = value[kind]
+    if kind == "json_schema":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"{where}.json_schema", v[:60], f"not valid JSON: {exc}") from exc
+        if not isinstance(v, dict):
+            raise InvalidRequestError(f"{where}.json_schema", v, "expected a JSON schema object")
+        return OutputConstraint.json_schema(v)
+    return OutputConstraint(kind, v)
+
+
+def _task(c: _Checker, raw: dict[str, Any], out: dict[str, Any]) -> TaskSection:
+    kind = c.typed(raw, "<top>", "task", str, "generate")
+    if kind not in ("generate", "score"):
+        c.bad("task", f"expected generate or score, got {kind!r}")
+    constraint = None
+    if any(out.get(k) is not None for k in CONSTRAINT_KINDS):
+        try:
+            constraint = constraint_from({k: out.get(k) for k in CONSTRAINT_KINDS}, "output")
+        except InvalidRequestError as exc:
+            c.bad(exc.field, exc.reason)
+    column = c.typed(out, "output", "constraint_column", str, None)
+    s = c.section(raw, "score")
+    cands = s.get("candidates")
+    candidates = candidates_column = None
+    if isinstance(cands, str):
+        candidates_column = cands
+    elif isinstance(cands, list) and cands and all(isinstance(x, str) and x for x in cands):
+        candidates = tuple(cands)
+    elif cands is not None:
+        c.bad("score.candidates", "expected a non-empty list of non-empty strings, or a column name")
+    answer = c.typed(s, "score", "answer", str, None)
+    if kind == "score":
+        if cands is None:
+            c.bad("score.candidates", "required when task is score (a list, or the column holding each row's list)")
+        if constraint is not None or column is not None:
+            c.bad("output", "choice / regex / json_schema constrain generated text; task score generates none")
+    elif s:
+        c.bad("score", "only used with task: score")
+    return TaskSection(kind, constraint, column, candidates, candidates_column, answer)
 
 
 def _resolve(base: Path, value: str) -> Path:

@@ -1,0 +1,75 @@
+"""Job tasks: scoring candidates (with accuracy), n > 1 samples as a list column, bad task input as row errors."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from jobkit import write_job, write_jsonl
+
+from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.job.runner import JobRunner
+from mlxbatch.job.spec import JobSpecError
+from mlxbatch.job.validate import validate_job
+
+QUESTIONS = [
+    {"id": "a", "q": "Two plus two is", "options": [" four", " five", " six"], "gold": 0},
+    {"id": "b", "q": "The sky is", "options": [" blue", " green"], "gold": " green"},
+    {"id": "c", "q": "Water is", "options": [" wet", " dry", " cold", " hot"], "gold": "wet"},
+    {"id": "d", "q": "Fire is", "options": [], "gold": 0},  # no candidates: a row error
+    {"id": "e", "q": "Ice is", "options": [" " + "very " * 3000 + "cold"], "gold": 0},  # too long: a row error
+]
+
+
+def test_score_job_scores_candidates_and_reports_accuracy(tmp_path, tiny_model_path, tiny_loaded):
+    data = write_jsonl(tmp_path / "in.jsonl", QUESTIONS)
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", prompt={"template": "Q: {{ q }}"},
+                    task="score", score={"candidates": "options", "answer": "gold"}, max_error_rate=1.0,
+                    input={"columns": ["q", "gold"]})
+    report = JobRunner(validate_job(job), progress=False).run().report
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()}
+    assert rows["d"]["error_kind"] == "candidates" and "non-empty list" in rows["d"]["error"]
+    assert rows["e"]["error_kind"] == "request" and "context" in rows["e"]["error"]
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False))
+    right = 0
+    for q in QUESTIONS[:3]:
+        r = rows[q["id"]]
+        want = [c.cumulative_logprob for c in eng.score([("Q: " + q["q"], q["options"])])[0].completions]
+        assert r["scores"] == pytest.approx(want, abs=1e-4)
+        best = max(range(len(want)), key=want.__getitem__)
+        assert r["choice"] == best and r["text"] == q["options"][best] and len(r["greedy"]) == len(want)
+        gold = q["gold"] if isinstance(q["gold"], int) else [o.strip() for o in q["options"]].index(q["gold"].strip())
+        assert r["correct"] == (best == gold)
+        right += best == gold
+    assert report["accuracy"] == {"answered": 3, "correct": right, "accuracy": round(right / 3, 4)}
+
+
+def test_n_samples_become_a_list_column(tmp_path, tiny_model_path):
+    rows = [{"id": f"r{i}", "text": f"sentence number {i}"} for i in range(4)]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out",
+                    sampling={"temperature": 1.0, "n": 3, "max_tokens": 6})
+    JobRunner(validate_job(job), progress=False).run()
+    table = pq.read_table(tmp_path / "out" / "results.parquet")
+    assert table.schema.field("samples").type == pa.list_(pa.string())
+    for r in table.to_pylist():
+        assert len(r["samples"]) == 3 and r["samples"][0] == r["text"]
+
+
+def test_bad_task_sections_are_rejected_before_any_work(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", QUESTIONS[:1])
+    cases = [
+        ({"task": "score"}, "score.candidates"),
+        ({"task": "score", "score": {"candidates": []}}, "score.candidates"),
+        ({"task": "classify"}, "task"),
+        ({"score": {"candidates": [" a"]}}, "score"),
+        ({"output": {"path": str(tmp_path / "o"), "choice": ["a"], "regex": "a"}}, "output"),
+        ({"output": {"path": str(tmp_path / "o"), "json_schema": "{not json"}}, "output.json_schema"),
+        ({"task": "score", "score": {"candidates": [" a"]}, "output": {"path": str(tmp_path / "o"), "regex": "x"}},
+         "output"),
+    ]
+    for overrides, key in cases:
+        job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", **overrides)
+        with pytest.raises(JobSpecError) as info:
+            validate_job(job)
+        assert key in [k for k, _ in info.value.problems], (overrides, info.value.problems)
