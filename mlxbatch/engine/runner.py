@@ -121,7 +121,8 @@ class ModelRunner:
         if self.prefix is None:
             return 0
         tokens = request.tokens(0, request.num_tokens)
-        hit = self.prefix.lookup(tokens)
+        # a scoring sequence must compute the position before its continuation (it predicts the first token)
+        hit = self.prefix.lookup(tokens if request.score_from is None else tokens[: request.score_from])
         hashes = self.prefix.hashes(tokens)[: self._stored_tokens(request) // self.prefix.block_size]
         self._computing[request.request_id] = hashes
         self._computing_count.update(hashes)

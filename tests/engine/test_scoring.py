@@ -77,3 +77,16 @@ def test_bad_candidates_are_rejected(tiny_loaded):
     with pytest.raises(InvalidRequestError, match="context"):
         eng.core.add_score_request("context", [long])
     assert eng.score([("context", [" ok"])])[0].completions[0].logprobs
+
+
+def test_a_context_of_whole_blocks_still_scores_its_first_candidate_token(tiny_loaded):
+    # the context is exactly two cache blocks and cached by the first row: the next rows must still compute its
+    # last position, which predicts the candidate's first token
+    ctx = list(range(100, 132))
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False))
+    outs = eng.score([(ctx, [[7], [8, 9]]), (ctx, [[7], [10]]), (ctx, [[11]])])
+    assert eng.stats()["prefix_cache"]["tokens_reused"] > 0
+    ref = Engine(tiny_loaded, EngineConfig(warm_up=False, prefix_cache=False)).score([(ctx, [[7], [8, 9]])])[0]
+    for out in outs:
+        assert all(len(c.logprobs) == len(c.token_ids) for c in out.completions)
+    assert abs(outs[1].completions[0].cumulative_logprob - ref.completions[0].cumulative_logprob) < 1e-4
