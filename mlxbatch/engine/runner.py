@@ -22,6 +22,7 @@ from mlxbatch.engine.prefix_cache import PrefixCache, PrefixHit
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sampling import SampledToken, SampleRow, sample
 from mlxbatch.engine.scheduler import PrefillChunk, SchedulerOutput
+from mlxbatch.engine.vlm import RowInput, VisionLanguageRows
 from mlxbatch.engine.worker import KVGeometry
 from mlxbatch.errors import OutOfMemoryError
 
@@ -97,9 +98,11 @@ def split_model(model: Any) -> SplitModel | None:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, geometry: KVGeometry, prefix_cache_bytes: int = 0) -> None:
+    def __init__(self, model: Any, geometry: KVGeometry, prefix_cache_bytes: int = 0, vlm: Any = None) -> None:
         self.model = model
         self._split = split_model(model)
+        # vision-language models: rows are fed embeddings and multimodal positions instead of token ids
+        self.mm = VisionLanguageRows(vlm) if vlm is not None else None
         self.geometry = geometry
         dtype = getattr(mx, geometry.dtype)
         self.batch = SlotBatch(geometry.num_layers)
@@ -117,8 +120,8 @@ class ModelRunner:
         if self.prefix is None:
             return 0
         tokens = request.tokens(0, request.num_tokens)
-        hit = self.prefix.lookup(tokens)
-        hashes = self.prefix.hashes(tokens)
+        hit = self.prefix.lookup(tokens, request.media)
+        hashes = self.prefix.hashes(tokens, request.media)
         self._computing[request.request_id] = hashes
         self._computing_count.update(hashes)
         if hit is None:
@@ -134,7 +137,7 @@ class ModelRunner:
         """
         if self.prefix is None or not self._computing_count:
             return False
-        hashes = self.prefix.hashes(request.tokens(0, request.num_tokens))
+        hashes = self.prefix.hashes(request.tokens(0, request.num_tokens), request.media)
         cached = self.prefix.cached_blocks(hashes)
         return cached < len(hashes) and self._computing_count[hashes[cached]] > 0
 
@@ -169,7 +172,8 @@ class ModelRunner:
             assert len(out.decodes) == batch.n_decode, "every decoding sequence runs every step"
             by_id = {r.request_id: r for r in out.decodes}
             rows = [by_id[rid] for rid in batch.ids[: batch.n_decode]]
-            step_logits = self._forward(0, [[r.last_token] for r in rows])
+            step_logits = self._forward(0, [[r.last_token] for r in rows],
+                                        seqs=[RowInput(r, r.num_tokens - 1, 1) for r in rows])
             mx.eval(step_logits)
             prof.decode_s += time.perf_counter() - t0
             prof.decode_tokens += len(rows)
@@ -201,7 +205,8 @@ class ModelRunner:
                     assert batch.ids[start + i] == c.request.request_id and batch.lengths[start + i] == c.start
                 last = [i for i, c in enumerate(group) if c.last]
                 chunk_logits = self._forward(start, [c.request.tokens(c.start, c.end) for c in group],
-                                             rows=last)
+                                             rows=last, seqs=[RowInput(c.request, c.start, c.end - c.start)
+                                                              for c in group])
                 start += len(group)
                 if last:
                     logits.append(chunk_logits)
@@ -225,13 +230,17 @@ class ModelRunner:
         self._commit(out)
         return {r.request_id: t for r, t in zip(due, tokens_out)}
 
-    def _forward(self, start: int, tokens: list[list[int]], rows: list[int] | None = None) -> mx.array:
+    def _forward(self, start: int, tokens: list[list[int]], rows: list[int] | None = None,
+                 seqs: list[RowInput] | None = None) -> mx.array:
         """Last-position logits of the given rows (all rows if ``rows`` is None) of a forward pass."""
-        fn = self._split.body if self._split else self.model
+        if self.mm is not None and seqs is not None:  # per-row embeddings and positions (vision-language)
+            fn, head = self.mm.body(seqs), self.mm.vlm.head
+        else:
+            fn, head = (self._split.body, self._split.head) if self._split else (self.model, None)
         out = self.batch.forward(fn, start, tokens)
         if rows is not None and len(rows) < len(tokens):
             out = out[mx.array(rows)] if rows else out[:0]
-        return self._split.head(out) if self._split else out
+        return head(out) if head is not None else out
 
     def _commit(self, out: SchedulerOutput) -> None:
         """The step succeeded: its KV positions count, and finished prefills join the decode rows."""
@@ -242,7 +251,7 @@ class ModelRunner:
             if c.last and self.prefix is not None:  # offer the prompt's full blocks to later sequences
                 r = c.request
                 if r.num_prompt_tokens >= self.prefix.block_size:
-                    self.prefix.store(r.prompt_token_ids, self.batch.row_view(r.request_id))
+                    self.prefix.store(r.prompt_token_ids, self.batch.row_view(r.request_id), r.media)
                 self._done_computing(r.request_id)
         if self.prefix is not None:
             self.prefix.flush()  # one sync for every store of the step, before the slots are written again
@@ -256,6 +265,8 @@ class ModelRunner:
         """Drop the KV of sequences that finished, were aborted or were preempted."""
         for rid in request_ids:
             self._done_computing(rid)
+            if self.mm is not None:
+                self.mm.free(rid)
             hit = self._hits.pop(rid, None)
             if hit is not None and self.prefix is not None:
                 self.prefix.release(hit)
