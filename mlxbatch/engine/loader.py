@@ -63,6 +63,10 @@ def resolve_path(name: str) -> str:
 
     if name.lower() in (SMOLLM2_ALIAS, "smollm2-135m", "smollm2-135m-instruct"):
         return str(ensure_smollm2())
+    if name.lower() == "tiny-random-vlm":  # a random-weight Qwen2-VL for trying image jobs offline
+        from mlxbatch.models.random_vlm import ensure_tiny_vlm
+
+        return str(ensure_tiny_vlm())
     p = Path(name).expanduser()
     if p.exists():
         if not (p / "config.json").exists():

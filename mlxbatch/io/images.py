@@ -106,6 +106,7 @@ def decode_image(data: bytes, source: str) -> Any:
 
     if not data:
         raise ImageError(f"{source}: empty file, not an image")
+    fmt = None
     try:
         with Image.open(io.BytesIO(data)) as probe:
             fmt = probe.format
@@ -117,8 +118,10 @@ def decode_image(data: bytes, source: str) -> Any:
         raise ImageError(f"{source}: not an image (Pillow cannot identify it)") from exc
     except Image.DecompressionBombError as exc:
         raise ImageError(f"{source}: image too large: {exc}") from exc
-    except (OSError, SyntaxError, ValueError) as exc:  # Pillow reports damage as any of these
-        raise ImageError(f"{source}: truncated or corrupt {fmt or 'image'}: {exc}") from exc
+    except MemoryError:
+        raise
+    except Exception as exc:  # Pillow reports damage as OSError, SyntaxError, ValueError, even AttributeError
+        raise ImageError(f"{source}: truncated or corrupt {fmt or 'image'}: {type(exc).__name__}: {exc}") from exc
     if rgb.width < 1 or rgb.height < 1:
         raise ImageError(f"{source}: image has no pixels")
     return rgb

@@ -15,6 +15,7 @@ from typing import Any
 
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io import DuplicateIdTracker, InputRow, canonical_params, result_key
+from mlxbatch.job.media import ImageError, row_images
 from mlxbatch.job.prompts import PromptRenderer, RenderError
 from mlxbatch.job.spec import JobSpec
 from mlxbatch.types import SamplingParams
@@ -30,6 +31,7 @@ class PreparedRow:
     params_json: str  # canonical JSON of ``params`` (computed once per distinct parameter set)
     error: str | None = None
     error_kind: str | None = None
+    images: tuple[Any, ...] = ()  # io.images.ImageRef of the row's ``images`` column (decoded when it runs)
 
 
 def row_seed(job_seed: int, row_id: str) -> int:
@@ -110,6 +112,10 @@ class RowPreparer:
             rendered = self.renderer.render(row.fields, row.request)
         except RenderError as exc:
             return self._failed(row, f"{row.source}:{row.position}: {exc}", "render", params)
+        try:
+            images, image_identity = row_images(row)
+        except ImageError as exc:
+            return self._failed(row, f"{row.source}:{row.position}: {exc}", "image", params)
         pj = self._canonical(params)
-        key = result_key(row.row_id, rendered.identity, self.model_identity, pj, params.seed)
-        return PreparedRow(row.row_id, key, self._keep(row.fields), rendered.prompt, params, pj)
+        key = result_key(row.row_id, rendered.identity + image_identity, self.model_identity, pj, params.seed)
+        return PreparedRow(row.row_id, key, self._keep(row.fields), rendered.prompt, params, pj, images=images)

@@ -65,6 +65,7 @@ class RunStats:
             "prefix_reuse": {"prefill_tokens_computed": prof.get("prefill_tokens", 0),
                              "prompt_tokens": self.prompt_tokens,
                              "cached_tokens": (self.engine.get("prefix_cache") or {}).get("tokens_reused", 0)},
+            "vision_cache": self.engine.get("vision_cache"),  # vision-language models: hits, encoder time saved
             "engine": self.engine,
             "wall_s": round(wall, 3),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

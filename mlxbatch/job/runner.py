@@ -40,6 +40,7 @@ from mlxbatch.io import (
     write_openai_batch_output,
     write_report,
 )
+from mlxbatch.job.media import ImageError, encode_row
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.report import RunStats
 from mlxbatch.job.spec import JobSpec
@@ -162,9 +163,11 @@ class JobRunner:
                             finish(self._record(prep, None, loaded.identity, prep.error, prep.error_kind))
                         else:
                             try:
-                                window.append((prep, core.encode(prep.prompt)))
+                                window.append((prep, encode_row(core, prep.prompt, prep.images)))
                             except InvalidRequestError as exc:
                                 finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "request"))
+                            except ImageError as exc:
+                                finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "image"))
                     for prep, ids in sorted(window, key=lambda w: -len(w[1])):
                         try:
                             core.add_request(ids, prep.params, request_id=prep.key)

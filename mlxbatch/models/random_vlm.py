@@ -177,3 +177,13 @@ def synthetic_image(seed: int, width: int = 112, height: int = 112) -> Any:
     x0, y0 = int(rng.integers(0, width // 2)), int(rng.integers(0, height // 2))
     draw.ellipse([x0, y0, x0 + width // 3, y0 + height // 3], fill=colour())
     return img
+
+
+TINY_VLM_ALIAS = "tiny-random-vlm"
+
+
+def ensure_tiny_vlm() -> Path:
+    """The tiny random Qwen2-VL under ``$MLXBATCH_CACHE`` (or ``~/.cache/mlxbatch/models``), built on first use."""
+    from mlxbatch.models.smollm2 import default_cache_dir
+
+    return build_random_vlm(default_cache_dir() / "tiny-random-qwen2-vl")
