@@ -86,7 +86,8 @@ class EngineCore:
         cache_bytes = 0
         if self.config.prefix_cache:
             cache_bytes = self.config.prefix_cache_bytes or min(budget // 4, 2 << 30)
-        self.runner = ModelRunner(loaded.model, self.worker.geometry, cache_bytes, vlm=loaded.vlm)
+        self.runner = ModelRunner(loaded.model, self.worker.geometry, cache_bytes, vlm=loaded.vlm,
+                                  vision_cache_bytes=self.config.vision_cache_bytes)
         step_tokens = self.config.max_num_batched_tokens or (2048 if self.worker.device.kind == "cpu" else 8192)
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, step_tokens,

@@ -98,11 +98,12 @@ def split_model(model: Any) -> SplitModel | None:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, geometry: KVGeometry, prefix_cache_bytes: int = 0, vlm: Any = None) -> None:
+    def __init__(self, model: Any, geometry: KVGeometry, prefix_cache_bytes: int = 0, vlm: Any = None,
+                 vision_cache_bytes: int = 1 << 30) -> None:
         self.model = model
         self._split = split_model(model)
         # vision-language models: rows are fed embeddings and multimodal positions instead of token ids
-        self.mm = VisionLanguageRows(vlm) if vlm is not None else None
+        self.mm = VisionLanguageRows(vlm, vision_cache_bytes) if vlm is not None else None
         self.geometry = geometry
         dtype = getattr(mx, geometry.dtype)
         self.batch = SlotBatch(geometry.num_layers)
