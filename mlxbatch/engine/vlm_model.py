@@ -168,6 +168,7 @@ class VisionLanguageModel:
             spans.append(ImageSpan(start, end, im.content_hash, im.source,
                                    inputs["pixel_values"][first : first + t * h * w], (t, h, w)))
             first += t * h * w
+        mx.eval([s.pixel_values for s in spans])  # nothing lazy outlives the call (it may be another thread's)
         pos, delta = self._lm.get_rope_index(mx.array([ids]), mx.array(grid))
         positions = np.asarray(pos[:, 0, :]).astype(np.int64)
         return MultimodalPrompt(ids, MultimodalInputs(tuple(spans), positions, int(np.asarray(delta).reshape(-1)[0])))

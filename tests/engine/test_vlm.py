@@ -178,3 +178,13 @@ def test_placeholders_must_match_images(tiny_vlm_loaded):
                                  images=[picture(1), picture(2)])
         out = run(eng, [(ASK, [picture(1)])])[0]  # the engine goes on
     assert out.generated_tokens == GREEDY.max_tokens
+
+
+def test_engine_generate_takes_images_per_prompt(tiny_vlm_loaded):
+    rows = mixed_rows()
+    with make_engine(tiny_vlm_loaded) as eng:
+        outs = eng.generate([r[0] for r in rows], GREEDY, images=[r[1] for r in rows])
+        with pytest.raises(InvalidRequestError, match="one image list per prompt"):
+            eng.generate([ASK], GREEDY, images=[])
+    ref = one_at_a_time(tiny_vlm_loaded, rows)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
