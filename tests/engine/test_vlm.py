@@ -188,3 +188,36 @@ def test_engine_generate_takes_images_per_prompt(tiny_vlm_loaded):
             eng.generate([ASK], GREEDY, images=[])
     ref = one_at_a_time(tiny_vlm_loaded, rows)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+class FlakyVLM:
+    """The real mlx-vlm model, except that the third decode forward over more than ``limit`` rows fails like an
+    allocation (the engine then preempts the newest rows and recomputes them: prompt, images and generated tokens)."""
+
+    def __init__(self, vlm, limit: int) -> None:
+        self._vlm, self._limit, self.failures, self.decodes = vlm, limit, 0, 0
+
+    def body(self, inputs, embeds, cache, positions):
+        if inputs.shape[1] == 1 and inputs.shape[0] > self._limit:
+            self.decodes += 1
+        if self.decodes == 3 and self.failures == 0:
+            self.failures += 1
+            raise RuntimeError("[malloc] Attempting to allocate 9999999999 bytes: out of memory")
+        return self._vlm.body(inputs, embeds, cache, positions)
+
+    def __getattr__(self, name):
+        return getattr(self._vlm, name)
+
+
+def test_out_of_memory_preempts_image_rows_and_loses_nothing(tiny_vlm_loaded):
+    import dataclasses
+
+    rows = mixed_rows()
+    expected = one_at_a_time(tiny_vlm_loaded, rows)
+    flaky = FlakyVLM(tiny_vlm_loaded.vlm, limit=4)
+    with make_engine(dataclasses.replace(tiny_vlm_loaded, vlm=flaky), prefill_chunk_size=512,
+                     max_num_batched_tokens=1024) as eng:
+        got = run(eng, rows)
+        assert flaky.failures == 1 and eng.stats()["preemptions"] == 1
+        assert eng.stats()["vision_cache"]["held_requests"] == 0
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
