@@ -7,10 +7,13 @@ import io
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
-from mlxbatch.io.images import ImageError, image_refs, load_image, pixel_hash, ref_digest
-from mlxbatch.models.random_vlm import synthetic_image
+pytest.importorskip("PIL", reason="Pillow comes with the vlm extra")
+
+from PIL import Image  # noqa: E402
+
+from mlxbatch.io.images import ImageError, image_refs, load_image, pixel_hash, ref_digest  # noqa: E402
+from mlxbatch.models.random_vlm import synthetic_image  # noqa: E402
 
 
 def encoded(img: Image.Image, fmt: str, **kw) -> bytes:
