@@ -23,6 +23,7 @@ class EngineConfig:
     prefix_cache: bool = True  # keep full prompt blocks' KV and start matching prompts from it
     prefix_cache_bytes: int | None = None  # None: a quarter of the KV budget, at most 2 GiB
     seed: int | None = None  # engine-wide seed: unseeded requests derive theirs from it and their id
+    vision_cache_bytes: int = 1 << 30  # vision-language models: image features kept by content hash (0: none)
     warm_up: bool = True
 
     def __post_init__(self) -> None:

@@ -236,3 +236,18 @@ class StreamDelta:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     output: RequestOutput | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One decoded image of a request (vision-language models).
+
+    ``image`` is an RGB ``PIL.Image.Image`` (fully decoded and verified by whoever built it: the io layer's
+    ``load_image``). ``content_hash`` identifies its decoded pixels; the engine keys the vision-feature cache and the
+    prefix cache's image positions by it, so the same picture shares work and two different pictures never do.
+    ``source`` names where it came from (a file, or ``<row>:images[i]``) for error messages.
+    """
+
+    image: object
+    content_hash: str
+    source: str = ""

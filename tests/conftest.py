@@ -36,3 +36,19 @@ def engine(tiny_loaded):
     eng = Engine(tiny_loaded, EngineConfig(max_num_seqs=16, prefill_chunk_size=64, max_num_batched_tokens=256))
     yield eng
     eng.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_path() -> Path:
+    """A tiny random-weight Qwen2-VL in Hugging Face layout, loadable by ``mlx_vlm.load``."""
+    pytest.importorskip("mlx_vlm", reason="the vlm extra is not installed: pip install -e .[vlm]")
+    from mlxbatch.models.random_vlm import build_random_vlm
+
+    return build_random_vlm(CACHE / "tiny-qwen2-vl-v2")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_loaded(tiny_vlm_path: Path):
+    from mlxbatch.engine.loader import ModelSpec, load_model
+
+    return load_model(ModelSpec(str(tiny_vlm_path)))

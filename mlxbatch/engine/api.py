@@ -17,7 +17,7 @@ from mlxbatch.engine.loader import LoadedModel, ModelSpec
 from mlxbatch.engine.planner import Submission, plan, submission_order
 from mlxbatch.engine.registry import REGISTRY
 from mlxbatch.errors import InvalidRequestError
-from mlxbatch.types import RequestOutput, SamplingParams, StreamDelta
+from mlxbatch.types import ImageInput, RequestOutput, SamplingParams, StreamDelta
 
 _engine_ids = itertools.count()
 
@@ -43,9 +43,12 @@ class Engine:
         self.tokenizer = loaded.tokenizer
 
     def _submit(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None,
-                stream: bool) -> list[str]:
+                stream: bool, images: Sequence[Sequence[ImageInput]] | None = None) -> list[str]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
             prompts = [prompts]  # one prompt (text or one conversation), not a list of them
+        if images is not None and len(images) != len(prompts):
+            raise InvalidRequestError("images", f"<{len(images)} items>", f"expected one image list per prompt "
+                                      f"({len(prompts)})")
         if params is None or isinstance(params, SamplingParams):
             per_row = [params or SamplingParams()] * len(prompts)
         else:
@@ -53,13 +56,15 @@ class Engine:
             if len(per_row) != len(prompts):
                 raise InvalidRequestError("params", f"<{len(per_row)} items>",
                                           f"expected one SamplingParams or {len(prompts)} of them")
-        encoded = [self.core.encode(p) for p in prompts]
+        encoded = [self.core.encode_images(p, images[i]) if images is not None and images[i] else self.core.encode(p)
+                   for i, p in enumerate(prompts)]
         # The plan's order (engine/planner.py): rows sharing a prefix back to back along the token trie, each
         # keeping only the prefix KV later rows reuse; rows sharing nothing longest first, so neighbours batch
-        # their prefill with little padding. Outputs still come back in input order.
+        # their prefill with little padding. Rows with images are submitted longest first, their KV cached LRU
+        # (image placeholders look alike to the planner). Outputs still come back in input order.
         if stream:
             order = [Submission(i, None) for i in range(len(encoded))]
-        elif self.core.runner.prefix is not None:
+        elif self.core.runner.prefix is not None and images is None:
             order = submission_order(plan(encoded))
         else:
             order = [Submission(i, None) for i in sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))]
@@ -77,9 +82,12 @@ class Engine:
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt (text, token ids or chat messages) and return outputs in input order."""
-        ids = self._submit(prompts, params, stream=False)
+                 use_tqdm: bool = False, images: Sequence[Sequence[ImageInput]] | None = None) -> list[RequestOutput]:
+        """Run every prompt (text, token ids or chat messages) and return outputs in input order.
+
+        ``images``: one list of images per prompt (vision-language models; an empty list for a text prompt).
+        """
+        ids = self._submit(prompts, params, stream=False, images=images)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), disable=not use_tqdm, unit="req")
         while len(done) < len(ids):

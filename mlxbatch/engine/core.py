@@ -22,13 +22,14 @@ from mlxbatch.engine.request import Request
 from mlxbatch.engine.runner import ModelRunner
 from mlxbatch.engine.sampling import derive_seed, uniform_for
 from mlxbatch.engine.scheduler import Scheduler, SchedulerConfig
+from mlxbatch.engine.vlm_model import MultimodalPrompt
 from mlxbatch.engine.worker import Worker
 from mlxbatch.errors import EngineClosedError, InvalidRequestError, OutOfMemoryError
-from mlxbatch.types import RequestOutput, RequestTimings, SamplingParams, StreamDelta
+from mlxbatch.types import ImageInput, RequestOutput, RequestTimings, SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
+Prompt = str | Sequence[int] | Sequence[dict[str, Any]] | MultimodalPrompt
 _SCORE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # scoring generates nothing; greedy, no seed
 
 
@@ -86,7 +87,8 @@ class EngineCore:
         cache_bytes = 0
         if self.config.prefix_cache:
             cache_bytes = self.config.prefix_cache_bytes or min(budget // 4, 2 << 30)
-        self.runner = ModelRunner(loaded.model, self.worker.geometry, cache_bytes)
+        self.runner = ModelRunner(loaded.model, self.worker.geometry, cache_bytes, vlm=loaded.vlm,
+                                  vision_cache_bytes=self.config.vision_cache_bytes)
         step_tokens = self.config.max_num_batched_tokens or (2048 if self.worker.device.kind == "cpu" else 8192)
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, step_tokens,
@@ -110,13 +112,26 @@ class EngineCore:
         """Token ids of a prompt: text, token ids, or chat messages (rendered with the chat template)."""
         return encode_prompt(self.loaded.tokenizer, prompt)
 
+    def encode_images(self, prompt: Prompt, images: Sequence[ImageInput]) -> MultimodalPrompt:
+        """Token ids and image inputs of a prompt with images; a text-only model refuses them (InvalidRequestError)."""
+        if self.loaded.vlm is None:
+            raise InvalidRequestError("images", ", ".join(im.source or "<image>" for im in images),
+                                      f"model {self.loaded.spec.model!r} is text-only and cannot take images")
+        if isinstance(prompt, MultimodalPrompt) or (not isinstance(prompt, str) and
+                                                    not all(isinstance(m, dict) for m in prompt)):
+            raise InvalidRequestError("prompt", type(prompt).__name__, "with images, give text or chat messages")
+        return self.loaded.vlm.encode(prompt, images)
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = False, cache_tokens: int | None = None) -> str:
+                    request_id: str | None = None, stream: bool = False, cache_tokens: int | None = None,
+                    images: Sequence[ImageInput] = ()) -> str:
         """Validate and queue one request; raises InvalidRequestError (the engine goes on) if it cannot run.
 
         ``cache_tokens`` is the plan's retention for this prompt: how many of its leading tokens later requests
         share (their KV is kept in the prefix cache, longer cached prefixes of it are dropped once it is
         admitted). None (no plan) caches every full block and evicts least recently used first.
+        ``images`` go with a text or chat prompt (vision-language models); ``prompt`` may also be a
+        ``MultimodalPrompt`` that ``encode_images`` made.
         """
         if self._closed:
             raise EngineClosedError("the engine has shut down")
@@ -126,7 +141,13 @@ class EngineCore:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._groups:
             raise InvalidRequestError("request_id", request_id, "already in flight")
-        ids = self.encode(prompt)
+        mm = None
+        if images:
+            prompt = self.encode_images(prompt, images)
+        if isinstance(prompt, MultimodalPrompt):
+            ids, mm = prompt.token_ids, prompt.mm
+        else:
+            ids = self.encode(prompt)
         ctx = self.loaded.context_length
         self._check_ids(ids, "prompt", prompt)
         seed = params.seed
@@ -139,7 +160,9 @@ class EngineCore:
             Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}", group_id=request_id, index=i,
                 prompt_token_ids=ids, params=params, seed=derive_seed(seed, i), eos_token_ids=self._eos,
-                max_context=ctx, cache_tokens=cache_tokens, fork_parent=f"{request_id}#0" if i else None,
+                max_context=ctx, cache_tokens=cache_tokens, mm=mm,
+                # samples 1..n-1 fork sample 0's KV (text rows; an image row's samples prefill on their own)
+                fork_parent=f"{request_id}#0" if i and mm is None else None,
                 text=TextTracker(self.loaded.tokenizer, params.stop, params.include_stop_str_in_output,
                                  incremental, self._vocab_size),
             )
@@ -278,5 +301,6 @@ class EngineCore:
         return {"profile": self.runner.profile.as_dict(), "kv_budget_bytes": self.scheduler.kv_budget_bytes,
                 "kv_bytes": self.runner.kv_bytes, "preemptions": self.scheduler.num_preemptions,
                 "prefix_cache": self.runner.prefix.stats() if self.runner.prefix is not None else None,
+                "vision_cache": self.runner.mm.stats() if self.runner.mm is not None else None,
                 "device": self.worker.device.kind}
 

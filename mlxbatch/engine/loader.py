@@ -50,6 +50,7 @@ class LoadedModel:
     dtype: str
     context_length: int
     identity: str  # content hash of config, weights index and adapter: part of every result key
+    vlm: Any = None  # vision-language models: the mlx-vlm model + processor (engine.vlm_model); ``model`` is its text view
 
     @property
     def vocab_size(self) -> int:
@@ -62,6 +63,10 @@ def resolve_path(name: str) -> str:
 
     if name.lower() in (SMOLLM2_ALIAS, "smollm2-135m", "smollm2-135m-instruct"):
         return str(ensure_smollm2())
+    if name.lower() == "tiny-random-vlm":  # a random-weight Qwen2-VL for trying image jobs offline
+        from mlxbatch.models.random_vlm import ensure_tiny_vlm
+
+        return str(ensure_tiny_vlm())
     p = Path(name).expanduser()
     if p.exists():
         if not (p / "config.json").exists():
@@ -99,6 +104,11 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     from mlx_lm.utils import dequantize_model, hf_repo_to_path, load_adapters
 
     source = resolve_path(spec.model)
+    if Path(source).is_dir():
+        from mlxbatch.engine.vlm_model import is_vlm_folder
+
+        if is_vlm_folder(Path(source)):
+            return _load_vision_language(spec, Path(source))
     if spec.adapter_path is not None:
         ap = Path(spec.adapter_path).expanduser()
         if not (ap / "adapter_config.json").exists() or not (ap / "adapters.safetensors").exists():
@@ -120,13 +130,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
                                  f"{type(exc).__name__}: {exc}") from exc
     path = Path(source) if Path(source).exists() else Path(hf_repo_to_path(source))
     on_cpu = mx.default_device() == mx.cpu
-    if spec.dtype != "auto":
-        dtype = spec.dtype
-    elif on_cpu:
-        dtype = "float32"  # bf16/fp16/quantized matmuls bypass BLAS on CPU and are slow
-    else:
-        dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").replace("torch.", "")
-        dtype = dtype if dtype in DTYPES else "bfloat16"
+    dtype = _choose_dtype(spec, config, on_cpu)
     if on_cpu and _is_quantized(model):
         log.info("dequantizing %s for the CPU", spec.model)
         model = dequantize_model(model)
@@ -134,6 +138,36 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     mx.eval(model.parameters())
     ctx = int(config.get("max_position_embeddings") or config.get("max_sequence_length") or 4096)
     return LoadedModel(spec, path, model, tokenizer, config, dtype, ctx, _identity(path, spec.adapter_path, dtype))
+
+
+def _choose_dtype(spec: ModelSpec, config: dict[str, Any], on_cpu: bool) -> str:
+    if spec.dtype != "auto":
+        return spec.dtype
+    if on_cpu:
+        return "float32"  # bf16/fp16/quantized matmuls bypass BLAS on CPU and are slow
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").replace("torch.", "")
+    return dtype if dtype in DTYPES else "bfloat16"
+
+
+def _load_vision_language(spec: ModelSpec, path: Path) -> LoadedModel:
+    """A vision-language checkpoint through mlx-vlm: same dtype rules; ``model`` is its language model's text view."""
+    from mlx_lm.utils import dequantize_model
+
+    from mlxbatch.engine.vlm_model import TextView, load_vlm, processor_identity
+
+    if spec.adapter_path is not None:
+        raise ModelLoadError(f"adapter_path={spec.adapter_path!r}: adapters on vision-language models are not supported")
+    vlm = load_vlm(path, spec.trust_remote_code)
+    on_cpu = mx.default_device() == mx.cpu
+    dtype = _choose_dtype(spec, vlm.config, on_cpu)
+    if on_cpu and _is_quantized(vlm.model):
+        log.info("dequantizing %s for the CPU", spec.model)
+        vlm.set_model(dequantize_model(vlm.model))
+    vlm.model.set_dtype(DTYPES[dtype])
+    mx.eval(vlm.model.parameters())
+    ctx = int(vlm.config.get("max_position_embeddings") or 4096)
+    identity = hashlib.sha256((_identity(path, None, dtype) + processor_identity(path)).encode()).hexdigest()[:16]
+    return LoadedModel(spec, path, TextView(vlm.model), vlm.tokenizer, vlm.config, dtype, ctx, identity, vlm)
 
 
 def config_summary(loaded: LoadedModel) -> str:

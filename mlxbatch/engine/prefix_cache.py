@@ -63,10 +63,14 @@ class PrefixCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (*self._keys, *self._values))
 
-    def hashes(self, tokens: Sequence[int]) -> list[int]:
-        """Chained hashes of the blocks a lookup of ``tokens`` can use (full blocks, one token left over)."""
+    def hashes(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> list[int]:
+        """Chained hashes of the blocks a lookup of ``tokens`` can use (full blocks, one token left over).
+
+        ``media`` are (token position, content hash) pairs of the prompt's images: two prompts whose image
+        placeholders are the same tokens but whose images differ get different blocks from that image on.
+        """
         usable = (len(tokens) - 1) // self.block_size * self.block_size
-        return block_hashes(tokens[:usable], self.block_size) if usable > 0 else []
+        return block_hashes(tokens[:usable], self.block_size, media) if usable > 0 else []
 
     def cached_blocks(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of ``hashes`` are cached (does not count as a lookup)."""
@@ -77,13 +81,13 @@ class PrefixCache:
             n += 1
         return n
 
-    def lookup(self, tokens: Sequence[int]) -> PrefixHit | None:
+    def lookup(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> PrefixHit | None:
         """The cached blocks a sequence can start from (at least one token is always left to compute)."""
         usable = (len(tokens) - 1) // self.block_size * self.block_size
         if usable <= 0:
             return None
         self.lookups += 1
-        ids = self.pool.match(block_hashes(tokens[:usable], self.block_size))
+        ids = self.pool.match(block_hashes(tokens[:usable], self.block_size, media))
         if not ids:
             return None
         self.tokens_reused += len(ids) * self.block_size
@@ -104,7 +108,8 @@ class PrefixCache:
     def release(self, hit: PrefixHit) -> None:
         self.pool.release(list(hit.block_ids))
 
-    def store(self, tokens: Sequence[int], row_kv: list[tuple[mx.array, mx.array]]) -> int:
+    def store(self, tokens: Sequence[int], row_kv: list[tuple[mx.array, mx.array]],
+              media: Sequence[tuple[int, str]] = ()) -> int:
         """Offer the full blocks of ``tokens`` whose KV (per layer ``[1, H, >=len, D]``) is ``row_kv``.
 
         Returns how many new blocks were stored; already cached blocks are skipped.
@@ -112,7 +117,7 @@ class PrefixCache:
         full = len(tokens) // self.block_size
         if full == 0:
             return 0
-        hashes = block_hashes(tokens[: full * self.block_size], self.block_size)
+        hashes = block_hashes(tokens[: full * self.block_size], self.block_size, media)
         known = len(self.pool.match(hashes))
         new = hashes[known:]
         if not new:
@@ -139,10 +144,10 @@ class PrefixCache:
         self.pool.release(ids)  # cached, unreferenced: evictable when space is needed
         return stored
 
-    def drop_after(self, tokens: Sequence[int], keep_tokens: int) -> int:
+    def drop_after(self, tokens: Sequence[int], keep_tokens: int, media: Sequence[tuple[int, str]] = ()) -> int:
         """Evict the cached blocks of ``tokens``'s chain past its first ``keep_tokens`` tokens (dead: the plan
         says no later sequence shares them). Referenced blocks stay; returns how many were evicted."""
-        hashes = self.hashes(tokens)[keep_tokens // self.block_size:]
+        hashes = self.hashes(tokens, media)[keep_tokens // self.block_size:]
         dropped = 0
         for h in hashes:
             bid = self.pool.cached_id(h)

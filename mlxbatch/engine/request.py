@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from mlxbatch.engine.detok import TextTracker
 from mlxbatch.types import Completion, FinishReason, SamplingParams, TokenLogprob
@@ -56,6 +57,12 @@ class Request:
     first_scheduled: float | None = None
     first_token: float | None = None
     finished_at: float | None = None
+    mm: Any = None  # vision-language inputs (engine.vlm_model.MultimodalInputs), read only; None for text
+
+    @property
+    def media(self) -> tuple[tuple[int, str], ...]:
+        """(token position, content hash) of the prompt's images: keys for the prefix cache's block hashes."""
+        return self.mm.media if self.mm is not None else ()
 
     def __post_init__(self) -> None:
         if (self.params.logprobs is not None or self.score_from is not None) and self.logprobs is None:

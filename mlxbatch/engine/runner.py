@@ -22,6 +22,7 @@ from mlxbatch.engine.prefix_cache import PrefixCache, PrefixHit
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sampling import SampledToken, SampleRow, sample
 from mlxbatch.engine.scheduler import PrefillChunk, SchedulerOutput
+from mlxbatch.engine.vlm import RowInput, VisionLanguageRows
 from mlxbatch.engine.worker import KVGeometry
 from mlxbatch.errors import OutOfMemoryError
 from mlxbatch.types import TokenLogprob
@@ -98,9 +99,12 @@ def split_model(model: Any) -> SplitModel | None:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, geometry: KVGeometry, prefix_cache_bytes: int = 0) -> None:
+    def __init__(self, model: Any, geometry: KVGeometry, prefix_cache_bytes: int = 0, vlm: Any = None,
+                 vision_cache_bytes: int = 1 << 30) -> None:
         self.model = model
         self._split = split_model(model)
+        # vision-language models: rows are fed embeddings and multimodal positions instead of token ids
+        self.mm = VisionLanguageRows(vlm, vision_cache_bytes) if vlm is not None else None
         self.geometry = geometry
         dtype = getattr(mx, geometry.dtype)
         self.batch = SlotBatch(geometry.num_layers)
@@ -122,8 +126,9 @@ class ModelRunner:
             return 0
         tokens = request.tokens(0, request.num_tokens)
         # a scoring sequence must compute the position before its continuation (it predicts the first token)
-        hit = self.prefix.lookup(tokens if request.score_from is None else tokens[: request.score_from])
-        hashes = self.prefix.hashes(tokens)[: self._stored_tokens(request) // self.prefix.block_size]
+        hit = self.prefix.lookup(tokens if request.score_from is None else tokens[: request.score_from],
+                                 request.media)
+        hashes = self.prefix.hashes(tokens, request.media)[: self._stored_tokens(request) // self.prefix.block_size]
         self._computing[request.request_id] = hashes
         self._computing_count.update(hashes)
         if hit is None:
@@ -145,7 +150,7 @@ class ModelRunner:
         """
         if self.prefix is None or not self._computing_count:
             return False
-        hashes = self.prefix.hashes(request.tokens(0, request.num_tokens))
+        hashes = self.prefix.hashes(request.tokens(0, request.num_tokens), request.media)
         cached = self.prefix.cached_blocks(hashes)
         return cached < len(hashes) and self._computing_count[hashes[cached]] > 0
 
@@ -181,7 +186,8 @@ class ModelRunner:
             assert len(out.decodes) == batch.n_decode, "every decoding sequence runs every step"
             by_id = {r.request_id: r for r in out.decodes}
             rows = [by_id[rid] for rid in batch.ids[: batch.n_decode]]
-            step_logits = self._forward(0, [[r.last_token] for r in rows])
+            step_logits = self._forward(0, [[r.last_token] for r in rows],
+                                        seqs=[RowInput(r, r.num_tokens - 1, 1) for r in rows])
             mx.eval(step_logits)
             prof.decode_s += time.perf_counter() - t0
             prof.decode_tokens += len(rows)
@@ -217,10 +223,11 @@ class ModelRunner:
                     assert batch.ids[start + i] == c.request.request_id and batch.lengths[start + i] == c.start
                 last = [i for i, c in enumerate(group) if c.last and c.request.score_from is None]
                 tokens = [c.request.tokens(c.start, c.end) for c in group]
+                seqs = [RowInput(c.request, c.start, c.end - c.start) for c in group]
                 if any(c.request.score_from is not None for c in group):
-                    chunk_logits = self._score(start, group, tokens, last)
+                    chunk_logits = self._score(start, group, tokens, last, seqs)
                 else:
-                    chunk_logits = self._forward(start, tokens, rows=last)
+                    chunk_logits = self._forward(start, tokens, rows=last, seqs=seqs)
                 start += len(group)
                 if last:
                     logits.append(chunk_logits)
@@ -249,14 +256,15 @@ class ModelRunner:
         self._commit(out)
         return {r.request_id: t for r, t in zip(due, tokens_out)}
 
-    def _score(self, start: int, group: list[PrefillChunk], tokens: list[list[int]], last: list[int]) -> mx.array:
+    def _score(self, start: int, group: list[PrefillChunk], tokens: list[list[int]], last: list[int],
+               seqs: list[RowInput]) -> mx.array:
         """A prefill forward that also scores continuation tokens (log-probability and greedy match).
 
         For a scoring row, position ``p`` of its chunk predicts prompt token ``p + 1``; every position from the
         one before the continuation up to the last but one is scored (a target in the next chunk is known: it
         is in the prompt). Results go to ``self.scored``; returns the last-position logits of ``last`` rows.
         """
-        fn = self._split.body if self._split else self.model
+        fn, head = self._body_head(seqs)
         out = self.batch.forward(fn, start, tokens, full=True)  # [rows, T, dim]
         rows, cols, targets, owners = [], [], [], []
         for i, c in enumerate(group):
@@ -270,7 +278,7 @@ class ModelRunner:
                 owners.append(r)
         if rows:
             h = out[mx.array(rows), mx.array(cols)]
-            lg = (self._split.head(h) if self._split else h).astype(mx.float32)
+            lg = (head(h) if head is not None else h).astype(mx.float32)
             tgt = mx.array(targets, dtype=mx.int32)
             chosen = mx.take_along_axis(lg - mx.logsumexp(lg, axis=-1, keepdims=True), tgt[:, None], axis=-1)[:, 0]
             greedy = mx.argmax(lg, axis=-1) == tgt
@@ -282,15 +290,22 @@ class ModelRunner:
         if not last:
             return out[:0, 0]
         h_last = out[mx.array(last), mx.array([len(tokens[i]) - 1 for i in last])]
-        return self._split.head(h_last) if self._split else h_last
+        return head(h_last) if head is not None else h_last
 
-    def _forward(self, start: int, tokens: list[list[int]], rows: list[int] | None = None) -> mx.array:
+    def _body_head(self, seqs: list[RowInput] | None) -> tuple[Any, Any]:
+        """The forward's body (tokens -> hidden, or logits when there is no head) and the LM head (or None)."""
+        if self.mm is not None and seqs is not None:  # per-row embeddings and positions (vision-language)
+            return self.mm.body(seqs), self.mm.vlm.head
+        return (self._split.body, self._split.head) if self._split else (self.model, None)
+
+    def _forward(self, start: int, tokens: list[list[int]], rows: list[int] | None = None,
+                 seqs: list[RowInput] | None = None) -> mx.array:
         """Last-position logits of the given rows (all rows if ``rows`` is None) of a forward pass."""
-        fn = self._split.body if self._split else self.model
+        fn, head = self._body_head(seqs)
         out = self.batch.forward(fn, start, tokens)
         if rows is not None and len(rows) < len(tokens):
             out = out[mx.array(rows)] if rows else out[:0]
-        return self._split.head(out) if self._split else out
+        return head(out) if head is not None else out
 
     def _commit(self, out: SchedulerOutput) -> None:
         """The step succeeded: its KV positions count, and finished prefills join the decode rows."""
@@ -302,13 +317,13 @@ class ModelRunner:
                 r = c.request
                 keep = self._stored_tokens(r)
                 if keep >= self.prefix.block_size:
-                    self.prefix.store(r.prompt_token_ids[:keep], self.batch.row_view(r.request_id))
+                    self.prefix.store(r.prompt_token_ids[:keep], self.batch.row_view(r.request_id), r.media)
                 self._done_computing(r.request_id)
         if self.prefix is not None:
             # the plan's retention: what no later sequence shares is dead once these rows copied it in (after
             # this step's stores, which may have offered those very blocks again)
             for r in self._admitted_planned:
-                self.prefix.drop_after(r.prompt_token_ids, r.cache_tokens or 0)
+                self.prefix.drop_after(r.prompt_token_ids, r.cache_tokens or 0, r.media)
             self._admitted_planned = []
             self.prefix.flush()  # one sync for every store of the step, before the slots are written again
         for parent, child in out.forks:  # n > 1: the prompt was prefilled once, each sample gets a copy
@@ -323,6 +338,8 @@ class ModelRunner:
         """Drop the KV of sequences that finished, were aborted or were preempted."""
         for rid in request_ids:
             self._done_computing(rid)
+            if self.mm is not None:
+                self.mm.free(rid)
             hit = self._hits.pop(rid, None)
             if hit is not None and self.prefix is not None:
                 self.prefix.release(hit)

@@ -26,7 +26,7 @@ from mlxbatch.job.tokenize import PromptEncoder
 @dataclass(frozen=True)
 class Submit:
     prep: PreparedRow
-    token_ids: list[int]
+    token_ids: list[int] | None  # None for a row with images: it is encoded when submitted
     cache_tokens: int | None  # the plan's retention (None when planning is off)
 
 
@@ -91,6 +91,7 @@ class RowFeed:
 
     def _read_window(self) -> None:
         runnable: list[PreparedRow] = []
+        imaged: list[PreparedRow] = []  # decoded only when submitted (pictures are big): not planned
         for _ in range(self.window):
             row = next(self._rows, None)
             if row is None:
@@ -101,6 +102,8 @@ class RowFeed:
                 self.skipped += 1
             elif prep.error is not None or prep.prompt is None:
                 self._queue.append(Failed(prep, prep.error or "no prompt", prep.error_kind or "input"))
+            elif prep.images:
+                imaged.append(prep)
             else:
                 runnable.append(prep)
         encoded = self._encoder.encode_many([p.prompt for p in runnable])  # type: ignore[misc]
@@ -111,6 +114,7 @@ class RowFeed:
             else:
                 rows.append((prep, ids))
         if not rows:
+            self._queue.extend(Submit(prep, None, None) for prep in imaged)
             return
         p = plan([ids for _, ids in rows])
         st = self.stats
@@ -123,3 +127,4 @@ class RowFeed:
                                for s in submission_order(p))
         else:  # planning off: longest first, every full block offered to the cache (LRU)
             self._queue.extend(Submit(prep, ids, None) for prep, ids in sorted(rows, key=lambda r: -len(r[1])))
+        self._queue.extend(Submit(prep, None, None) for prep in imaged)

@@ -15,6 +15,7 @@ from typing import Any
 
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io import DuplicateIdTracker, InputRow, canonical_params, result_key
+from mlxbatch.job.media import ImageError, row_images
 from mlxbatch.job.prompts import PromptRenderer, RenderError
 from mlxbatch.job.spec import JobSpec, constraint_from
 from mlxbatch.types import SamplingParams
@@ -32,6 +33,7 @@ class PreparedRow:
     error_kind: str | None = None
     candidates: tuple[str, ...] | None = None  # task score: the continuations to score
     answer: Any = None  # task score: the right candidate (index or text), when the job names an answer column
+    images: tuple[Any, ...] = ()  # io.images.ImageRef of the row's ``images`` column (decoded when it runs)
 
 
 def row_seed(job_seed: int, row_id: str) -> int:
@@ -117,8 +119,12 @@ class RowPreparer:
             rendered = self.renderer.render(row.fields, row.request)
         except RenderError as exc:
             return self._failed(row, f"{row.source}:{row.position}: {exc}", "render", params)
+        try:
+            images, image_identity = row_images(row)
+        except ImageError as exc:
+            return self._failed(row, f"{row.source}:{row.position}: {exc}", "image", params)
         pj = self._canonical(params)
-        identity, candidates, answer = rendered.identity, None, None
+        identity, candidates, answer = rendered.identity + image_identity, None, None
         if self.spec.task.kind == "score":
             task = self.spec.task
             candidates = task.candidates or row.fields.get(task.candidates_column or "")
@@ -131,4 +137,4 @@ class RowPreparer:
             answer = row.fields.get(task.answer_column) if task.answer_column else None
         key = result_key(row.row_id, identity, self.model_identity, pj, params.seed)
         return PreparedRow(row.row_id, key, self._keep(row.fields), rendered.prompt, params, pj,
-                           candidates=candidates, answer=answer)
+                           candidates=candidates, answer=answer, images=images)

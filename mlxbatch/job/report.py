@@ -83,6 +83,7 @@ class RunStats:
                              "cached_tokens": (self.engine.get("prefix_cache") or {}).get("tokens_reused", 0)},
             "plan": self.plan,
             **({"accuracy": self.accuracy} if self.accuracy is not None else {}),
+            "vision_cache": self.engine.get("vision_cache"),  # vision-language models: hits, encoder time saved
             "engine": self.engine,
             "wall_s": round(wall, 3),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

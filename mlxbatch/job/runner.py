@@ -42,6 +42,7 @@ from mlxbatch.io import (
     write_report,
 )
 from mlxbatch.job.feed import Failed, RowFeed
+from mlxbatch.job.media import ImageError
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.report import RunStats, accuracy
 from mlxbatch.job.spec import JobSpec
@@ -162,6 +163,9 @@ class JobRunner:
                             submit(core, prep, item.token_ids, item.cache_tokens)
                         except InvalidRequestError as exc:
                             finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "request"))
+                            continue
+                        except ImageError as exc:
+                            finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "image"))
                             continue
                         pending[prep.key] = prep
                     stats.skipped += feed.skipped - skipped

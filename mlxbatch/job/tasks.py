@@ -15,13 +15,23 @@ import re
 from typing import Any
 
 from mlxbatch.engine import EngineCore
+from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io import ResultRecord
+from mlxbatch.job.media import encode_row
 from mlxbatch.job.prepare import PreparedRow
 from mlxbatch.types import FinishReason, OutputConstraint, RequestOutput
 
 
-def submit(core: EngineCore, prep: PreparedRow, token_ids: list[int], cache_tokens: int | None) -> None:
-    """Queue one row (raises InvalidRequestError when the engine rejects it: the caller records a row error)."""
+def submit(core: EngineCore, prep: PreparedRow, token_ids: list[int] | None, cache_tokens: int | None) -> None:
+    """Queue one row. Raises InvalidRequestError when the engine rejects it, ImageError when an image does not
+    decode (the caller records a row error). Rows with images are encoded here, as they are submitted, so only
+    the rows in flight hold decoded pictures."""
+    if prep.images:
+        if prep.candidates is not None:
+            raise InvalidRequestError("images", len(prep.images), "task score takes text rows only")
+        core.add_request(encode_row(core, prep.prompt, prep.images), prep.params, request_id=prep.key)
+        return
+    assert token_ids is not None
     if prep.candidates is not None:
         core.add_score_request(token_ids, prep.candidates, request_id=prep.key)
     else:

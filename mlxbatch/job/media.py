@@ -1,0 +1,42 @@
+"""Images of job rows: the ``images`` column -> references and key identity (every pass), then decoded images and
+the encoded prompt (only for rows that run).
+
+Owns the job's image rules. A row's ``images`` column holds paths relative to the input file's folder, raw bytes
+(Parquet), ``{"bytes", "path"}`` structs or data URLs, one or a list (see ``io.images``). The digests of the images'
+bytes go into the row's result key, so a changed picture runs its row again on resume. Decoding happens only when
+the row is submitted; a missing, unreadable, truncated or non-image file becomes that row's error (kind ``image``),
+naming the row and the file, and the job goes on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mlxbatch.engine import EngineCore
+from mlxbatch.io import InputRow
+from mlxbatch.io.images import IMAGES_COLUMN, ImageError, ImageRef, image_refs, load_image, ref_digest
+
+__all__ = ["ImageError", "encode_row", "row_images"]
+
+
+def row_images(row: InputRow) -> tuple[tuple[ImageRef, ...], str]:
+    """The row's image references and their part of the key's identity ("" for rows without images).
+
+    Raises ImageError (a malformed column, a file that is missing or cannot be read).
+    """
+    refs = image_refs(row.fields.get(IMAGES_COLUMN), Path(row.source).parent)
+    if not refs:
+        return (), ""
+    return tuple(refs), "\n<images> " + " ".join(ref_digest(r) for r in refs)
+
+
+def encode_row(core: EngineCore, prompt: Any, images: tuple[ImageRef, ...]) -> Any:
+    """What ``core.add_request`` takes for this row: token ids, or a multimodal prompt (images decoded now).
+
+    Raises ImageError for an image that does not decode, InvalidRequestError for a prompt the engine refuses
+    (e.g. images for a text-only model).
+    """
+    if not images:
+        return core.encode(prompt)
+    return core.encode_images(prompt, [load_image(r) for r in images])

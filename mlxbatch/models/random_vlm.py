@@ -1,0 +1,189 @@
+"""A tiny random-weight Qwen2-VL model folder, for tests and benchmarks of vision-language rows.
+
+Owns the recipe: a Qwen2-VL config (2 text layers, hidden 256; vision depth 2, embed 64), random weights saved in
+mlx-vlm's own layout, the small byte-level BPE of ``random_model`` plus Qwen2-VL's special tokens
+(``<|vision_start|>``, ``<|image_pad|>``, ...) and Qwen2-VL's chat template, and the image processor configs. The
+folder loads through ``mlx_vlm.load`` exactly like a real checkpoint (nothing on the generation path is special
+cased). Built once per machine and reused while its ``.complete`` marker matches the recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+
+# Qwen2-VL's own chat template (system line shortened): list contents with {"type": "image"} items become
+# <|vision_start|><|image_pad|><|vision_end|>, which the processor expands to one pad token per image feature.
+QWEN2_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Small images stay small: 28x28 pixels per image token (patch 14, merge 2), between 4 and 64 tokens per image.
+IMAGE_PROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2VLProcessor",
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "min_pixels": 4 * 28 * 28,
+    "max_pixels": 64 * 28 * 28,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "do_convert_rgb": True,
+}
+
+RECIPE = "qwen2_vl tiny v2: text 2x256 (4 heads, 2 kv, mrope 8/12/12), vision 2x64, peaked head, loud merger"
+
+
+def _tokenizer(out: Path) -> dict[str, int]:
+    """The tiny text model's BPE plus Qwen2-VL's vision specials; returns the special token ids."""
+    from transformers import AutoTokenizer
+
+    from mlxbatch.models.random_model import build_tokenizer
+
+    build_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.add_tokens(list(VISION_TOKENS), special_tokens=True)
+    tok.chat_template = QWEN2_VL_TEMPLATE
+    tok.save_pretrained(str(out))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (*VISION_TOKENS, "<|im_end|>", "<|endoftext|>")}
+    ids["vocab_size"] = len(tok)
+    return ids
+
+
+def build_random_vlm(out: Path | str, seed: int = 0) -> Path:
+    """Write the tiny random Qwen2-VL model to ``out`` (reused when complete); returns the folder."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models import qwen2_vl
+
+    out = Path(out)
+    marker = f"{RECIPE} seed={seed}"
+    if (out / ".complete").exists() and (out / ".complete").read_text() == marker:
+        return out
+    if out.exists():  # built from another recipe: rebuild
+        shutil.rmtree(out)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    ids = _tokenizer(tmp)
+    hidden, heads = 256, 4
+    head_dim = hidden // heads
+    mrope = [8, 12, 12]
+    assert sum(mrope) == head_dim // 2, "mrope_section must sum to head_dim / 2"
+    config = {
+        "model_type": "qwen2_vl",
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "hidden_size": hidden,
+        "num_hidden_layers": 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        "vocab_size": ids["vocab_size"],
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": mrope},
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "eos_token_id": ids["<|im_end|>"],
+        "bos_token_id": ids["<|endoftext|>"],
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"],
+        "vision_config": {
+            "model_type": "qwen2_vl",
+            "depth": 2,
+            "embed_dim": 64,
+            "hidden_size": hidden,  # the merger projects to the language model's width
+            "num_heads": 4,
+            "mlp_ratio": 4,  # an integer, or transformers rejects the config
+            "in_channels": 3,
+            "patch_size": 14,
+            "spatial_patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    }
+    mx.random.seed(seed)
+    # the same config objects mlx-vlm's loader builds (its from_dict leaves the sub-configs as dicts)
+    model_config = qwen2_vl.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    model_config.text_config = qwen2_vl.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
+    model = qwen2_vl.Model(model_config)
+    lm = model.language_model
+    # As in random_model: peaked, untied output weights make greedy choices clear (decided by margins, not
+    # rounding) and make the output depend visibly on the image features.
+    lm.model.embed_tokens.weight = mx.random.normal(lm.model.embed_tokens.weight.shape)
+    lm.lm_head.weight = mx.random.normal(lm.lm_head.weight.shape) * (4.0 / hidden**0.5)
+    # image features as loud as token embeddings (std ~1, not ~0.2), so that what the picture shows changes the text
+    merger_out = model.vision_tower.merger.mlp[2]
+    merger_out.weight = merger_out.weight * 8.0
+    model.set_dtype(mx.float32)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR, indent=2))
+    # written locally so that loading never asks a model hub for them
+    (tmp / "video_preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR, indent=2))
+    (tmp / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["<|im_end|>"]}, indent=2))
+    (tmp / ".complete").write_text(marker)
+    if out.exists():  # another process finished first
+        shutil.rmtree(tmp)
+        return out
+    os.replace(tmp, out)
+    return out
+
+
+def synthetic_image(seed: int, width: int = 112, height: int = 112) -> Any:
+    """A deterministic test picture: a coloured background with a few coloured rectangles and an ellipse (PIL, RGB)."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+
+    def colour() -> tuple[int, int, int]:
+        r, g, b = (int(x) for x in rng.integers(0, 256, 3))
+        return r, g, b
+
+    img = Image.new("RGB", (width, height), colour())
+    draw = ImageDraw.Draw(img)
+    for _ in range(4):
+        x0, y0 = int(rng.integers(0, max(1, width - width // 3))), int(rng.integers(0, max(1, height - height // 3)))
+        draw.rectangle([x0, y0, x0 + width // 4, y0 + height // 4], fill=colour())
+    x0, y0 = int(rng.integers(0, width // 2)), int(rng.integers(0, height // 2))
+    draw.ellipse([x0, y0, x0 + width // 3, y0 + height // 3], fill=colour())
+    return img
+
+
+TINY_VLM_ALIAS = "tiny-random-vlm"
+
+
+def ensure_tiny_vlm() -> Path:
+    """The tiny random Qwen2-VL under ``$MLXBATCH_CACHE`` (or ``~/.cache/mlxbatch/models``), built on first use."""
+    from mlxbatch.models.smollm2 import default_cache_dir
+
+    return build_random_vlm(default_cache_dir() / "tiny-random-qwen2-vl")

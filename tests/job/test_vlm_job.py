@@ -1,0 +1,129 @@
+"""Image rows in jobs (issue #6): paths and Parquet bytes, bad images as row errors, vision-cache stats, resume."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from jobkit import write_job, write_jsonl
+
+pytest.importorskip("mlx_vlm")
+
+from mlxbatch.job.runner import JobRunner  # noqa: E402
+from mlxbatch.job.validate import validate_job  # noqa: E402
+from mlxbatch.models.random_vlm import synthetic_image  # noqa: E402
+
+ASK = {"template": None, "messages": [{"role": "user", "content": "{{ question }}"}]}
+
+
+def run(job):
+    return JobRunner(validate_job(job), progress=False).run()
+
+
+def results(out):
+    return {r["id"]: r for r in pq.read_table(out / "results.parquet").to_pylist()}
+
+
+def png(seed: int, size=(112, 112)) -> bytes:
+    buf = io.BytesIO()
+    synthetic_image(seed, *size).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def image_folder(tmp_path):
+    pics = tmp_path / "data" / "pics"
+    pics.mkdir(parents=True)
+    for seed in (1, 2, 3):
+        (pics / f"p{seed}.png").write_bytes(png(seed))
+    (pics / "truncated.png").write_bytes(png(4)[:300])
+    (pics / "notes.png").write_text("this is not a picture\n")
+    (pics / "empty.jpg").write_bytes(b"")
+    return pics
+
+
+def test_image_job_with_bad_files_as_row_errors(tmp_path, tiny_vlm_path):
+    image_folder(tmp_path)
+    rows = [
+        {"id": "a", "images": "pics/p1.png", "question": "What is it?"},
+        {"id": "a-again", "images": ["pics/p1.png"], "question": "What colour is it?"},
+        {"id": "b", "images": "pics/p2.png", "question": "What is it?"},
+        {"id": "two", "images": ["pics/p2.png", "pics/p3.png"], "question": "Compare them."},
+        {"id": "text", "question": "No picture here; name a fruit."},
+        {"id": "missing", "images": "pics/nowhere.png", "question": "What is it?"},
+        {"id": "truncated", "images": "pics/truncated.png", "question": "What is it?"},
+        {"id": "not-image", "images": "pics/notes.png", "question": "What is it?"},
+        {"id": "empty", "images": ["pics/p1.png", "pics/empty.jpg"], "question": "What is it?"},
+        {"id": "folder", "images": "pics", "question": "What is it?"},
+    ]
+    data = write_jsonl(tmp_path / "data" / "rows.jsonl", rows)
+    job = write_job(tmp_path, tiny_vlm_path, data, tmp_path / "out", prompt=ASK,
+                    sampling={"temperature": 0.0, "max_tokens": 6}, max_error_rate=0.9)
+    report = run(job).report
+    res = results(tmp_path / "out")
+    assert len(res) == len(rows)
+    for rid in ("a", "a-again", "b", "two", "text"):
+        assert res[rid]["error"] is None and res[rid]["generated_tokens"] == 6, res[rid]
+    expected = {"missing": "nowhere.png: no such file", "truncated": "truncated.png: truncated or corrupt PNG",
+                "not-image": "notes.png: not an image", "empty": "empty.jpg: empty file",
+                "folder": "pics: is a folder"}
+    for rid, words in expected.items():
+        assert res[rid]["error_kind"] == "image" and words in res[rid]["error"], res[rid]["error"]
+        assert rid in res[rid]["error"] or "rows.jsonl:" in res[rid]["error"]  # names the row
+    assert res["a"]["prompt_tokens"] > res["text"]["prompt_tokens"]
+    vc = json.loads((tmp_path / "out" / "report.json").read_text())["vision_cache"]
+    assert vc == report["vision_cache"]
+    # p1 twice (a, a-again) and p2 twice (b, two): 3 distinct pictures encoded; "empty" fails before encoding
+    assert vc["images_encoded"] == 3 and vc["hits"] == 2 and vc["misses"] == 3
+    assert report["errors_by_kind"] == {"image": 5}
+
+    again = run(job).report  # every key (image digests included) comes out the same: nothing reruns
+    assert again["rows"]["resumed"] == len(rows) and again["rows"]["finished_this_run"] == 0
+    (tmp_path / "data" / "pics" / "p2.png").write_bytes(png(5))  # a changed picture reruns exactly its rows
+    third = run(job).report
+    assert third["rows"]["finished_this_run"] == 2 and third["rows"]["resumed"] == len(rows) - 2
+
+
+def test_parquet_bytes_share_features_with_the_same_picture_as_a_file(tmp_path, tiny_vlm_path):
+    pics = tmp_path / "data"
+    pics.mkdir()
+    (pics / "p1.png").write_bytes(png(1))
+    bmp = io.BytesIO()
+    synthetic_image(1).save(bmp, "BMP")  # the same pixels, other bytes
+    table = pa.table({
+        "id": ["file", "png-bytes", "bmp-bytes", "hf-struct", "broken"],
+        "images": [["p1.png"], None, None, None, None],
+        "image_bytes": [None, png(1), bmp.getvalue(), None, b"\x89PNG\r\n\x1a\n garbage"],
+        "question": ["What is it?"] * 5,
+    })
+    # the images column mixes forms row by row: paths, bytes, HF's {"bytes", "path"} struct
+    column = [["p1.png"], [png(1)], [bmp.getvalue()], [{"bytes": png(1), "path": None}], [b"\x89PNG\r\n\x1a\n garbage"]]
+    table = table.drop(["images", "image_bytes"]).append_column("images", pa.array(
+        [[{"bytes": v if isinstance(v, bytes) else (v["bytes"] if isinstance(v, dict) else None),
+           "path": v if isinstance(v, str) else None} for v in row] for row in column]))
+    pq.write_table(table, pics / "rows.parquet")
+    job = write_job(tmp_path, tiny_vlm_path, pics / "rows.parquet", tmp_path / "out", prompt=ASK,
+                    sampling={"temperature": 0.0, "max_tokens": 6}, max_error_rate=0.9,
+                    input={"columns": ["id", "question", "images"]})
+    report = run(job).report
+    res = results(tmp_path / "out")
+    texts = {rid: res[rid]["text"] for rid in ("file", "png-bytes", "bmp-bytes", "hf-struct")}
+    assert len(set(texts.values())) == 1, texts  # one picture, four encodings: one answer
+    assert res["broken"]["error_kind"] == "image" and "broken" in res["broken"]["error"]
+    assert report["vision_cache"]["images_encoded"] == 1 and report["vision_cache"]["hits"] == 3
+
+
+def test_image_row_for_a_text_only_model_is_a_row_error(tmp_path, tiny_model_path):
+    (tmp_path / "p1.png").write_bytes(png(1))
+    rows = [{"id": "pic", "images": "p1.png", "question": "What is it?"},
+            {"id": "text", "question": "Name a fruit."}]
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", prompt=ASK,
+                    sampling={"temperature": 0.0, "max_tokens": 4}, max_error_rate=0.9)
+    run(job)
+    res = results(tmp_path / "out")
+    assert res["pic"]["error_kind"] == "request"
+    assert "pic" in res["pic"]["error"] and "p1.png" in res["pic"]["error"] and "text-only" in res["pic"]["error"]
+    assert res["text"]["error"] is None and res["text"]["generated_tokens"] == 4
