@@ -41,6 +41,7 @@ class PlanReport:
     windowed: bool
     window: int
     seconds: float
+    eta: Eta | None = None
 
     @property
     def peak_retained_bytes(self) -> int:
@@ -57,19 +58,73 @@ class PlanReport:
             f"({self.peak_retained_bytes / 2**20:.1f} MiB at {self.kv_bytes_per_token} bytes/token, float32)",
             f"planned {'in windows of ' + str(self.window) + ' rows' if self.windowed else 'whole'} "
             f"in {self.seconds:.1f} s",
-        ])
+        ] + ([self.eta.summary()] if self.eta is not None else []))
+
+
+@dataclass(frozen=True)
+class Eta:
+    """A rough run time from FLOPs and bytes: the plan's prefill floor and every row at ``max_tokens``."""
+
+    prefill_s: float
+    decode_s: float
+    matmul_gflops: float
+    bandwidth_gbs: float
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    def summary(self) -> str:
+        return (f"ETA: ~{self.total_s / 60:.1f} min (prefill {self.prefill_s:.0f} s, decode <= {self.decode_s:.0f} s) "
+                f"on this device ({self.matmul_gflops:.0f} GFLOP/s matmul, {self.bandwidth_gbs:.0f} GB/s measured); "
+                "an estimate: every row generating max_tokens, attention and host time not counted")
+
+
+def _config(model_dir: Path) -> dict[str, Any]:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
+def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int) -> Eta | None:
+    """FLOPs of the plan's prefill floor and of decoding every row to ``max_tokens`` at ``max_num_seqs`` rows a
+    step, over this device's measured matmul speed and memory bandwidth (decode steps are bound by the larger of
+    reading every weight and the batch's FLOPs). No weights are loaded: sizes come from config.json."""
+    import mlx.core as mx
+
+    from mlxbatch.engine.device_speed import measure
+
+    c = _config(model_dir)
+    try:
+        h, layers, inter = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["intermediate_size"])
+        heads = int(c["num_attention_heads"])
+        head_dim = int(c.get("head_dim") or h // heads)
+        kv = int(c.get("num_key_value_heads") or heads) * head_dim
+        vocab = int(c["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return None  # an architecture whose config this estimate does not know
+    body = layers * (2 * h * heads * head_dim + 2 * h * kv + 3 * h * inter)
+    head = vocab * h
+    on_gpu = mx.default_device() == mx.gpu
+    dtype = "bfloat16" if on_gpu else "float32"
+    speed = measure(h, inter, dtype)
+    weight_bytes = (body + head) * (2 if on_gpu else 4)
+    p = spec.sampling.params
+    new_tokens = 0 if spec.task.kind == "score" else rows * p.max_tokens * p.n
+    C = spec.engine.max_num_seqs
+    step = max(weight_bytes / speed.bandwidth, 2 * (body + head) * C / speed.matmul_flops)
+    prefill = (2 * body * floor_tokens + 2 * head * rows) / speed.matmul_flops
+    return Eta(prefill, -(-new_tokens // C) * step, speed.matmul_flops / 1e9, speed.bandwidth / 1e9)
 
 
 def _kv_bytes_per_token(model_dir: Path) -> int:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
+    cfg = _config(model_dir)
     heads = int(cfg.get("num_attention_heads", 1))
     head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // max(1, heads))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     return 2 * int(cfg.get("num_hidden_layers", 0)) * kv_heads * head_dim * 4
 
 
-def plan_job(spec: JobSpec, window: int = DEFAULT_WINDOW) -> PlanReport:
+def plan_job(spec: JobSpec, window: int = DEFAULT_WINDOW, with_eta: bool = True) -> PlanReport:
     from mlx_lm.utils import load_tokenizer  # tokenizer files only: no weights are read
 
     t0 = time.perf_counter()
@@ -117,9 +172,15 @@ def plan_job(spec: JobSpec, window: int = DEFAULT_WINDOW) -> PlanReport:
     while seqs:
         plan_window(min(window, len(seqs)))
     saving = 1 - distinct / total if total else 0.0
+    seconds = time.perf_counter() - t0
+    eta = estimate(spec, model_dir, planned, distinct) if with_eta else None
     return PlanReport(rows, planned, skipped, total, distinct, saving, peak, _kv_bytes_per_token(model_dir),
-                      windows > 1, window, time.perf_counter() - t0)
+                      windows > 1, window, seconds, eta)
 
 
 def as_dict(r: PlanReport) -> dict[str, Any]:
-    return {**{k: getattr(r, k) for k in r.__dataclass_fields__}, "peak_retained_bytes": r.peak_retained_bytes}
+    out = {**{k: getattr(r, k) for k in r.__dataclass_fields__}, "peak_retained_bytes": r.peak_retained_bytes}
+    if r.eta is not None:
+        out["eta"] = {**{k: round(getattr(r.eta, k), 2) for k in r.eta.__dataclass_fields__},
+                      "total_s": round(r.eta.total_s, 2)}
+    return out

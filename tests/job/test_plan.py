@@ -30,8 +30,19 @@ def test_plan_reports_the_floor_without_weights(tmp_path, tiny_model_path):
     assert rep["rows"] == 41 and rep["planned_rows"] == 40 and rep["skipped_rows"] == 1
     assert rep["distinct_tokens"] < rep["prompt_tokens"] * 0.5 and rep["saving"] > 0.5
     assert rep["peak_retained_tokens"] >= 16 and rep["kv_bytes_per_token"] > 0
+    eta = rep["eta"]
+    assert eta["prefill_s"] > 0 and eta["decode_s"] > 0 and eta["matmul_gflops"] > 0
+    assert eta["total_s"] == round(eta["prefill_s"] + eta["decode_s"], 2)
     text = CliRunner().invoke(main, ["plan", str(job)]).output
-    assert "distinct trie tokens (prefill floor)" in text and "expected prefill saving" in text
+    assert "distinct trie tokens (prefill floor)" in text and "expected prefill saving" in text and "ETA" in text
+    # more tokens to generate: a longer decode estimate; scoring generates nothing
+    longer = write_job(tmp_path, no_weights, data, tmp_path / "out", prompt={"template": instruction + "{{ text }}"},
+                       sampling={"max_tokens": 64})
+    rep2 = json.loads(CliRunner().invoke(main, ["plan", str(longer), "--json"]).output)
+    assert rep2["eta"]["decode_s"] > 2 * eta["decode_s"]
+    scored = write_job(tmp_path, no_weights, data, tmp_path / "out", prompt={"template": instruction + "{{ text }}"},
+                       task="score", score={"candidates": [" alpha", " beta"]})
+    assert json.loads(CliRunner().invoke(main, ["plan", str(scored), "--json"]).output)["eta"]["decode_s"] == 0
 
 
 def test_plan_tokenizes_exactly_as_the_engine(tmp_path, tiny_model_path, tiny_loaded):
