@@ -297,10 +297,18 @@ class EngineCore:
         self._closed = True
         self.worker.shutdown()
 
+    def _prefix_stats(self) -> dict[str, int] | None:
+        if self.runner.prefix is None:
+            return None
+        st = self.runner.prefix.stats()
+        st["tokens_reused_live"] = self.runner.live_tokens_reused  # copied from running rows, to the token
+        st["tokens_reused"] += self.runner.live_tokens_reused
+        return st
+
     def stats(self) -> dict[str, Any]:
         return {"profile": self.runner.profile.as_dict(), "kv_budget_bytes": self.scheduler.kv_budget_bytes,
                 "kv_bytes": self.runner.kv_bytes, "preemptions": self.scheduler.num_preemptions,
-                "prefix_cache": self.runner.prefix.stats() if self.runner.prefix is not None else None,
+                "prefix_cache": self._prefix_stats(),
                 "vision_cache": self.runner.mm.stats() if self.runner.mm is not None else None,
                 "device": self.worker.device.kind}
 

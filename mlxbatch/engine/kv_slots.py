@@ -213,6 +213,21 @@ class SlotBatch:
         layers = len(self._keys)
         return [(copies[i][None], copies[layers + i][None]) for i in range(layers)]
 
+    def extract_many(self, rows: Sequence[tuple[str, int]]) -> list[list[tuple[mx.array, mx.array]]]:
+        """Copies of the first ``n`` positions of each (request id, n), per layer ``[1, H, n, D]``, in one sync."""
+        flat: list[mx.array] = []
+        for rid, n in rows:
+            row = self.ids.index(rid)
+            assert n <= self.lengths[row], "only committed positions can be copied"
+            flat += [mx.contiguous(buf[row, :, :n, :]) for buf in (*self._keys, *self._values)]
+        mx.eval(flat)
+        L, per = self.num_layers, 2 * self.num_layers
+        out = []
+        for j in range(len(rows)):
+            c = flat[j * per : (j + 1) * per]
+            out.append([(c[i][None], c[L + i][None]) for i in range(L)])
+        return out
+
     def row_view(self, request_id: str) -> list[tuple[mx.array, mx.array]]:
         """Lazy slices of one row's KV, per layer ``[1, H, length, D]``: evaluate them before the next forward
         (a pending slice keeps the buffer referenced, so the forward's in-place write would copy it whole)."""

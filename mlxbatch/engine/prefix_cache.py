@@ -105,6 +105,11 @@ class PrefixCache:
                         vb.transpose(1, 0, 2, 3).reshape(1, H, n * B, D)))
         return out
 
+    def discard(self, hit: PrefixHit) -> None:
+        """A hit that will not be used after all (a better source was found): released and not counted."""
+        self.tokens_reused -= hit.num_tokens
+        self.pool.release(list(hit.block_ids))
+
     def release(self, hit: PrefixHit) -> None:
         self.pool.release(list(hit.block_ids))
 

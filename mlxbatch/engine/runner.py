@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxbatch.engine.kv_slots import SlotBatch
+from mlxbatch.engine.planner import common_prefix_len
 from mlxbatch.engine.prefix_cache import PrefixCache, PrefixHit
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sampling import SampledToken, SampleRow, sample
@@ -118,6 +119,9 @@ class ModelRunner:
         # scoring rows of the last step: request id -> (token log-probabilities, greedy flags), in token order
         self.scored: dict[str, tuple[list[TokenLogprob], list[bool]]] = {}
         self._admitted_planned: list[Request] = []  # admitted this step with a plan retention to apply
+        self._recent: collections.deque[Request] = collections.deque(maxlen=8)  # live prefix sources to try
+        self._live: dict[str, tuple[str, int]] = {}  # admitted, to copy (source row, tokens) at the first chunk
+        self.live_tokens_reused = 0
         self.profile = StepProfile()
 
     def lookup_prefix(self, request: Request) -> int:
@@ -131,10 +135,37 @@ class ModelRunner:
         hashes = self.prefix.hashes(tokens, request.media)[: self._stored_tokens(request) // self.prefix.block_size]
         self._computing[request.request_id] = hashes
         self._computing_count.update(hashes)
+        live = self._live_prefix(request, tokens, hit.num_tokens if hit is not None else 0)
+        self._recent.append(request)
+        if live is not None:  # a running sequence holds more of this prefix than the cache's whole blocks
+            if hit is not None:
+                self.prefix.discard(hit)
+            self._live[request.request_id] = live
+            self.live_tokens_reused += live[1]
+            return live[1]
         if hit is None:
             return 0
         self._hits[request.request_id] = hit
         return hit.num_tokens
+
+    def _live_prefix(self, request: Request, tokens: list[int], at_least: int) -> tuple[str, int] | None:
+        """(row, tokens) of a recently admitted sequence still running whose computed KV shares more than
+        ``at_least`` leading tokens with ``request``: copied from its slot, the shared prefix is reused to the token,
+        not only in whole blocks (in the plan's order the row before is usually still running). Rows with images
+        are left out: their placeholder tokens do not say which picture they stand for."""
+        if request.media:
+            return None
+        limit = len(tokens) - 1 if request.score_from is None else request.score_from - 1
+        best: tuple[str, int] | None = None
+        for src in self._recent:
+            rid = src.request_id
+            if src.media or rid not in self.batch:
+                continue
+            committed = self.batch.lengths[self.batch.ids.index(rid)]
+            n = min(common_prefix_len(tokens, src.tokens(0, committed)), limit)
+            if n > (best[1] if best else at_least):
+                best = (rid, n)
+        return best
 
     @staticmethod
     def _stored_tokens(request: Request) -> int:
@@ -196,12 +227,16 @@ class ModelRunner:
         if out.prefills:
             t0 = time.perf_counter()
             copied: list[PrefixHit] = []
-            planned: list[Request] = []
+            planned = [c.request for c in out.prefills
+                       if c.request.request_id not in batch and c.request.cache_tokens is not None]
+            live = [(chunk.request.request_id, *self._live.pop(chunk.request.request_id)) for chunk in out.prefills
+                    if chunk.request.request_id not in batch and chunk.request.request_id in self._live]
+            if live:  # copies of the sources' rows, all in one sync, before any new row is written
+                for (rid, _, n), kv in zip(live, batch.extract_many([(src, n) for _, src, n in live])):
+                    batch.add(rid, kv, n)
             for chunk in out.prefills:
                 rid = chunk.request.request_id
                 if rid not in batch:
-                    if chunk.request.cache_tokens is not None:
-                        planned.append(chunk.request)
                     hit = self._hits.pop(rid, None)
                     if hit is not None and self.prefix is not None:
                         batch.add(rid, self.prefix.kv(hit), hit.num_tokens)
@@ -338,6 +373,7 @@ class ModelRunner:
         """Drop the KV of sequences that finished, were aborted or were preempted."""
         for rid in request_ids:
             self._done_computing(rid)
+            self._live.pop(rid, None)
             if self.mm is not None:
                 self.mm.free(rid)
             hit = self._hits.pop(rid, None)

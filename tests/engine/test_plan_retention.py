@@ -105,3 +105,17 @@ def eng_bytes(loaded) -> int:
     from mlxbatch.engine.worker import Worker
 
     return Worker(loaded).geometry.bytes_per_token
+
+
+def test_running_rows_share_their_prefix_to_the_token(tiny_loaded):
+    # in the plan's order the row before is usually still running: its KV is copied to the token, so the shared
+    # prefixes' partial last blocks are not recomputed and prefill meets the distinct-token floor
+    prompts = fewshot_like(24, seed=8) + label_like(12, seed=9)
+    off = Engine(tiny_loaded, EngineConfig(prefix_cache=False, warm_up=False)).generate(prompts, GREEDY)
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4))
+    outs = eng.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in off]
+    st = eng.stats()
+    assert st["prefix_cache"]["tokens_reused_live"] > 0
+    floor = plan(prompts).distinct_tokens
+    assert floor <= st["profile"]["prefill_tokens"] <= floor * 1.02
