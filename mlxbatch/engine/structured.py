@@ -40,7 +40,7 @@ from mlxbatch.types import OutputConstraint
 
 __all__ = ["GrammarCompiler", "Matcher", "constrain_logits"]
 
-JSON_DEFAULTS = {"whitespace_flexible": False}  # compact JSON; a schema's "x-guidance" may override it
+JSON_DEFAULTS = {"whitespace_flexible": False, "coerce_one_of": True}  # see the module docstring
 MAX_CACHED = 512  # compiled constraints kept per compiler (least recently used go first)
 _MAX_REASON = 600
 
