@@ -22,6 +22,7 @@ from mlxbatch.engine.request import Request
 from mlxbatch.engine.runner import ModelRunner
 from mlxbatch.engine.sampling import derive_seed, uniform_for
 from mlxbatch.engine.scheduler import Scheduler, SchedulerConfig
+from mlxbatch.engine.structured import GrammarCompiler, short_value
 from mlxbatch.engine.worker import Worker
 from mlxbatch.errors import EngineClosedError, InvalidRequestError, OutOfMemoryError
 from mlxbatch.types import RequestOutput, RequestTimings, SamplingParams, StreamDelta
@@ -101,8 +102,17 @@ class EngineCore:
         tok = loaded.tokenizer
         self._eos = frozenset(int(t) for t in (tok.eos_token_ids or ()))
         self._vocab_size = len(tok._tokenizer)
+        self._compiler: GrammarCompiler | None = None
         if self.config.warm_up:
             self.worker.warm_up()
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """Compiles output constraints for this model's tokenizer (built on first use, then cached)."""
+        if self._compiler is None:
+            width = self.loaded.config.get("vocab_size") or self._vocab_size
+            self._compiler = GrammarCompiler(self.loaded.tokenizer, width, self._eos)
+        return self._compiler
 
     # -- submission ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -130,6 +140,8 @@ class EngineCore:
         vocab = self.loaded.config.get("vocab_size") or self._vocab_size
         if max(ids) >= vocab or min(ids) < 0:
             raise InvalidRequestError("prompt", f"token id {max(ids)}", f"outside the vocabulary (size {vocab})")
+        if params.constraint is not None and (reason := self.compiler.check(params.constraint)) is not None:
+            raise InvalidRequestError("constraint", short_value(params.constraint), reason)
         seed = params.seed
         if seed is None:
             seed = (int(uniform_for(self.config.seed, hash(request_id) & 0xFFFFFFFF) * (1 << 53))
@@ -148,6 +160,8 @@ class EngineCore:
         self._groups[request_id] = _Group(request_id, seqs, stream)
         for s in seqs:
             self._seqs[s.request_id] = s
+            if params.constraint is not None:
+                self.runner.grammars.set(s.request_id, self.compiler.matcher(params.constraint))
             self.scheduler.add(s)
         return request_id
 
@@ -183,7 +197,7 @@ class EngineCore:
         touched = []
         for rid, tok in sampled.items():
             req = self._seqs[rid]
-            req.append(tok.token_id, tok.logprob)
+            req.append(tok.token_id, tok.logprob, force_stop=self.runner.grammars.done(rid))
             touched.append(req)
         finished = self.scheduler.finish_step(out)
         self.runner.free([r.request_id for r in finished])
@@ -205,6 +219,7 @@ class EngineCore:
             group = self._groups.pop(gid)
             for s in group.sequences:
                 self._seqs.pop(s.request_id, None)
+                self.runner.grammars.set(s.request_id, None)
             deltas.append(StreamDelta(gid, -1, "", (), group.sequences[0].finish_reason, group.output()))
         return deltas
 

@@ -22,6 +22,7 @@ from mlxbatch.engine.prefix_cache import PrefixCache, PrefixHit
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sampling import SampledToken, SampleRow, sample
 from mlxbatch.engine.scheduler import PrefillChunk, SchedulerOutput
+from mlxbatch.engine.structured import SequenceGrammars
 from mlxbatch.engine.worker import KVGeometry
 from mlxbatch.errors import OutOfMemoryError
 
@@ -111,6 +112,7 @@ class ModelRunner:
         self._computing: dict[str, list[int]] = {}
         self._computing_count: collections.Counter[int] = collections.Counter()
         self.profile = StepProfile()
+        self.grammars = SequenceGrammars()  # structured outputs: constrained sequences' matchers (core sets them)
 
     def lookup_prefix(self, request: Request) -> int:
         """Tokens of ``request`` whose KV the prefix cache holds (the scheduler starts its prefill there)."""
@@ -220,9 +222,12 @@ class ModelRunner:
                       r.banned_ids)
             for r in due
         ]
-        tokens_out = sample(mx.concatenate(logits, axis=0) if len(logits) > 1 else logits[0], rows_s)
+        step_logits = mx.concatenate(logits, axis=0) if len(logits) > 1 else logits[0]
+        due_ids = [r.request_id for r in due]
+        tokens_out = sample(self.grammars.constrain(due_ids, step_logits), rows_s)
         prof.sampling_s += time.perf_counter() - t0
         self._commit(out)
+        self.grammars.advance(due_ids, [t.token_id for t in tokens_out])  # once the step can no longer fail
         return {r.request_id: t for r, t in zip(due, tokens_out)}
 
     def _forward(self, start: int, tokens: list[list[int]], rows: list[int] | None = None) -> mx.array:

@@ -24,6 +24,7 @@ JSON is generated compact (no free whitespace: a model cannot stall in whitespac
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -38,7 +39,9 @@ import numpy as np
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.types import OutputConstraint
 
-__all__ = ["GrammarCompiler", "Matcher", "constrain_logits"]
+__all__ = ["GrammarCompiler", "Matcher", "SequenceGrammars", "constrain_logits"]
+
+log = logging.getLogger(__name__)
 
 JSON_DEFAULTS = {"whitespace_flexible": False, "coerce_one_of": True}  # see the module docstring
 MAX_CACHED = 512  # compiled constraints kept per compiler (least recently used go first)
@@ -75,7 +78,8 @@ def grammar_text(constraint: OutputConstraint) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(str(constraint.value), defaults=JSON_DEFAULTS)
 
 
-def _short(constraint: OutputConstraint) -> object:
+def short_value(constraint: OutputConstraint) -> object:
+    """The constraint's value as an error message shows it (a long schema is cut)."""
     value = constraint.value
     if isinstance(value, str) and len(value) > 200:
         return value[:200] + "..."
@@ -172,7 +176,7 @@ class GrammarCompiler:
         """A fresh matcher for one sequence; raises InvalidRequestError("constraint", ...) if it cannot compile."""
         compiled = self._compiled(constraint)
         if isinstance(compiled, str):
-            raise InvalidRequestError("constraint", _short(constraint), compiled)
+            raise InvalidRequestError("constraint", short_value(constraint), compiled)
         return Matcher(compiled.deep_copy(), self.tokenizer_vocab)
 
 
@@ -230,3 +234,46 @@ def constrain_logits(logits: mx.array, rows: list[int], matchers: list[Matcher])
     out = mx.array(logits)  # a new array: item assignment below must not touch the caller's
     out[idx] = masked
     return out
+
+
+class SequenceGrammars:
+    """The matchers of an engine's constrained sequences, by request id (the runner holds one of these).
+
+    A sequence keeps its matcher across preemption (its generated tokens are kept too); the engine core
+    drops it when the sequence leaves the engine.
+    """
+
+    def __init__(self) -> None:
+        self._matchers: dict[str, Matcher] = {}
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def set(self, request_id: str, matcher: Matcher | None) -> None:
+        """Constrain ``request_id``'s tokens by ``matcher`` from now on; None forgets it."""
+        if matcher is None:
+            self._matchers.pop(request_id, None)
+        else:
+            self._matchers[request_id] = matcher
+
+    def get(self, request_id: str) -> Matcher | None:
+        return self._matchers.get(request_id)
+
+    def done(self, request_id: str) -> bool:
+        """Whether ``request_id``'s grammar is complete and allows nothing more (the sequence must stop)."""
+        m = self._matchers.get(request_id)
+        return m is not None and m.done
+
+    def constrain(self, request_ids: list[str], logits: mx.array) -> mx.array:
+        """``logits`` (row i belongs to ``request_ids[i]``) with the constrained rows masked; others untouched."""
+        if not self._matchers:
+            return logits
+        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
+        return constrain_logits(logits, rows, [self._matchers[request_ids[i]] for i in rows])
+
+    def advance(self, request_ids: list[str], token_ids: list[int]) -> None:
+        """Each constrained sequence's matcher takes its sampled token."""
+        for rid, tok in zip(request_ids, token_ids):
+            m = self._matchers.get(rid)
+            if m is not None and not m.consume(tok):  # a token outside the grammar: its matcher is done now
+                log.warning("sequence %s sampled token %d outside its grammar: %s", rid, tok, m.error)
