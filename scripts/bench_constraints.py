@@ -305,24 +305,121 @@ def compare(args) -> None:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
+# -- the engine: decode-step time with every row constrained vs none -------------------------------------------
+ENGINE_SCHEMA = {  # long-lived: a list of at least 50 records, so no row completes inside the measured steps
+    "type": "object",
+    "properties": {"records": {"type": "array", "minItems": 50, "items": SCHEMA}},
+    "required": ["records"],
+}
+
+
+def engine_model(name: str):
+    from mlxbatch.engine.loader import ModelSpec, load_model, resolve_path
+    from mlxbatch.models.random_model import build_random_model
+
+    if name in ("tiny", "0.5b"):
+        path = build_random_model(Path.home() / ".cache" / "mlxbatch" / "bench" / name, name)
+    else:
+        path = Path(resolve_path(name))
+    return load_model(ModelSpec(str(path), dtype="float32"))
+
+
+def engine_run(engine, rows: int, constrained: bool, warm: int, steps: int) -> dict:
+    """Median decode-step time (all ``rows`` decoding) and, when constrained, the time in the mask and advance."""
+    import mlx.core as mx
+
+    from mlxbatch import SamplingParams
+    from mlxbatch.types import OutputConstraint
+
+    core = engine.core
+    grammars = core.runner.grammars
+    timing = {"mask": [], "advance": []}
+    constrain, advance = grammars.constrain, grammars.advance
+
+    def timed_constrain(ids, logits):
+        t0 = time.perf_counter()
+        out = constrain(ids, logits)
+        mx.eval(out)  # the step's logits are evaluated already: this is the mask alone
+        timing["mask"].append(time.perf_counter() - t0)
+        return out
+
+    def timed_advance(ids, toks):
+        t0 = time.perf_counter()
+        advance(ids, toks)
+        timing["advance"].append(time.perf_counter() - t0)
+
+    grammars.constrain, grammars.advance = timed_constrain, timed_advance
+    constraint = OutputConstraint.json_schema(ENGINE_SCHEMA) if constrained else None
+    params = SamplingParams(temperature=0, max_tokens=warm + steps + 8, ignore_eos=True, constraint=constraint)
+    ids = [core.add_request(f"Record {i}: write the records as JSON.", params) for i in range(rows)]
+    step_s = []
+    try:
+        while len(step_s) < warm + steps and core.has_unfinished:
+            before = core.runner.profile.prefill_tokens
+            timing["mask"].clear()
+            timing["advance"].clear()
+            t0 = time.perf_counter()
+            core.step()
+            dt = time.perf_counter() - t0
+            if core.runner.profile.prefill_tokens == before and core.runner.batch.n_decode == rows:
+                step_s.append((dt, sum(timing["mask"]), sum(timing["advance"])))
+    finally:
+        for rid in ids:
+            core.abort(rid)
+        core.step()
+        del grammars.constrain, grammars.advance
+    meas = step_s[warm:]
+    med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    return {"step_ms": med([m[0] for m in meas]), "mask_ms": med([m[1] for m in meas]),
+            "advance_ms": med([m[2] for m in meas]), "steps": len(meas)}
+
+
+def engine_bench(args) -> None:
+    from mlxbatch.engine import Engine, EngineConfig
+
+    loaded = engine_model(args.model)
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = Engine(loaded, EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=4096))
+    engine.core.compiler.check  # noqa: B018  (build the grammar tokenizer outside the timed steps)
+    print(f"model {args.model}: logits width {engine.core.compiler.vocab_size}, "
+          f"tokenizer {engine.core.compiler.tokenizer_vocab} ids; JSON schema rows (greedy), median of {args.steps} "
+          "decode steps")
+    print("| rows | step ms, none | step ms, all constrained | mask ms (fill + apply) | advance ms | "
+          "overhead | mask / unconstrained step |")
+    print("|---|---|---|---|---|---|---|")
+    for b in batches:
+        runs = [engine_run(engine, b, kind, 3, args.steps) for kind in (False, True) * args.repeats]
+        # the machine is shared: of each kind's runs, the one with the fastest median step
+        none = min(runs[0::2], key=lambda r: r["step_ms"])
+        con = min(runs[1::2], key=lambda r: r["step_ms"])
+        over = (con["step_ms"] - none["step_ms"]) / none["step_ms"] * 100
+        print(f"| {b} | {none['step_ms']:.1f} | {con['step_ms']:.1f} | {con['mask_ms']:.2f} | "
+              f"{con['advance_ms']:.2f} | {over:+.1f}% | {con['mask_ms'] / none['step_ms'] * 100:.1f}% |")
+    engine.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--libs", default="llguidance,outlines")
     p.add_argument("--tokenizers", default="smollm2,tiny,bpe151k")
     p.add_argument("--batches", default="32,64")
-    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--steps", type=int, help="steps measured (default: 80 for the libraries, 12 in the engine)")
     p.add_argument("--json", help="also write the raw results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--engine", action="store_true", help="measure the mask cost inside the engine instead")
-    p.add_argument("--model", default="tiny", help="engine section: tiny or 0.5b (random weights)")
+    p.add_argument("--repeats", type=int, default=2, help="engine section: runs of each kind, alternating")
+    p.add_argument("--model", default="tiny", help="engine section: tiny or 0.5b (random weights), or smollm2")
     args = p.parse_args()
+    if args.worker or not args.engine:
+        args.steps = args.steps or 80
     if args.worker:
         import mlxbatch.engine.structured  # noqa: F401  (import time is not compile time)
 
         res = run_worker(args.worker, args.tokenizers, [int(b) for b in args.batches.split(",")], args.steps)
         print(json.dumps(res))
     elif args.engine:
-        from bench_constraints_engine import engine_bench  # noqa: F401 (added below)
+        args.steps = args.steps or 12
+        engine_bench(args)
     else:
         compare(args)
 

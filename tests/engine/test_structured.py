@@ -187,6 +187,9 @@ def test_columns_past_the_tokenizer_are_masked(tiny_loaded):
     out = np.array(constrain_logits(logits, [1], [compiler.matcher(OutputConstraint.regex("[a-z]+"))]))
     assert np.all(np.isneginf(out[1, ntok:])) and np.isfinite(out[1, :ntok]).sum() > 0
     assert np.all(out[0] == 1.0)
+    letters = OutputConstraint.regex("[a-z]+")
+    both = np.array(constrain_logits(logits, [0, 1], [compiler.matcher(letters), compiler.matcher(letters)]))
+    assert np.array_equal(both[0], out[1]) and np.array_equal(both[1], out[1])
 
 
 def _greedy(loaded, prompt: str, matcher: Matcher | None, compiler: GrammarCompiler, limit: int = 200) -> str:
