@@ -111,7 +111,11 @@ class EngineCore:
         """Compiles output constraints for this model's tokenizer (built on first use, then cached)."""
         if self._compiler is None:
             width = self.loaded.config.get("vocab_size") or self._vocab_size
-            self._compiler = GrammarCompiler(self.loaded.tokenizer, width, self._eos)
+            try:
+                self._compiler = GrammarCompiler(self.loaded.tokenizer, width, self._eos)
+            except (ValueError, TypeError) as exc:  # e.g. a slow (non-Rust) tokenizer
+                raise InvalidRequestError("constraint", "<any>",
+                                          f"this model's tokenizer does not support constrained decoding: {exc}") from exc
         return self._compiler
 
     # -- submission ----------------------------------------------------------------------------
