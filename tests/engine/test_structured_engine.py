@@ -105,3 +105,32 @@ def test_invalid_constraint_is_refused_and_the_engine_goes_on(engine):
     out = engine.generate(["Label:"], greedy(OutputConstraint.choice(CHOICES)))[0]
     assert out.text in CHOICES
     assert len(engine.core.runner.grammars) == 0  # finished sequences leave no matcher behind
+
+
+def test_preempted_sequence_keeps_its_grammar_state(tiny_loaded):
+    """An out-of-memory step sends sequences back to the queue; they resume mid-grammar with the same output."""
+    prompts = ["Review as JSON:", "Another review as JSON:"]
+    params = greedy(OutputConstraint.json_schema(SCHEMA))
+    config = EngineConfig(max_num_seqs=4, warm_up=False)
+    ref = Engine(tiny_loaded, config)
+    expected = [o.token_ids for o in ref.generate(prompts, params)]
+    ref.close()
+    eng = Engine(tiny_loaded, config)
+    runner = eng.core.runner
+    real, calls = runner._execute, {"n": 0}
+
+    def flaky(out):
+        calls["n"] += 1
+        if calls["n"] == 6:  # mid-output: both rows have consumed tokens of their grammar
+            raise MemoryError("simulated")
+        return real(out)
+
+    runner._execute = flaky
+    try:
+        outs = eng.generate(prompts, params)
+    finally:
+        eng.close()
+    assert eng.core.scheduler.num_preemptions == 1
+    assert [o.token_ids for o in outs] == expected
+    for o in outs:
+        check_json(o.text)
