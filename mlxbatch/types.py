@@ -20,7 +20,9 @@ class OutputConstraint:
     """What a request's output must match: one of ``choices``, a ``regex`` or a JSON schema (constrained decoding).
 
     ``value`` is a tuple of strings for ``choice``, a pattern for ``regex``, and the schema as a canonical JSON
-    string for ``json_schema`` (so the constraint stays hashable and comparable).
+    string for ``json_schema`` (so the constraint stays hashable and comparable). The schema keeps its key order:
+    generated objects list their properties in the schema's order, so two schemas that differ only in order
+    are different constraints.
     """
 
     kind: str
@@ -50,7 +52,7 @@ class OutputConstraint:
     def json_schema(cls, schema: dict | str) -> OutputConstraint:
         import json
 
-        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
         return cls("json_schema", text)
 
 

@@ -22,6 +22,7 @@ from mlxbatch.engine.request import Request
 from mlxbatch.engine.runner import ModelRunner
 from mlxbatch.engine.sampling import derive_seed, uniform_for
 from mlxbatch.engine.scheduler import Scheduler, SchedulerConfig
+from mlxbatch.engine.structured import GrammarCompiler, short_value
 from mlxbatch.engine.vlm_model import MultimodalPrompt
 from mlxbatch.engine.worker import Worker
 from mlxbatch.errors import EngineClosedError, InvalidRequestError, OutOfMemoryError
@@ -104,8 +105,21 @@ class EngineCore:
         tok = loaded.tokenizer
         self._eos = frozenset(int(t) for t in (tok.eos_token_ids or ()))
         self._vocab_size = len(tok._tokenizer)
+        self._compiler: GrammarCompiler | None = None
         if self.config.warm_up:
             self.worker.warm_up()
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """Compiles output constraints for this model's tokenizer (built on first use, then cached)."""
+        if self._compiler is None:
+            width = self.loaded.config.get("vocab_size") or self._vocab_size
+            try:
+                self._compiler = GrammarCompiler(self.loaded.tokenizer, width, self._eos)
+            except (ValueError, TypeError) as exc:  # e.g. a slow (non-Rust) tokenizer
+                raise InvalidRequestError("constraint", "<any>",
+                                          f"this model's tokenizer does not support constrained decoding: {exc}") from exc
+        return self._compiler
 
     # -- submission ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -150,6 +164,8 @@ class EngineCore:
             ids = self.encode(prompt)
         ctx = self.loaded.context_length
         self._check_ids(ids, "prompt", prompt)
+        if params.constraint is not None and (reason := self.compiler.check(params.constraint)) is not None:
+            raise InvalidRequestError("constraint", short_value(params.constraint), reason)
         seed = params.seed
         if seed is None:
             seed = (int(uniform_for(self.config.seed, hash(request_id) & 0xFFFFFFFF) * (1 << 53))
@@ -171,6 +187,8 @@ class EngineCore:
         self._groups[request_id] = _Group(request_id, seqs, stream)
         for s in seqs:
             self._seqs[s.request_id] = s
+            if params.constraint is not None:
+                self.runner.grammars.set(s.request_id, self.compiler.matcher(params.constraint))
             self.scheduler.add(s)
         return request_id
 
@@ -259,7 +277,7 @@ class EngineCore:
                 touched.append(chunk.request)
         for rid, tok in sampled.items():
             req = self._seqs[rid]
-            req.append(tok.token_id, tok.logprob)
+            req.append(tok.token_id, tok.logprob, force_stop=self.runner.grammars.done(rid))
             touched.append(req)
         finished = self.scheduler.finish_step(out)
         self.runner.free([r.request_id for r in finished])
@@ -281,6 +299,7 @@ class EngineCore:
             group = self._groups.pop(gid)
             for s in group.sequences:
                 self._seqs.pop(s.request_id, None)
+                self.runner.grammars.set(s.request_id, None)
             deltas.append(StreamDelta(gid, -1, "", (), group.sequences[0].finish_reason, group.output()))
         return deltas
 

@@ -103,8 +103,11 @@ class Request:
             return ()
         return tuple(sorted(self.eos_token_ids | set(self.params.stop_token_ids)))
 
-    def append(self, token_id: int, logprob: TokenLogprob | None) -> FinishReason | None:
-        """Add one sampled token; returns why the sequence finished, if it did."""
+    def append(self, token_id: int, logprob: TokenLogprob | None, force_stop: bool = False) -> FinishReason | None:
+        """Add one sampled token; returns why the sequence finished, if it did.
+
+        ``force_stop``: the output is complete (its grammar allows nothing more): it finishes with STOP.
+        """
         now = time.perf_counter()
         if self.first_token is None:
             self.first_token = now
@@ -122,6 +125,9 @@ class Request:
         hit = self.text.add(token_id)
         if hit is not None:
             return self._finish(FinishReason.STOP, hit.stop)
+        if force_stop:
+            self.text.flush()
+            return self._finish(FinishReason.STOP, None)
         if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_context:
             self.text.flush()
             return self._finish(FinishReason.LENGTH, None)

@@ -23,6 +23,7 @@ from mlxbatch.engine.prefix_cache import PrefixCache, PrefixHit
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sampling import SampledToken, SampleRow, sample
 from mlxbatch.engine.scheduler import PrefillChunk, SchedulerOutput
+from mlxbatch.engine.structured import SequenceGrammars
 from mlxbatch.engine.vlm import RowInput, VisionLanguageRows
 from mlxbatch.engine.worker import KVGeometry
 from mlxbatch.errors import OutOfMemoryError
@@ -123,6 +124,7 @@ class ModelRunner:
         self._live: dict[str, tuple[str, int]] = {}  # admitted, to copy (source row, tokens) at the first chunk
         self.live_tokens_reused = 0
         self.profile = StepProfile()
+        self.grammars = SequenceGrammars()  # structured outputs: constrained sequences' matchers (core sets them)
 
     def lookup_prefix(self, request: Request) -> int:
         """Tokens of ``request`` whose KV the prefix cache holds (the scheduler starts its prefill there)."""
@@ -286,9 +288,11 @@ class ModelRunner:
                       r.banned_ids)
             for r in due
         ]
-        tokens_out = sample(all_logits, rows_s)
+        due_ids = [r.request_id for r in due]
+        tokens_out = sample(self.grammars.constrain(due_ids, all_logits), rows_s)
         prof.sampling_s += time.perf_counter() - t0
         self._commit(out)
+        self.grammars.advance(due_ids, [t.token_id for t in tokens_out])  # once the step can no longer fail
         return {r.request_id: t for r, t in zip(due, tokens_out)}
 
     def _score(self, start: int, group: list[PrefillChunk], tokens: list[list[int]], last: list[int],

@@ -181,6 +181,6 @@ def plan_job(spec: JobSpec, window: int = DEFAULT_WINDOW, with_eta: bool = True)
 def as_dict(r: PlanReport) -> dict[str, Any]:
     out = {**{k: getattr(r, k) for k in r.__dataclass_fields__}, "peak_retained_bytes": r.peak_retained_bytes}
     if r.eta is not None:
-        out["eta"] = {**{k: round(getattr(r.eta, k), 2) for k in r.eta.__dataclass_fields__},
-                      "total_s": round(r.eta.total_s, 2)}
+        out["eta"] = {**{k: round(getattr(r.eta, k), 4) for k in r.eta.__dataclass_fields__},
+                      "total_s": round(r.eta.total_s, 4)}
     return out
