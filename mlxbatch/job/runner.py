@@ -162,7 +162,8 @@ class JobRunner:
                         try:
                             submit(core, prep, item.token_ids, item.cache_tokens)
                         except InvalidRequestError as exc:
-                            finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "request"))
+                            kind = "constraint" if exc.field == "constraint" else "request"
+                            finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", kind))
                             continue
                         except ImageError as exc:
                             finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "image"))

@@ -48,6 +48,31 @@ def validate_job(path: str | Path) -> JobSpec:
                 problems.append(("input.columns", f"column {col!r} is in none of the first {len(good)} rows"))
     if spec.input.id_column and good and not any(spec.input.id_column in r.fields for r in good):
         problems.append(("input.id_column", f"column {spec.input.id_column!r} is in none of the first rows"))
+    problems += _constraint_problems(spec)
     if problems:
         raise JobSpecError(spec.source, problems)
     return spec
+
+
+def _constraint_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    """The job's output constraint compiled against the model's tokenizer (tokenizer files only, no weights)."""
+    c = spec.task.constraint
+    if c is None:
+        return []
+    import json
+
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxbatch.engine.loader import resolve_path
+    from mlxbatch.engine.structured import GrammarCompiler
+    from mlxbatch.errors import MlxbatchError
+
+    try:
+        path = Path(resolve_path(spec.model.path))
+        tok = load_tokenizer(path)
+        cfg = json.loads((path / "config.json").read_text())
+    except (MlxbatchError, OSError, ValueError):
+        return []  # not a local model (a hub id): the run checks the constraint when the model is loaded
+    vocab = int(cfg.get("text_config", cfg).get("vocab_size") or len(tok._tokenizer))
+    reason = GrammarCompiler(tok, vocab, tok.eos_token_ids).check(c)
+    return [] if reason is None else [(f"output.{c.kind}", reason)]
