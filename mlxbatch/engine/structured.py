@@ -29,16 +29,25 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance
-import llguidance.hf
-import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.types import OutputConstraint
+
+if TYPE_CHECKING:
+    import llguidance
+
+
+def _llg() -> Any:
+    """llguidance, imported when a constraint is first used (engines without constraints never load it)."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy
+
+    return llguidance
 
 __all__ = ["GrammarCompiler", "Matcher", "SequenceGrammars", "constrain_logits"]
 
@@ -57,7 +66,7 @@ def _get_executor() -> llguidance.LLExecutor:
     global _executor
     with _executor_lock:
         if _executor is None:
-            _executor = llguidance.LLExecutor()
+            _executor = _llg().LLExecutor()
         return _executor
 
 
@@ -73,10 +82,10 @@ def grammar_text(constraint: OutputConstraint) -> str:
         # Lark string literals take JSON string syntax: json.dumps escapes quotes, backslashes and controls,
         # so every option is matched literally (no regex is built from user text).
         lark = "start: " + " | ".join(json.dumps(c) for c in constraint.value)
-        return llguidance.LLMatcher.grammar_from_lark(lark)
+        return _llg().LLMatcher.grammar_from_lark(lark)
     if constraint.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(str(constraint.value))
-    return llguidance.LLMatcher.grammar_from_json_schema(str(constraint.value), defaults=JSON_DEFAULTS)
+        return _llg().LLMatcher.grammar_from_regex(str(constraint.value))
+    return _llg().LLMatcher.grammar_from_json_schema(str(constraint.value), defaults=JSON_DEFAULTS)
 
 
 def short_value(constraint: OutputConstraint) -> object:
@@ -133,7 +142,7 @@ class GrammarCompiler:
             raise ValueError("constrained decoding needs an EOS token: the tokenizer has none")
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = tuple(eos)
-        self.tokenizer = llguidance.hf.from_tokenizer(hf, eos_token=eos if len(eos) > 1 else eos[0])
+        self.tokenizer = _llg().hf.from_tokenizer(hf, eos_token=eos if len(eos) > 1 else eos[0])
         self.tokenizer_vocab = int(self.tokenizer.vocab_size)
         self._cache: OrderedDict[OutputConstraint, llguidance.LLMatcher | str] = OrderedDict()
         self._lock = threading.Lock()
@@ -148,7 +157,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(constraint)
                 return hit
         try:
-            template = llguidance.LLMatcher(self.tokenizer, grammar_text(constraint), log_level=0)
+            template = _llg().LLMatcher(self.tokenizer, grammar_text(constraint), log_level=0)
             result: llguidance.LLMatcher | str = template
             if template.is_error():
                 result = template.get_error() or "does not compile"
@@ -181,8 +190,8 @@ def fill_masks(matchers: list[Matcher]) -> np.ndarray:
     """The packed allowed-token bitmasks [len(matchers), words] of all matchers, filled in one parallel call."""
     ntok = matchers[0].tokenizer_vocab
     assert all(m.tokenizer_vocab == ntok for m in matchers), "matchers of one batch share a tokenizer"
-    mask = llguidance.numpy.allocate_token_bitmask(len(matchers), ntok)
-    llguidance.numpy.fill_next_token_bitmask_par(_get_executor(), [(m._m, i) for i, m in enumerate(matchers)], mask)
+    mask = _llg().numpy.allocate_token_bitmask(len(matchers), ntok)
+    _llg().numpy.fill_next_token_bitmask_par(_get_executor(), [(m._m, i) for i, m in enumerate(matchers)], mask)
     return mask
 
 
