@@ -94,16 +94,10 @@ class PrefixCache:
         self.pool.retain(ids)
         return PrefixHit(tuple(ids), len(ids) * self.block_size)
 
-    def kv(self, hit: PrefixHit) -> list[tuple[mx.array, mx.array]]:
-        """The hit's KV per layer, ``[1, H, tokens, D]``, ready for ``SlotBatch.add``."""
-        idx = mx.array(hit.block_ids, dtype=mx.int32)
-        out = []
-        for k, v in zip(self._keys, self._values):
-            kb, vb = k[idx], v[idx]  # [n, H, B, D]
-            n, H, B, D = kb.shape
-            out.append((kb.transpose(1, 0, 2, 3).reshape(1, H, n * B, D),
-                        vb.transpose(1, 0, 2, 3).reshape(1, H, n * B, D)))
-        return out
+    def gather(self, hits: Sequence[PrefixHit]) -> tuple[list[mx.array], list[mx.array]]:
+        """The blocks of all ``hits``, in order, per layer ``[blocks, H, block_size, D]`` (one gather per layer)."""
+        idx = mx.array([b for h in hits for b in h.block_ids], dtype=mx.int32)
+        return [k[idx] for k in self._keys], [v[idx] for v in self._values]
 
     def discard(self, hit: PrefixHit) -> None:
         """A hit that will not be used after all (a better source was found): released and not counted."""

@@ -228,27 +228,9 @@ class ModelRunner:
             logits.append(step_logits)
         if out.prefills:
             t0 = time.perf_counter()
-            copied: list[PrefixHit] = []
             planned = [c.request for c in out.prefills
                        if c.request.request_id not in batch and c.request.cache_tokens is not None]
-            live = [(chunk.request.request_id, *self._live.pop(chunk.request.request_id)) for chunk in out.prefills
-                    if chunk.request.request_id not in batch and chunk.request.request_id in self._live]
-            if live:  # copies of the sources' rows, all in one sync, before any new row is written
-                for (rid, _, n), kv in zip(live, batch.extract_many([(src, n) for _, src, n in live])):
-                    batch.add(rid, kv, n)
-            for chunk in out.prefills:
-                rid = chunk.request.request_id
-                if rid not in batch:
-                    hit = self._hits.pop(rid, None)
-                    if hit is not None and self.prefix is not None:
-                        batch.add(rid, self.prefix.kv(hit), hit.num_tokens)
-                        copied.append(hit)
-                    else:
-                        batch.add(rid)
-            if copied and self.prefix is not None:
-                mx.eval(batch.kv_arrays())  # one sync for every copy-in, before the blocks may be reused
-                for hit in copied:
-                    self.prefix.release(hit)
+            self._admit(out)
             self._admitted_planned = planned
             groups = _pad_groups(out.prefills)
             # arrange once, before any forward: rows move by committed length, and this step's writes
@@ -294,6 +276,36 @@ class ModelRunner:
         self._commit(out)
         self.grammars.advance(due_ids, [t.token_id for t in tokens_out])  # once the step can no longer fail
         return {r.request_id: t for r, t in zip(due, tokens_out)}
+
+    def _admit(self, out: SchedulerOutput) -> None:
+        """New rows for the step's newly admitted sequences, starting from the KV they reuse: a running row's
+        prefix or cached blocks. All copies are batched: one gather and one scatter per buffer, two syncs a step,
+        however many sequences were admitted (per-row copies cost a device sync and ~100 small ops each)."""
+        batch = self.batch
+        live: list[tuple[str, str, int]] = []
+        hits: list[tuple[str, PrefixHit]] = []
+        for chunk in out.prefills:
+            rid = chunk.request.request_id
+            if rid in batch:
+                continue
+            source = self._live.pop(rid, None)
+            hit = self._hits.pop(rid, None) if self.prefix is not None else None
+            if source is not None:
+                batch.add(rid)
+                live.append((rid, *source))
+            elif hit is not None:
+                batch.add(rid, length=hit.num_tokens)
+                hits.append((rid, hit))
+            else:
+                batch.add(rid)
+        batch.copy_prefixes(live)
+        if hits and self.prefix is not None:
+            keys, values = self.prefix.gather([h for _, h in hits])
+            B = self.prefix.block_size
+            batch.write_blocks([(rid, j * B) for rid, h in hits for j in range(len(h.block_ids))], keys, values, B)
+            mx.eval(batch.kv_arrays())  # one sync for every copy-in, before the blocks may be reused
+            for _, hit in hits:
+                self.prefix.release(hit)
 
     def _score(self, start: int, group: list[PrefillChunk], tokens: list[list[int]], last: list[int],
                seqs: list[RowInput]) -> mx.array:

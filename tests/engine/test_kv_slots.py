@@ -19,10 +19,12 @@ def _reference_last_logits(model, ids):
     return model(mx.array([ids]))[0, -1]
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["per-row moves", "batched moves (GPU path)"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_operations_match_single_sequence_forward(model, seed):
+def test_random_operations_match_single_sequence_forward(model, seed, batched):
     rng = random.Random(seed)
     batch = SlotBatch(len(model.layers))
+    batch.batched_moves = batched
     k = model.layers[0].self_attn
     batch.allocate(k.n_kv_heads, model.args.hidden_size // model.args.num_attention_heads, mx.float32)
     seqs: dict[str, list[int]] = {}  # tokens whose KV is committed

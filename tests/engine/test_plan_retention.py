@@ -119,3 +119,14 @@ def test_running_rows_share_their_prefix_to_the_token(tiny_loaded):
     assert st["prefix_cache"]["tokens_reused_live"] > 0
     floor = plan(prompts).distinct_tokens
     assert floor <= st["profile"]["prefill_tokens"] <= floor * 1.02
+
+
+def test_batched_copy_ins_of_the_gpu_path_give_the_same_output(tiny_loaded):
+    prompts = fewshot_like(20, seed=3) + label_like(10, seed=4)
+    ref = Engine(tiny_loaded, EngineConfig(prefix_cache=False, warm_up=False)).generate(prompts, GREEDY)
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=6))
+    eng.core.runner.batch.batched_moves = True  # one gather + one scatter per buffer for all rows of a step
+    outs = eng.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    st = eng.stats()["prefix_cache"]
+    assert st["tokens_reused_live"] > 0 and st["tokens_reused"] > st["tokens_reused_live"]
