@@ -281,6 +281,27 @@ class SlotBatch:
             self._keys[i][rows, heads, pos] = keys[i]
             self._values[i][rows, heads, pos] = values[i]
 
+    def remove_many(self, request_ids: Sequence[str]) -> None:
+        """Retire rows. With batched moves, every row that fills a hole moves in one gather + scatter."""
+        gone = {rid for rid in request_ids if rid in self.ids}
+        if not gone:
+            return
+        if not self.batched_moves:
+            for rid in gone:
+                self.remove(rid)
+            return
+        keep_dec = [i for i in range(self.n_decode) if self.ids[i] not in gone]
+        keep_pre = [i for i in range(self.n_decode, len(self.ids)) if self.ids[i] not in gone]
+        nd = len(keep_dec)
+        staying = {i for i in keep_dec if i < nd}
+        holes = [i for i in range(nd) if i not in staying]
+        moves = list(zip([i for i in keep_dec if i >= nd], holes))  # decode rows past the end fill its holes
+        moves += [(src, nd + j) for j, src in enumerate(keep_pre) if src != nd + j]  # prefill rows close up
+        self._move_rows(moves)
+        del self.ids[nd + len(keep_pre) :]
+        del self.lengths[nd + len(keep_pre) :]
+        self.n_decode = nd
+
     def remove(self, request_id: str) -> None:
         """Retire a row; the region's last row fills the hole (at most two rows copied)."""
         row = self.ids.index(request_id)
@@ -339,8 +360,11 @@ class SlotBatch:
             self._mask = self._array_mask()
         if len(set(offsets)) == 1:
             self._write_mode = "slice"  # one contiguous block: a slice update, far cheaper than a scatter
-        elif T > 1:
-            self._write_mode = "rows"  # prefill chunks at different offsets: one block per row
+        elif T > 1 and not self.batched_moves:
+            self._write_mode = "rows"  # prefill chunks at different offsets: one block per row (CPU: memcpy)
+        elif T > 1:  # GPU: one scatter per buffer instead of a slice write per row (each a launch)
+            self._write_mode = "scatter"
+            self._index = (mx.arange(start, start + n)[:, None, None], q_pos[:, None, :])
         else:
             self._write_mode = "scatter"  # decode: one position per row
             self._index = (mx.arange(start, start + n)[:, None, None], q_pos[:, None, :])

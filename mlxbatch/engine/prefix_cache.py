@@ -81,13 +81,23 @@ class PrefixCache:
             n += 1
         return n
 
-    def lookup(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> PrefixHit | None:
-        """The cached blocks a sequence can start from (at least one token is always left to compute)."""
+    def _chain(self, tokens: Sequence[int], blocks: int, media: Sequence[tuple[int, str]],
+               hashes: Sequence[int] | None) -> list[int]:
+        """The hashes of the first ``blocks`` full blocks of ``tokens`` (``hashes``: already computed, longer)."""
+        if hashes is not None:
+            assert len(hashes) >= blocks
+            return list(hashes[:blocks])
+        return block_hashes(tokens[: blocks * self.block_size], self.block_size, media) if blocks > 0 else []
+
+    def lookup(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = (),
+               hashes: Sequence[int] | None = None) -> PrefixHit | None:
+        """The cached blocks a sequence can start from (at least one token is always left to compute).
+        ``hashes``: the chain of ``tokens``'s full blocks if the caller has it (hashing is host time)."""
         usable = (len(tokens) - 1) // self.block_size * self.block_size
         if usable <= 0:
             return None
         self.lookups += 1
-        ids = self.pool.match(block_hashes(tokens[:usable], self.block_size, media))
+        ids = self.pool.match(self._chain(tokens, usable // self.block_size, media, hashes))
         if not ids:
             return None
         self.tokens_reused += len(ids) * self.block_size
@@ -108,7 +118,7 @@ class PrefixCache:
         self.pool.release(list(hit.block_ids))
 
     def store(self, tokens: Sequence[int], row_kv: list[tuple[mx.array, mx.array]],
-              media: Sequence[tuple[int, str]] = ()) -> int:
+              media: Sequence[tuple[int, str]] = (), hashes: Sequence[int] | None = None) -> int:
         """Offer the full blocks of ``tokens`` whose KV (per layer ``[1, H, >=len, D]``) is ``row_kv``.
 
         Returns how many new blocks were stored; already cached blocks are skipped.
@@ -116,7 +126,7 @@ class PrefixCache:
         full = len(tokens) // self.block_size
         if full == 0:
             return 0
-        hashes = block_hashes(tokens[: full * self.block_size], self.block_size, media)
+        hashes = self._chain(tokens, full, media, hashes)
         known = len(self.pool.match(hashes))
         new = hashes[known:]
         if not new:
@@ -143,10 +153,12 @@ class PrefixCache:
         self.pool.release(ids)  # cached, unreferenced: evictable when space is needed
         return stored
 
-    def drop_after(self, tokens: Sequence[int], keep_tokens: int, media: Sequence[tuple[int, str]] = ()) -> int:
+    def drop_after(self, tokens: Sequence[int], keep_tokens: int, media: Sequence[tuple[int, str]] = (),
+                   hashes: Sequence[int] | None = None) -> int:
         """Evict the cached blocks of ``tokens``'s chain past its first ``keep_tokens`` tokens (dead: the plan
         says no later sequence shares them). Referenced blocks stay; returns how many were evicted."""
-        hashes = self.hashes(tokens, media)[keep_tokens // self.block_size:]
+        usable = max(0, (len(tokens) - 1) // self.block_size)
+        hashes = self._chain(tokens, usable, media, hashes)[keep_tokens // self.block_size:]
         dropped = 0
         for h in hashes:
             bid = self.pool.cached_id(h)

@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxbatch.engine.kv_blocks import block_hashes
 from mlxbatch.engine.kv_slots import SlotBatch
 from mlxbatch.engine.planner import common_prefix_len
 from mlxbatch.engine.prefix_cache import PrefixCache, PrefixHit
@@ -123,6 +124,7 @@ class ModelRunner:
         self._recent: collections.deque[Request] = collections.deque(maxlen=8)  # live prefix sources to try
         self._live: dict[str, tuple[str, int]] = {}  # admitted, to copy (source row, tokens) at the first chunk
         self.live_tokens_reused = 0
+        self._chains: dict[str, list[int]] = {}  # request id -> its tokens' block hashes (until it is freed)
         self.profile = StepProfile()
         self.grammars = SequenceGrammars()  # structured outputs: constrained sequences' matchers (core sets them)
 
@@ -131,10 +133,12 @@ class ModelRunner:
         if self.prefix is None:
             return 0
         tokens = request.tokens(0, request.num_tokens)
+        chain = self._chain(request)
         # a scoring sequence must compute the position before its continuation (it predicts the first token)
         hit = self.prefix.lookup(tokens if request.score_from is None else tokens[: request.score_from],
-                                 request.media)
-        hashes = self.prefix.hashes(tokens, request.media)[: self._stored_tokens(request) // self.prefix.block_size]
+                                 request.media, chain)
+        usable = (len(tokens) - 1) // self.prefix.block_size
+        hashes = chain[: min(usable, self._stored_tokens(request) // self.prefix.block_size)]
         self._computing[request.request_id] = hashes
         self._computing_count.update(hashes)
         live = self._live_prefix(request, tokens, hit.num_tokens if hit is not None else 0)
@@ -169,6 +173,17 @@ class ModelRunner:
                 best = (rid, n)
         return best
 
+    def _chain(self, request: Request) -> list[int]:
+        """The chained hashes of the prompt's full blocks, computed once per sequence (a 1k-token prompt is 60
+        blake2b calls; the cache asked for them four times a sequence)."""
+        assert self.prefix is not None
+        B = self.prefix.block_size
+        chain = self._chains.get(request.request_id)
+        if chain is None or len(chain) < request.num_tokens // B:  # a preempted sequence also has output tokens
+            n = request.num_tokens // B * B
+            chain = self._chains[request.request_id] = block_hashes(request.tokens(0, n), B, request.media)
+        return chain
+
     @staticmethod
     def _stored_tokens(request: Request) -> int:
         """Prompt tokens whose full blocks this sequence offers the cache once its prefill is done."""
@@ -183,7 +198,7 @@ class ModelRunner:
         """
         if self.prefix is None or not self._computing_count:
             return False
-        hashes = self.prefix.hashes(request.tokens(0, request.num_tokens), request.media)
+        hashes = self._chain(request)[: (request.num_tokens - 1) // self.prefix.block_size]
         cached = self.prefix.cached_blocks(hashes)
         return cached < len(hashes) and self._computing_count[hashes[cached]] > 0
 
@@ -368,13 +383,14 @@ class ModelRunner:
                 r = c.request
                 keep = self._stored_tokens(r)
                 if keep >= self.prefix.block_size:
-                    self.prefix.store(r.prompt_token_ids[:keep], self.batch.row_view(r.request_id), r.media)
+                    self.prefix.store(r.prompt_token_ids[:keep], self.batch.row_view(r.request_id), r.media,
+                                      self._chain(r))
                 self._done_computing(r.request_id)
         if self.prefix is not None:
             # the plan's retention: what no later sequence shares is dead once these rows copied it in (after
             # this step's stores, which may have offered those very blocks again)
             for r in self._admitted_planned:
-                self.prefix.drop_after(r.prompt_token_ids, r.cache_tokens or 0, r.media)
+                self.prefix.drop_after(r.prompt_token_ids, r.cache_tokens or 0, r.media, self._chain(r))
             self._admitted_planned = []
             self.prefix.flush()  # one sync for every store of the step, before the slots are written again
         for parent, child in out.forks:  # n > 1: the prompt was prefilled once, each sample gets a copy
@@ -390,13 +406,13 @@ class ModelRunner:
         for rid in request_ids:
             self._done_computing(rid)
             self._live.pop(rid, None)
+            self._chains.pop(rid, None)
             if self.mm is not None:
                 self.mm.free(rid)
             hit = self._hits.pop(rid, None)
             if hit is not None and self.prefix is not None:
                 self.prefix.release(hit)
-            if rid in self.batch:
-                self.batch.remove(rid)
+        self.batch.remove_many(request_ids)
         if request_ids:
             self.batch.shrink()
 
