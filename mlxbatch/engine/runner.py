@@ -121,7 +121,7 @@ class ModelRunner:
         # scoring rows of the last step: request id -> (token log-probabilities, greedy flags), in token order
         self.scored: dict[str, tuple[list[TokenLogprob], list[bool]]] = {}
         self._admitted_planned: list[Request] = []  # admitted this step with a plan retention to apply
-        self._recent: collections.deque[Request] = collections.deque(maxlen=8)  # live prefix sources to try
+        self._recent: collections.deque[Request] = collections.deque(maxlen=32)  # live prefix sources to try
         self._live: dict[str, tuple[str, int]] = {}  # admitted, to copy (source row, tokens) at the first chunk
         self.live_tokens_reused = 0
         self._chains: dict[str, list[int]] = {}  # request id -> its tokens' block hashes (until it is freed)
@@ -167,8 +167,10 @@ class ModelRunner:
             rid = src.request_id
             if src.media or rid not in self.batch:
                 continue
+            if not src.prompt_token_ids or src.prompt_token_ids[0] != tokens[0]:
+                continue
             committed = self.batch.lengths[self.batch.ids.index(rid)]
-            n = min(common_prefix_len(tokens, src.tokens(0, committed)), limit)
+            n = min(common_prefix_len(tokens, src.prompt_token_ids), committed, limit)
             if n > (best[1] if best else at_least):
                 best = (rid, n)
         return best

@@ -75,6 +75,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
         self._calm_steps = 0  # steps since the last out-of-memory failure
+        self.lookahead = 4 * config.max_num_seqs  # queue entries admission looks at per step
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -119,10 +120,18 @@ class Scheduler:
                 prefills.append(chunk)
                 budget -= chunk.end - chunk.start
         reserved = [r.reserved_tokens for r in self.running]
-        while self.waiting and len(self.running) < self._max_seqs and (
-                budget > 0 or self.waiting[0].fork_parent in prefilling):
-            nxt = self.waiting[0]
+        # Admission in queue order, except that a sequence whose shared prefix an admitted sequence is computing
+        # right now waits for that KV (computed once) while the sequences behind it go ahead: waiting at the head
+        # of the queue serialised chains of nested prompts (multi-turn chats) to one admission a step.
+        held: set[str] = set()  # passed over this step (their prefix is in progress), with their later samples
+        i = 0
+        while i < len(self.waiting) and i < self.lookahead and len(self.running) < self._max_seqs:
+            nxt = self.waiting[i]
             parent = nxt.fork_parent
+            if parent is not None and parent in held:
+                held.add(nxt.request_id)
+                i += 1
+                continue
             if parent is not None and parent not in prefilling:
                 nxt.fork_parent = parent = None  # too late to fork: its parent's prefill is over
             if parent is not None:  # admitted with its parent: shares its prefill, takes no tokens of the budget
@@ -130,20 +139,24 @@ class Scheduler:
                 if cost > self._budget:
                     nxt.fork_parent = None  # no room to fork now: it prefills on its own later
                     break
-                self.waiting.popleft()
+                del self.waiting[i]
                 nxt.status = RequestStatus.PREFILLING
                 self.running.append(nxt)
                 reserved.append(nxt.reserved_tokens)
                 continue
+            if budget <= 0:
+                break
             if self.running and self._prefix_pending is not None and self._prefix_pending(nxt):
-                break  # its shared prefix is being computed: admit it once that KV is cached
+                held.add(nxt.request_id)  # admitted once that KV is cached; the next in line may go first
+                i += 1
+                continue
             cost = self._kv_cost(reserved + [nxt.reserved_tokens])
             if cost > self._budget and self.running:
                 break  # it waits for memory; an empty engine admits it anyway (nothing else can free)
             if cost > self._budget:
                 log.warning("request %s needs %d KV bytes, more than the %d budget; running it alone",
                             nxt.request_id, cost, self._budget)
-            self.waiting.popleft()
+            del self.waiting[i]
             nxt.status = RequestStatus.PREFILLING
             if self._prefix_lookup is not None and nxt.num_computed_tokens == 0:
                 cached = self._prefix_lookup(nxt)  # the runner copies that KV in when it runs the first chunk
