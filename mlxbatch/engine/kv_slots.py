@@ -332,7 +332,8 @@ class SlotBatch:
         return [(k[row : row + 1, :, :n, :], v[row : row + 1, :, :n, :]) for k, v in zip(self._keys, self._values)]
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]], full: bool = False) -> mx.array:
+    def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]], full: bool = False,
+                offsets: Sequence[int] | None = None) -> mx.array:
         """Run rows ``[start, start+len(tokens))`` over their new tokens; returns each row's last output
         (``[rows, dim]``), or every position's (``[rows, T, dim]``) with ``full``.
 
@@ -344,7 +345,9 @@ class SlotBatch:
         """
         n = len(tokens)
         T = max(len(t) for t in tokens)
-        offsets = self.lengths[start : start + n]
+        # where each row's new tokens start: its committed length, unless an earlier forward of the same step
+        # (not committed yet) already wrote some
+        offsets = list(offsets) if offsets is not None else self.lengths[start : start + n]
         self._t_used = max(o + T for o in offsets)
         self._ensure(start + n, self._t_used)
         self._range = (start, start + n)

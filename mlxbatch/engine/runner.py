@@ -124,6 +124,9 @@ class ModelRunner:
         self._recent: collections.deque[Request] = collections.deque(maxlen=32)  # live prefix sources to try
         self._live: dict[str, tuple[str, int]] = {}  # admitted, to copy (source row, tokens) at the first chunk
         self.live_tokens_reused = 0
+        # CPU: prefill's last layer only where logits are needed (an extra small forward a step; on a GPU that
+        # launch costs more than 1/L of the prefill saves)
+        self._prune_last = mx.default_device() == mx.cpu
         self._chains: dict[str, list[int]] = {}  # request id -> its tokens' block hashes (until it is freed)
         self.profile = StepProfile()
         self.grammars = SequenceGrammars()  # structured outputs: constrained sequences' matchers (core sets them)
@@ -262,6 +265,9 @@ class ModelRunner:
                 seqs = [RowInput(c.request, c.start, c.end - c.start) for c in group]
                 if any(c.request.score_from is not None for c in group):
                     chunk_logits = self._score(start, group, tokens, last, seqs)
+                elif self._prune_last and self.mm is None and len(last) == len(group) \
+                        and all(len(t) > 1 for t in tokens):
+                    chunk_logits = self._prefill_pruned(start, group, tokens)
                 else:
                     chunk_logits = self._forward(start, tokens, rows=last, seqs=seqs)
                 start += len(group)
@@ -360,6 +366,15 @@ class ModelRunner:
         h_last = out[mx.array(last), mx.array([len(tokens[i]) - 1 for i in last])]
         return head(h_last) if head is not None else h_last
 
+    def _prefill_pruned(self, start: int, group: list[PrefillChunk], tokens: list[list[int]]) -> mx.array:
+        """Rows whose prompt ends in this chunk: every token but the last is run for its KV only, which lets MLX
+        skip the last layer's attention output and MLP for them (as mlx-lm's prefill does: half the work of a
+        2-layer model, 1/L of an L-layer one); the last tokens then run as one ``T = 1`` forward for the logits."""
+        fn, _ = self._body_head(None)
+        self.batch.forward(fn, start, [t[:-1] for t in tokens], full=True)
+        mx.eval(self.batch.kv_arrays())
+        return self._forward(start, [[t[-1]] for t in tokens], offsets=[c.end - 1 for c in group])
+
     def _body_head(self, seqs: list[RowInput] | None) -> tuple[Any, Any]:
         """The forward's body (tokens -> hidden, or logits when there is no head) and the LM head (or None)."""
         if self.mm is not None and seqs is not None:  # per-row embeddings and positions (vision-language)
@@ -367,10 +382,10 @@ class ModelRunner:
         return (self._split.body, self._split.head) if self._split else (self.model, None)
 
     def _forward(self, start: int, tokens: list[list[int]], rows: list[int] | None = None,
-                 seqs: list[RowInput] | None = None) -> mx.array:
+                 seqs: list[RowInput] | None = None, offsets: list[int] | None = None) -> mx.array:
         """Last-position logits of the given rows (all rows if ``rows`` is None) of a forward pass."""
         fn, head = self._body_head(seqs)
-        out = self.batch.forward(fn, start, tokens)
+        out = self.batch.forward(fn, start, tokens, offsets=offsets)
         if rows is not None and len(rows) < len(tokens):
             out = out[mx.array(rows)] if rows else out[:0]
         return head(out) if head is not None else out
