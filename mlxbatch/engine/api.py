@@ -88,11 +88,12 @@ class Engine:
         ``images``: one list of images per prompt (vision-language models; an empty list for a text prompt).
         """
         ids = self._submit(prompts, params, stream=False, images=images)
+        wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), disable=not use_tqdm, unit="req")
         while len(done) < len(ids):
             for d in self.core.step():
-                if d.output is not None and d.request_id in ids:
+                if d.output is not None and d.request_id in wanted:
                     done[d.request_id] = d.output
                     bar.update(1)
         bar.close()
@@ -117,11 +118,12 @@ class Engine:
             self.core.step()
             raise
         order = [ids[i] for i in range(len(items))]
+        wanted = set(order)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), disable=not use_tqdm, unit="row")
         while len(done) < len(order):
             for d in self.core.step():
-                if d.output is not None and d.request_id in ids.values():
+                if d.output is not None and d.request_id in wanted:
                     done[d.request_id] = d.output
                     bar.update(1)
         bar.close()
