@@ -320,8 +320,9 @@ class EngineCore:
         if self.runner.prefix is None:
             return None
         st = self.runner.prefix.stats()
-        st["tokens_reused_live"] = self.runner.live_tokens_reused  # copied from running rows, to the token
-        st["tokens_reused"] += self.runner.live_tokens_reused
+        live = self.runner.reuse.live_tokens_reused if self.runner.reuse is not None else 0
+        st["tokens_reused_live"] = live  # copied from running rows, to the token
+        st["tokens_reused"] += live
         return st
 
     def stats(self) -> dict[str, Any]:

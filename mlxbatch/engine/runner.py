@@ -9,7 +9,6 @@ succeeded, so a failed (out-of-memory) step leaves nothing half-counted.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -17,10 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.kv_blocks import block_hashes
 from mlxbatch.engine.kv_slots import SlotBatch
-from mlxbatch.engine.planner import common_prefix_len
-from mlxbatch.engine.prefix_cache import PrefixCache, PrefixHit
+from mlxbatch.engine.prefix_cache import PrefixCache
+from mlxbatch.engine.prefix_reuse import PrefixReuse
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sampling import SampledToken, SampleRow, sample
 from mlxbatch.engine.scheduler import PrefillChunk, SchedulerOutput
@@ -114,104 +112,22 @@ class ModelRunner:
         self.batch.allocate(geometry.kv_heads, geometry.head_dim, dtype)
         self.prefix = (PrefixCache(geometry.num_layers, geometry.kv_heads, geometry.head_dim, dtype,
                                    geometry.bytes_per_token, prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
-        self._hits: dict[str, PrefixHit] = {}  # looked up at admission, copied in at the first chunk
-        # block hashes that admitted sequences are computing now (cached once their prefill ends)
-        self._computing: dict[str, list[int]] = {}
-        self._computing_count: collections.Counter[int] = collections.Counter()
+        self.reuse = PrefixReuse(self.prefix, self.batch) if self.prefix is not None else None
         # scoring rows of the last step: request id -> (token log-probabilities, greedy flags), in token order
         self.scored: dict[str, tuple[list[TokenLogprob], list[bool]]] = {}
-        self._admitted_planned: list[Request] = []  # admitted this step with a plan retention to apply
-        self._recent: collections.deque[Request] = collections.deque(maxlen=32)  # live prefix sources to try
-        self._live: dict[str, tuple[str, int]] = {}  # admitted, to copy (source row, tokens) at the first chunk
-        self.live_tokens_reused = 0
         # CPU: prefill's last layer only where logits are needed (an extra small forward a step; on a GPU that
         # launch costs more than 1/L of the prefill saves)
         self._prune_last = mx.default_device() == mx.cpu
-        self._chains: dict[str, list[int]] = {}  # request id -> its tokens' block hashes (until it is freed)
         self.profile = StepProfile()
         self.grammars = SequenceGrammars()  # structured outputs: constrained sequences' matchers (core sets them)
 
     def lookup_prefix(self, request: Request) -> int:
-        """Tokens of ``request`` whose KV the prefix cache holds (the scheduler starts its prefill there)."""
-        if self.prefix is None:
-            return 0
-        tokens = request.tokens(0, request.num_tokens)
-        chain = self._chain(request)
-        # a scoring sequence must compute the position before its continuation (it predicts the first token)
-        hit = self.prefix.lookup(tokens if request.score_from is None else tokens[: request.score_from],
-                                 request.media, chain)
-        usable = (len(tokens) - 1) // self.prefix.block_size
-        hashes = chain[: min(usable, self._stored_tokens(request) // self.prefix.block_size)]
-        self._computing[request.request_id] = hashes
-        self._computing_count.update(hashes)
-        live = self._live_prefix(request, tokens, hit.num_tokens if hit is not None else 0)
-        self._recent.append(request)
-        if live is not None:  # a running sequence holds more of this prefix than the cache's whole blocks
-            if hit is not None:
-                self.prefix.discard(hit)
-            self._live[request.request_id] = live
-            self.live_tokens_reused += live[1]
-            return live[1]
-        if hit is None:
-            return 0
-        self._hits[request.request_id] = hit
-        return hit.num_tokens
-
-    def _live_prefix(self, request: Request, tokens: list[int], at_least: int) -> tuple[str, int] | None:
-        """(row, tokens) of a recently admitted sequence still running whose computed KV shares more than
-        ``at_least`` leading tokens with ``request``: copied from its slot, the shared prefix is reused to the token,
-        not only in whole blocks (in the plan's order the row before is usually still running). Rows with images
-        are left out: their placeholder tokens do not say which picture they stand for."""
-        if request.media:
-            return None
-        limit = len(tokens) - 1 if request.score_from is None else request.score_from - 1
-        best: tuple[str, int] | None = None
-        for src in self._recent:
-            rid = src.request_id
-            if src.media or rid not in self.batch:
-                continue
-            if not src.prompt_token_ids or src.prompt_token_ids[0] != tokens[0]:
-                continue
-            committed = self.batch.lengths[self.batch.ids.index(rid)]
-            n = min(common_prefix_len(tokens, src.prompt_token_ids), committed, limit)
-            if n > (best[1] if best else at_least):
-                best = (rid, n)
-        return best
-
-    def _chain(self, request: Request) -> list[int]:
-        """The chained hashes of the prompt's full blocks, computed once per sequence (a 1k-token prompt is 60
-        blake2b calls; the cache asked for them four times a sequence)."""
-        assert self.prefix is not None
-        B = self.prefix.block_size
-        chain = self._chains.get(request.request_id)
-        if chain is None or len(chain) < request.num_tokens // B:  # a preempted sequence also has output tokens
-            n = request.num_tokens // B * B
-            chain = self._chains[request.request_id] = block_hashes(request.tokens(0, n), B, request.media)
-        return chain
-
-    @staticmethod
-    def _stored_tokens(request: Request) -> int:
-        """Prompt tokens whose full blocks this sequence offers the cache once its prefill is done."""
-        n = request.num_prompt_tokens
-        return n if request.cache_tokens is None else min(n, request.cache_tokens)
+        """Tokens of ``request`` whose KV can be reused (the scheduler starts its prefill there)."""
+        return self.reuse.lookup(request) if self.reuse is not None else 0
 
     def prefix_in_progress(self, request: Request) -> bool:
-        """Whether an admitted sequence is computing the next blocks of ``request``'s prefix right now.
-
-        Admitting it later (once those blocks are cached) computes a shared prefix once instead of once per
-        sequence admitted in the meantime.
-        """
-        if self.prefix is None or not self._computing_count:
-            return False
-        hashes = self._chain(request)[: (request.num_tokens - 1) // self.prefix.block_size]
-        cached = self.prefix.cached_blocks(hashes)
-        return cached < len(hashes) and self._computing_count[hashes[cached]] > 0
-
-    def _done_computing(self, rid: str) -> None:
-        hashes = self._computing.pop(rid, None)
-        if hashes:
-            self._computing_count.subtract(hashes)
-            self._computing_count += collections.Counter()  # drop zero counts
+        """Whether an admitted sequence is computing the next part of ``request``'s prefix right now."""
+        return self.reuse is not None and self.reuse.in_progress(request)
 
     def kv_cost(self, reserved_lengths: list[int]) -> int:
         return SlotBatch.cost_positions(reserved_lengths) * self.geometry.bytes_per_token
@@ -248,10 +164,12 @@ class ModelRunner:
             logits.append(step_logits)
         if out.prefills:
             t0 = time.perf_counter()
-            planned = [c.request for c in out.prefills
-                       if c.request.request_id not in batch and c.request.cache_tokens is not None]
-            self._admit(out)
-            self._admitted_planned = planned
+            new = [c.request for c in out.prefills if c.request.request_id not in batch]
+            if self.reuse is not None:
+                self.reuse.admit(new)  # new rows start from the KV they reuse
+            else:
+                for r in new:
+                    batch.add(r.request_id)
             groups = _pad_groups(out.prefills)
             # arrange once, before any forward: rows move by committed length, and this step's writes
             # are not committed yet
@@ -299,36 +217,6 @@ class ModelRunner:
         self._commit(out)
         self.grammars.advance(due_ids, [t.token_id for t in tokens_out])  # once the step can no longer fail
         return {r.request_id: t for r, t in zip(due, tokens_out)}
-
-    def _admit(self, out: SchedulerOutput) -> None:
-        """New rows for the step's newly admitted sequences, starting from the KV they reuse: a running row's
-        prefix or cached blocks. All copies are batched: one gather and one scatter per buffer, two syncs a step,
-        however many sequences were admitted (per-row copies cost a device sync and ~100 small ops each)."""
-        batch = self.batch
-        live: list[tuple[str, str, int]] = []
-        hits: list[tuple[str, PrefixHit]] = []
-        for chunk in out.prefills:
-            rid = chunk.request.request_id
-            if rid in batch:
-                continue
-            source = self._live.pop(rid, None)
-            hit = self._hits.pop(rid, None) if self.prefix is not None else None
-            if source is not None:
-                batch.add(rid)
-                live.append((rid, *source))
-            elif hit is not None:
-                batch.add(rid, length=hit.num_tokens)
-                hits.append((rid, hit))
-            else:
-                batch.add(rid)
-        batch.copy_prefixes(live)
-        if hits and self.prefix is not None:
-            keys, values = self.prefix.gather([h for _, h in hits])
-            B = self.prefix.block_size
-            batch.write_blocks([(rid, j * B) for rid, h in hits for j in range(len(h.block_ids))], keys, values, B)
-            mx.eval(batch.kv_arrays())  # one sync for every copy-in, before the blocks may be reused
-            for _, hit in hits:
-                self.prefix.release(hit)
 
     def _score(self, start: int, group: list[PrefillChunk], tokens: list[list[int]], last: list[int],
                seqs: list[RowInput]) -> mx.array:
@@ -396,20 +284,8 @@ class ModelRunner:
             self.batch.advance(r.request_id, 1)
         for c in out.prefills:
             self.batch.advance(c.request.request_id, c.end - c.start)
-            if c.last and self.prefix is not None:  # offer the prompt's full blocks to later sequences
-                r = c.request
-                keep = self._stored_tokens(r)
-                if keep >= self.prefix.block_size:
-                    self.prefix.store(r.prompt_token_ids[:keep], self.batch.row_view(r.request_id), r.media,
-                                      self._chain(r))
-                self._done_computing(r.request_id)
-        if self.prefix is not None:
-            # the plan's retention: what no later sequence shares is dead once these rows copied it in (after
-            # this step's stores, which may have offered those very blocks again)
-            for r in self._admitted_planned:
-                self.prefix.drop_after(r.prompt_token_ids, r.cache_tokens or 0, r.media, self._chain(r))
-            self._admitted_planned = []
-            self.prefix.flush()  # one sync for every store of the step, before the slots are written again
+        if self.reuse is not None:  # finished prompts offer their blocks; the plan's dead prefixes go
+            self.reuse.commit([c.request for c in out.prefills if c.last])
         for parent, child in out.forks:  # n > 1: the prompt was prefilled once, each sample gets a copy
             self.batch.add(child.request_id, self.batch.extract(parent.request_id), parent.num_prompt_tokens)
         # only after every length is committed (promotion moves rows by length), and in row order: a finished
@@ -421,14 +297,10 @@ class ModelRunner:
     def free(self, request_ids: list[str]) -> None:
         """Drop the KV of sequences that finished, were aborted or were preempted."""
         for rid in request_ids:
-            self._done_computing(rid)
-            self._live.pop(rid, None)
-            self._chains.pop(rid, None)
+            if self.reuse is not None:
+                self.reuse.free(rid)
             if self.mm is not None:
                 self.mm.free(rid)
-            hit = self._hits.pop(rid, None)
-            if hit is not None and self.prefix is not None:
-                self.prefix.release(hit)
         self.batch.remove_many(request_ids)
         if request_ids:
             self.batch.shrink()
