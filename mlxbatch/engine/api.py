@@ -87,7 +87,10 @@ class Engine:
 
         ``images``: one list of images per prompt (vision-language models; an empty list for a text prompt).
         """
-        ids = self._submit(prompts, params, stream=False, images=images)
+        return self._wait(self._submit(prompts, params, stream=False, images=images), use_tqdm)
+
+    def _wait(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request of ``ids`` finished; their outputs in that order."""
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), disable=not use_tqdm, unit="req")
@@ -117,17 +120,7 @@ class Engine:
                 self.core.abort(rid)
             self.core.step()
             raise
-        order = [ids[i] for i in range(len(items))]
-        wanted = set(order)
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(order), disable=not use_tqdm, unit="row")
-        while len(done) < len(order):
-            for d in self.core.step():
-                if d.output is not None and d.request_id in wanted:
-                    done[d.request_id] = d.output
-                    bar.update(1)
-        bar.close()
-        return [done[i] for i in order]
+        return self._wait([ids[i] for i in range(len(items))], use_tqdm)
 
     def stream(self, prompts: Sequence[Prompt] | Prompt,
                params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[StreamDelta]:

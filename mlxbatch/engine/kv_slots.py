@@ -213,16 +213,18 @@ class SlotBatch:
         ids, lengths = list(self.ids), list(self.lengths)
         for s, d in moves:
             self.ids[d], self.lengths[d] = ids[s], lengths[s]
-        if n == 0:
-            return
-        src = mx.array([s for s, _ in moves], dtype=mx.int32)
-        dst = mx.array([d for _, d in moves], dtype=mx.int32)
-        bufs = (*self._keys, *self._values)
-        copies = [mx.take(buf[:, :, :n, :], src, axis=0) for buf in bufs]
+        if n:
+            self._copy_rows([s for s, _ in moves], [d for _, d in moves], n)
+
+    def _copy_rows(self, src: Sequence[int], dst: Sequence[int], n: int) -> None:
+        """Positions ``0..n-1`` of rows ``src`` into rows ``dst``, all rows at once: one gather per buffer, one
+        sync, one scatter per buffer."""
+        take, put = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
+        copies = [mx.take(buf[:, :, :n, :], take, axis=0) for buf in (*self._keys, *self._values)]
         mx.eval(copies)  # nothing lazy may reference the buffers while they are written in place
         for i, c in enumerate(copies):
             target = self._keys if i < self.num_layers else self._values
-            target[i % self.num_layers][dst, :, :n, :] = c
+            target[i % self.num_layers][put, :, :n, :] = c
 
     def copy_prefixes(self, copies: Sequence[tuple[str, str, int]]) -> None:
         """(destination, source, n): each destination row (admitted, empty) gets the source row's first ``n``
@@ -237,17 +239,10 @@ class SlotBatch:
                 self._put_row(d, k, data)
                 self.lengths[d] = k
             return
-        src = mx.array([self.ids.index(s) for _, s, _ in copies], dtype=mx.int32)
-        dst = mx.array([self.ids.index(d) for d, _, _ in copies], dtype=mx.int32)
         for _, s, k in copies:
             assert k <= self.lengths[self.ids.index(s)], "only committed positions can be copied"
         self._ensure(len(self.ids), n + 1)
-        bufs = (*self._keys, *self._values)
-        rows = [mx.take(buf[:, :, :n, :], src, axis=0) for buf in bufs]
-        mx.eval(rows)
-        for i, c in enumerate(rows):
-            target = self._keys if i < self.num_layers else self._values
-            target[i % self.num_layers][dst, :, :n, :] = c
+        self._copy_rows([self.ids.index(s) for _, s, _ in copies], [self.ids.index(d) for d, _, _ in copies], n)
         for d, _, k in copies:
             self.lengths[self.ids.index(d)] = k
 

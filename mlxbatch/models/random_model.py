@@ -88,14 +88,9 @@ def build_random_model(
     out = Path(out)
     shape = SHAPES[shape] if isinstance(shape, str) else shape
     marker = f"{shape!r} seed={seed} dtype={dtype}"
-    if (out / ".complete").exists() and (out / ".complete").read_text() == marker:
+    tmp = start_build(out, marker)
+    if tmp is None:
         return out
-    if out.exists():  # built from another recipe: rebuild
-        import shutil
-
-        shutil.rmtree(out)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
     tok_vocab = build_tokenizer(tmp)
     config = {
         "model_type": "qwen2",
@@ -124,10 +119,31 @@ def build_random_model(
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / ".complete").write_text(marker)
-    if out.exists():  # another process finished first
-        import shutil
+    return finish_build(tmp, out, marker)
 
+
+def start_build(out: Path, marker: str) -> Path | None:
+    """None when ``out`` holds a complete build of ``marker`` (its ``.complete`` file); otherwise a fresh temporary
+    folder next to it to build in (an ``out`` of another recipe is removed)."""
+    import shutil
+
+    if (out / ".complete").exists() and (out / ".complete").read_text() == marker:
+        return None
+    if out.exists():  # built from another recipe: rebuild
+        shutil.rmtree(out)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def finish_build(tmp: Path, out: Path, marker: str) -> Path:
+    """Mark ``tmp`` complete and move it into place (atomically; if another process finished first, keep its)."""
+    import shutil
+
+    (tmp / ".complete").write_text(marker)
+    if out.exists():
         shutil.rmtree(tmp)
         return out
     os.replace(tmp, out)

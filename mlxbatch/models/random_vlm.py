@@ -10,10 +10,10 @@ cased). Built once per machine and reused while its ``.complete`` marker matches
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
+
+from mlxbatch.models.random_model import finish_build, start_build
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -78,14 +78,9 @@ def build_random_vlm(out: Path | str, seed: int = 0) -> Path:
 
     out = Path(out)
     marker = f"{RECIPE} seed={seed}"
-    if (out / ".complete").exists() and (out / ".complete").read_text() == marker:
+    tmp = start_build(out, marker)
+    if tmp is None:
         return out
-    if out.exists():  # built from another recipe: rebuild
-        shutil.rmtree(out)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     ids = _tokenizer(tmp)
     hidden, heads = 256, 4
     head_dim = hidden // heads
@@ -150,12 +145,7 @@ def build_random_vlm(out: Path | str, seed: int = 0) -> Path:
     (tmp / "video_preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR, indent=2))
     (tmp / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["<|im_end|>"]}, indent=2))
-    (tmp / ".complete").write_text(marker)
-    if out.exists():  # another process finished first
-        shutil.rmtree(tmp)
-        return out
-    os.replace(tmp, out)
-    return out
+    return finish_build(tmp, out, marker)
 
 
 def synthetic_image(seed: int, width: int = 112, height: int = 112) -> Any:
