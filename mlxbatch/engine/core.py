@@ -24,6 +24,7 @@ from mlxbatch.engine.sampling import derive_seed, uniform_for
 from mlxbatch.engine.scheduler import Scheduler, SchedulerConfig
 from mlxbatch.engine.structured import GrammarCompiler, short_value
 from mlxbatch.engine.vlm_model import MultimodalPrompt
+from mlxbatch.engine.warmup import warm_up_paths
 from mlxbatch.engine.worker import Worker
 from mlxbatch.errors import EngineClosedError, InvalidRequestError, OutOfMemoryError
 from mlxbatch.types import ImageInput, RequestOutput, RequestTimings, SamplingParams, StreamDelta
@@ -108,6 +109,8 @@ class EngineCore:
         self._compiler: GrammarCompiler | None = None
         if self.config.warm_up:
             self.worker.warm_up()
+            if self.worker.device.kind != "cpu":  # GPU kernels compile on first use: not inside the first real steps
+                warm_up_paths(loaded, self.config, self.worker)
 
     @property
     def compiler(self) -> GrammarCompiler:

@@ -18,6 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxbatch.engine.traffic import Traffic
+
 POSITION_STEP = 256
 
 
@@ -54,8 +56,10 @@ class SlotLayerCache:
 class SlotBatch:
     """KV for every admitted sequence; rows ``[0, n_decode)`` decode, rows ``[n_decode, n)`` prefill."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, traffic: Traffic | None = None) -> None:
         self.num_layers = num_layers
+        self.traffic = traffic if traffic is not None else Traffic()  # bytes copied and syncs, for the step profile
+        self._pos_bytes = 0  # bytes of one position of one row, keys and values of every layer
         self.ids: list[str] = []  # request id per row
         self.lengths: list[int] = []  # KV positions filled per row
         self.n_decode = 0
@@ -107,13 +111,16 @@ class SlotBatch:
         shape = (self._rows_cap, kv_heads, self._pos_cap, head_dim)
         self._keys = [mx.zeros(shape, dtype) for _ in range(self.num_layers)]
         self._values = [mx.zeros(shape, dtype) for _ in range(self.num_layers)]
-        mx.eval(self._keys, self._values)  # nothing lazy may outlive the thread (and stream) that made it
+        self._pos_bytes = 2 * self.num_layers * kv_heads * head_dim * dtype.size
+        self.traffic.evaluate(self._keys, self._values)  # nothing lazy may outlive the thread (and stream) that made it
 
     def _ensure(self, rows: int, positions: int) -> None:
         new_rows = self._rows_cap if rows <= self._rows_cap else max(rows, 2 * self._rows_cap)
         new_pos = self._pos_cap if positions <= self._pos_cap else _round_up(positions, POSITION_STEP)
         if (new_rows, new_pos) == (self._rows_cap, self._pos_cap):
             return
+        self.traffic.grown_bytes += self.nbytes
+        self.traffic.resizes += 1
         for bufs in (self._keys, self._values):
             for i, old in enumerate(bufs):
                 R, H, P, D = old.shape
@@ -121,7 +128,7 @@ class SlotBatch:
                 grown[:R, :, :P, :] = old
                 bufs[i] = grown
         self._rows_cap, self._pos_cap = new_rows, new_pos
-        mx.eval(self._keys, self._values)
+        self.traffic.evaluate(self._keys, self._values)
 
     def shrink(self) -> None:
         """Give back rows and positions no longer needed (after many sequences finished)."""
@@ -134,7 +141,9 @@ class SlotBatch:
         rows, pos = min(self._rows_cap, 2 * need_rows), min(self._pos_cap, need_pos)
         self._keys = [mx.array(k[:rows, :, :pos, :]) for k in self._keys]
         self._values = [mx.array(v[:rows, :, :pos, :]) for v in self._values]
-        mx.eval(self._keys, self._values)
+        self.traffic.evaluate(self._keys, self._values)
+        self.traffic.grown_bytes += self.nbytes
+        self.traffic.resizes += 1
         self._rows_cap, self._pos_cap = rows, pos
 
     # -- rows ----------------------------------------------------------------------------------
@@ -146,10 +155,11 @@ class SlotBatch:
         a row move to a single device sync (on a GPU, one per layer cost ~10 ms a move).
         """
         out = [mx.contiguous(buf[row, :, :n, :]) for buf in (*self._keys, *self._values)]
-        mx.eval(out)
+        self.traffic.evaluate(out)
         return out
 
     def _put_row(self, row: int, n: int, copies: list[mx.array]) -> None:
+        self.traffic.moved_bytes += n * self._pos_bytes
         for buf, arr in zip((*self._keys, *self._values), copies):
             buf[row, :, :n, :] = arr
 
@@ -175,6 +185,8 @@ class SlotBatch:
         assert request_id not in self.ids and self._keys, "allocate() first; ids are unique"
         row = len(self.ids)
         self._ensure(row + 1, length + 1)
+        if kv:
+            self.traffic.moved_bytes += length * self._pos_bytes
         for i, (k, v) in enumerate(kv):
             self._keys[i][row, :, :length, :] = k[0, :, :length, :]
             self._values[i][row, :, :length, :] = v[0, :, :length, :]
@@ -221,7 +233,8 @@ class SlotBatch:
         sync, one scatter per buffer."""
         take, put = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
         copies = [mx.take(buf[:, :, :n, :], take, axis=0) for buf in (*self._keys, *self._values)]
-        mx.eval(copies)  # nothing lazy may reference the buffers while they are written in place
+        self.traffic.evaluate(copies)  # nothing lazy may reference the buffers while they are written in place
+        self.traffic.moved_bytes += len(dst) * n * self._pos_bytes
         for i, c in enumerate(copies):
             target = self._keys if i < self.num_layers else self._values
             target[i % self.num_layers][put, :, :n, :] = c
@@ -253,6 +266,7 @@ class SlotBatch:
         if not targets:
             return
         self._ensure(len(self.ids), max(p for _, p in targets) + block_size + 1)
+        self.traffic.moved_bytes += len(targets) * block_size * self._pos_bytes
         if not self.batched_moves:  # per row: its blocks laid end to end, one slice write per buffer
             b = 0
             while b < len(targets):
@@ -282,8 +296,9 @@ class SlotBatch:
         if not gone:
             return
         if not self.batched_moves:
-            for rid in gone:
-                self.remove(rid)
+            for rid in dict.fromkeys(request_ids):  # in the caller's order: a set's order changes between processes
+                if rid in gone:
+                    self.remove(rid)
             return
         keep_dec = [i for i in range(self.n_decode) if self.ids[i] not in gone]
         keep_pre = [i for i in range(self.n_decode, len(self.ids)) if self.ids[i] not in gone]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxbatch.engine.kv_blocks import BlockPool, NoFreeBlocks, block_hashes
+from mlxbatch.engine.traffic import Traffic
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,10 @@ class PrefixHit:
 
 class PrefixCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, bytes_per_token: int,
-                 budget_bytes: int, block_size: int = 16) -> None:
+                 budget_bytes: int, block_size: int = 16, traffic: Traffic | None = None) -> None:
         self.block_size = block_size
+        self.traffic = traffic if traffic is not None else Traffic()
+        self._token_bytes = bytes_per_token
         bytes_per_block = bytes_per_token * block_size
         self.pool = BlockPool(max(1, budget_bytes // max(1, bytes_per_block)), block_size, bytes_per_block)
         self._shape = (kv_heads, block_size, head_dim)
@@ -48,6 +51,8 @@ class PrefixCache:
         if max_id < self._capacity:
             return
         cap = min(self.pool.num_blocks, max(64, 2 * self._capacity, max_id + 1))
+        self.traffic.grown_bytes += self.nbytes
+        self.traffic.resizes += 1
         for bufs in (self._keys, self._values):
             if not bufs:
                 bufs.extend(mx.zeros((cap, *self._shape), self._dtype) for _ in range(self._num_layers))
@@ -56,7 +61,7 @@ class PrefixCache:
                 grown = mx.zeros((cap, *self._shape), self._dtype)
                 grown[: old.shape[0]] = old
                 bufs[i] = grown
-        mx.eval(self._keys, self._values)
+        self.traffic.evaluate(self._keys, self._values)
         self._capacity = cap
 
     @property
@@ -145,6 +150,7 @@ class PrefixCache:
             vb = v[0, :, start:stop, :].reshape(H, len(new), B, D).transpose(1, 0, 2, 3)
             self._keys[layer][idx] = kb
             self._values[layer][idx] = vb
+        self.traffic.stored_bytes += len(new) * B * self._token_bytes
         self._dirty = True  # evaluated by flush(), once for every store of a step
         stored = 0
         for bid, h in zip(ids, new):
@@ -171,7 +177,7 @@ class PrefixCache:
     def flush(self) -> None:
         """Evaluate pending stores (their sources are lazy views of the running batch's slots)."""
         if self._dirty:
-            mx.eval(self._keys, self._values)
+            self.traffic.evaluate(self._keys, self._values)
             self._dirty = False
 
     def stats(self) -> dict[str, int]:

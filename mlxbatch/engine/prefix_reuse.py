@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import collections
 
-import mlx.core as mx
-
 from mlxbatch.engine.kv_blocks import block_hashes
 from mlxbatch.engine.kv_slots import SlotBatch
 from mlxbatch.engine.planner import common_prefix_len
@@ -127,7 +125,7 @@ class PrefixReuse:
             keys, values = self.cache.gather([h for _, h in hits])
             B = self.cache.block_size
             batch.write_blocks([(rid, j * B) for rid, h in hits for j in range(len(h.block_ids))], keys, values, B)
-            mx.eval(batch.kv_arrays())  # one sync for every copy-in, before the blocks may be reused
+            batch.traffic.evaluate(batch.kv_arrays())  # one sync for every copy-in, before the blocks may be reused
             for _, hit in hits:
                 self.cache.release(hit)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -23,6 +23,7 @@ from mlxbatch.engine.request import Request
 from mlxbatch.engine.sampling import SampledToken, SampleRow, sample
 from mlxbatch.engine.scheduler import PrefillChunk, SchedulerOutput
 from mlxbatch.engine.structured import SequenceGrammars
+from mlxbatch.engine.traffic import Traffic
 from mlxbatch.engine.vlm import RowInput, VisionLanguageRows
 from mlxbatch.engine.worker import KVGeometry
 from mlxbatch.errors import OutOfMemoryError
@@ -35,7 +36,7 @@ _OOM_MARKERS = ("out of memory", "outofmemory", "bad_alloc", "malloc", "failed t
 
 @dataclass
 class StepProfile:
-    """Where step time goes, summed over the engine's life (seconds)."""
+    """Where step time goes, summed over the engine's life (seconds), and what the steps moved (``traffic``)."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -44,6 +45,7 @@ class StepProfile:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    traffic: Traffic = field(default_factory=Traffic)
 
     @property
     def host_s(self) -> float:
@@ -55,7 +57,7 @@ class StepProfile:
             "steps": self.steps, "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
             "sampling_s": round(self.sampling_s, 4), "host_s": round(self.host_s, 4),
             "total_s": round(self.total_s, 4), "prefill_tokens": self.prefill_tokens,
-            "decode_tokens": self.decode_tokens,
+            "decode_tokens": self.decode_tokens, **self.traffic.as_dict(),
         }
 
 
@@ -108,17 +110,19 @@ class ModelRunner:
         self.mm = VisionLanguageRows(vlm, vision_cache_bytes) if vlm is not None else None
         self.geometry = geometry
         dtype = getattr(mx, geometry.dtype)
-        self.batch = SlotBatch(geometry.num_layers)
+        self.profile = StepProfile()
+        self.traffic = self.profile.traffic  # the slot batch and the prefix cache count their copies and syncs here
+        self.batch = SlotBatch(geometry.num_layers, self.traffic)
         self.batch.allocate(geometry.kv_heads, geometry.head_dim, dtype)
         self.prefix = (PrefixCache(geometry.num_layers, geometry.kv_heads, geometry.head_dim, dtype,
-                                   geometry.bytes_per_token, prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
+                                   geometry.bytes_per_token, prefix_cache_bytes, traffic=self.traffic)
+                       if prefix_cache_bytes > 0 else None)
         self.reuse = PrefixReuse(self.prefix, self.batch) if self.prefix is not None else None
         # scoring rows of the last step: request id -> (token log-probabilities, greedy flags), in token order
         self.scored: dict[str, tuple[list[TokenLogprob], list[bool]]] = {}
         # CPU: prefill's last layer only where logits are needed (an extra small forward a step; on a GPU that
         # launch costs more than 1/L of the prefill saves)
         self._prune_last = mx.default_device() == mx.cpu
-        self.profile = StepProfile()
         self.grammars = SequenceGrammars()  # structured outputs: constrained sequences' matchers (core sets them)
 
     def lookup_prefix(self, request: Request) -> int:
@@ -157,7 +161,7 @@ class ModelRunner:
             rows = [by_id[rid] for rid in batch.ids[: batch.n_decode]]
             step_logits = self._forward(0, [[r.last_token] for r in rows],
                                         seqs=[RowInput(r, r.num_tokens - 1, 1) for r in rows])
-            mx.eval(step_logits)
+            self.traffic.evaluate(step_logits)
             prof.decode_s += time.perf_counter() - t0
             prof.decode_tokens += len(rows)
             due += rows
@@ -192,9 +196,9 @@ class ModelRunner:
                 if last:
                     logits.append(chunk_logits)
                     due += [group[i].request for i in last]
-                    mx.eval(chunk_logits)
+                    self.traffic.evaluate(chunk_logits)
                 else:  # no logits needed: evaluating only the KV lets MLX skip the LM head
-                    mx.eval(batch.kv_arrays())
+                    self.traffic.evaluate(batch.kv_arrays())
                 prof.prefill_tokens += sum(c.end - c.start for c in group)
             prof.prefill_s += time.perf_counter() - t0
         if not due:
@@ -213,6 +217,7 @@ class ModelRunner:
         ]
         due_ids = [r.request_id for r in due]
         tokens_out = sample(self.grammars.constrain(due_ids, all_logits), rows_s)
+        self.traffic.syncs += 1  # the sampled ids are read back
         prof.sampling_s += time.perf_counter() - t0
         self._commit(out)
         self.grammars.advance(due_ids, [t.token_id for t in tokens_out])  # once the step can no longer fail
@@ -244,7 +249,7 @@ class ModelRunner:
             tgt = mx.array(targets, dtype=mx.int32)
             chosen = mx.take_along_axis(lg - mx.logsumexp(lg, axis=-1, keepdims=True), tgt[:, None], axis=-1)[:, 0]
             greedy = mx.argmax(lg, axis=-1) == tgt
-            mx.eval(chosen, greedy)
+            self.traffic.evaluate(chosen, greedy)
             for r, t, lp, g in zip(owners, targets, chosen.tolist(), greedy.tolist()):
                 scores, flags = self.scored.setdefault(r.request_id, ([], []))
                 scores.append(TokenLogprob(t, lp))
@@ -260,7 +265,7 @@ class ModelRunner:
         2-layer model, 1/L of an L-layer one); the last tokens then run as one ``T = 1`` forward for the logits."""
         fn, _ = self._body_head(None)
         self.batch.forward(fn, start, [t[:-1] for t in tokens], full=True)
-        mx.eval(self.batch.kv_arrays())
+        self.traffic.evaluate(self.batch.kv_arrays())
         return self._forward(start, [[t[-1]] for t in tokens], offsets=[c.end - 1 for c in group])
 
     def _body_head(self, seqs: list[RowInput] | None) -> tuple[Any, Any]:
