@@ -7,7 +7,7 @@ from mlxbatch.config import EngineConfig
 from mlxbatch.engine.api import Engine
 from mlxbatch.engine.async_core import AsyncEngineCore
 from mlxbatch.engine.core import EngineCore
-from mlxbatch.engine.loader import LoadedModel, ModelSpec, load_model
+from mlxbatch.engine.model.loader import LoadedModel, ModelSpec, load_model
 from mlxbatch.engine.request import Request, RequestStatus
 
 __all__ = ["AsyncEngineCore", "Engine", "EngineConfig", "EngineCore", "LoadedModel", "ModelSpec",

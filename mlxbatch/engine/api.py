@@ -13,9 +13,9 @@ from tqdm import tqdm
 
 from mlxbatch.config import EngineConfig
 from mlxbatch.engine.core import EngineCore, Prompt
-from mlxbatch.engine.loader import LoadedModel, ModelSpec
-from mlxbatch.engine.planner import Submission, plan, submission_order
-from mlxbatch.engine.registry import REGISTRY
+from mlxbatch.engine.model.loader import LoadedModel, ModelSpec
+from mlxbatch.engine.model.registry import REGISTRY
+from mlxbatch.engine.sched.planner import Submission, plan, submission_order
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.types import ImageInput, RequestOutput, SamplingParams, StreamDelta
 

@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxbatch.config import EngineConfig
-from mlxbatch.engine.detok import TextTracker
-from mlxbatch.engine.loader import LoadedModel
+from mlxbatch.engine.decoding.detok import TextTracker
+from mlxbatch.engine.decoding.sampling import derive_seed, uniform_for
+from mlxbatch.engine.decoding.structured import GrammarCompiler, short_value
+from mlxbatch.engine.model.loader import LoadedModel
+from mlxbatch.engine.model.worker import Worker
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.runner import ModelRunner
-from mlxbatch.engine.sampling import derive_seed, uniform_for
-from mlxbatch.engine.scheduler import Scheduler, SchedulerConfig
-from mlxbatch.engine.structured import GrammarCompiler, short_value
-from mlxbatch.engine.vlm_model import MultimodalPrompt
+from mlxbatch.engine.sched.scheduler import Scheduler, SchedulerConfig
+from mlxbatch.engine.vision.adapter import MultimodalPrompt
 from mlxbatch.engine.warmup import warm_up_paths
-from mlxbatch.engine.worker import Worker
 from mlxbatch.errors import EngineClosedError, InvalidRequestError, OutOfMemoryError
 from mlxbatch.types import ImageInput, RequestOutput, RequestTimings, SamplingParams, StreamDelta
 

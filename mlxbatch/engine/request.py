@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxbatch.engine.detok import TextTracker
+from mlxbatch.engine.decoding.detok import TextTracker
 from mlxbatch.types import Completion, FinishReason, SamplingParams, TokenLogprob
 
 

@@ -16,16 +16,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.kv_slots import SlotBatch
-from mlxbatch.engine.prefix_cache import PrefixCache
-from mlxbatch.engine.prefix_reuse import PrefixReuse
+from mlxbatch.engine.decoding.sampling import SampledToken, SampleRow, sample
+from mlxbatch.engine.decoding.structured import SequenceGrammars
+from mlxbatch.engine.kv.prefix_cache import PrefixCache
+from mlxbatch.engine.kv.prefix_reuse import PrefixReuse
+from mlxbatch.engine.kv.slots import SlotBatch
+from mlxbatch.engine.model.worker import KVGeometry
+from mlxbatch.engine.outputs import Traffic
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.sampling import SampledToken, SampleRow, sample
-from mlxbatch.engine.scheduler import PrefillChunk, SchedulerOutput
-from mlxbatch.engine.structured import SequenceGrammars
-from mlxbatch.engine.traffic import Traffic
-from mlxbatch.engine.vlm import RowInput, VisionLanguageRows
-from mlxbatch.engine.worker import KVGeometry
+from mlxbatch.engine.sched.scheduler import PrefillChunk, SchedulerOutput
+from mlxbatch.engine.vision.rows import RowInput, VisionLanguageRows
 from mlxbatch.errors import OutOfMemoryError
 from mlxbatch.types import TokenLogprob
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mlxbatch.config import EngineConfig
-from mlxbatch.engine.loader import LoadedModel
-from mlxbatch.engine.traffic import Traffic
+from mlxbatch.engine.model.loader import LoadedModel
+from mlxbatch.engine.outputs import Traffic
 from mlxbatch.types import SamplingParams
 
 if TYPE_CHECKING:
-    from mlxbatch.engine.worker import Worker
+    from mlxbatch.engine.model.worker import Worker
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def warm_up_paths(loaded: LoadedModel, config: EngineConfig, worker: Worker | No
 
     t0 = time.perf_counter()
     if worker is None:
-        from mlxbatch.engine.worker import Worker
+        from mlxbatch.engine.model.worker import Worker
 
         worker = Worker(loaded)
     per_row = 256 * worker.geometry.bytes_per_token  # a row's KV at the slot layout's smallest length step

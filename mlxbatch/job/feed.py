@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 
-from mlxbatch.engine.planner import plan, submission_order
+from mlxbatch.engine.sched.planner import plan, submission_order
 from mlxbatch.io import InputRow
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.tokenize import PromptEncoder

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from mlxbatch.config import EngineConfig
 from mlxbatch.engine import EngineCore, ModelSpec
-from mlxbatch.engine.registry import REGISTRY
+from mlxbatch.engine.model.registry import REGISTRY
 from mlxbatch.errors import InvalidRequestError, MlxbatchError
 from mlxbatch.io import (
     CheckpointStore,

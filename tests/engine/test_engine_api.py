@@ -11,9 +11,9 @@ import pytest
 
 from mlxbatch import InvalidRequestError, MlxbatchError, SamplingParams
 from mlxbatch.engine import AsyncEngineCore, Engine, EngineConfig, EngineCore
-from mlxbatch.engine.loader import ModelSpec, load_model
-from mlxbatch.engine.registry import ModelRegistry
-from mlxbatch.engine.worker import Worker
+from mlxbatch.engine.model.loader import ModelSpec, load_model
+from mlxbatch.engine.model.registry import ModelRegistry
+from mlxbatch.engine.model.worker import Worker
 from mlxbatch.errors import ModelLoadError, ModelOwnershipError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

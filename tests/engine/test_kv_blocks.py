@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from mlxbatch.engine.kv_blocks import BLOCK_SIZE, BlockPool, BlockTable, NoFreeBlocks, block_hashes
+from mlxbatch.engine.sched.blocks import BLOCK_SIZE, BlockPool, BlockTable, NoFreeBlocks, block_hashes
 from mlxbatch.errors import InvalidRequestError, MlxbatchError
 
 

@@ -14,7 +14,7 @@ from test_prefix_cache import fewshot_like, label_like
 
 from mlxbatch import SamplingParams
 from mlxbatch.engine import Engine, EngineConfig
-from mlxbatch.engine.planner import plan, submission_order
+from mlxbatch.engine.sched.planner import plan, submission_order
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -103,7 +103,7 @@ def test_random_prompt_sets_and_tiny_budgets_never_change_output(tiny_loaded, se
 
 
 def eng_bytes(loaded) -> int:
-    from mlxbatch.engine.worker import Worker
+    from mlxbatch.engine.model.worker import Worker
 
     return Worker(loaded).geometry.bytes_per_token
 

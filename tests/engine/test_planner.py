@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxbatch.engine.planner import Plan, Retention, common_prefix_len, fingerprint, from_json, plan, to_json
+from mlxbatch.engine.sched.planner import Plan, Retention, common_prefix_len, fingerprint, from_json, plan, to_json
 from mlxbatch.errors import InvalidRequestError
 
 

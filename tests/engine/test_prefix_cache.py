@@ -53,7 +53,7 @@ def test_cache_on_equals_cache_off_and_computes_the_shared_prefix_once(tiny_load
 
 
 def test_label_job_prefill_approaches_the_distinct_token_floor(tiny_loaded):
-    from mlxbatch.engine.planner import plan
+    from mlxbatch.engine.sched.planner import plan
 
     prompts = label_like(32)
     _, stats = run(tiny_loaded, prompts, cache=True, max_num_seqs=8)

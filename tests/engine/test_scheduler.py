@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from mlxbatch import SamplingParams
-from mlxbatch.engine.detok import TextTracker
+from mlxbatch.engine.decoding.detok import TextTracker
 from mlxbatch.engine.request import Request, RequestStatus
-from mlxbatch.engine.scheduler import Scheduler, SchedulerConfig
+from mlxbatch.engine.sched.scheduler import Scheduler, SchedulerConfig
 
 BYTES_PER_POS = 10
 

@@ -14,9 +14,9 @@ import mlx.core as mx
 import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
-from mlxbatch.engine.kv_slots import SlotBatch
-from mlxbatch.engine.prefix_cache import PrefixCache
-from mlxbatch.engine.traffic import Traffic
+from mlxbatch.engine.kv.prefix_cache import PrefixCache
+from mlxbatch.engine.kv.slots import SlotBatch
+from mlxbatch.engine.outputs import Traffic
 from mlxbatch.types import SamplingParams
 
 L, H, D = 2, 2, 32  # the tiny model's KV geometry

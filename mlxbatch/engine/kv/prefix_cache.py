@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxbatch.engine.kv_blocks import BlockPool, NoFreeBlocks, block_hashes
-from mlxbatch.engine.traffic import Traffic
+from mlxbatch.engine.outputs import Traffic
+from mlxbatch.engine.sched.blocks import BlockPool, NoFreeBlocks, block_hashes
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxbatch import _blas
-from mlxbatch.engine.loader import LoadedModel
+from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.errors import ModelLoadError
 
 log = logging.getLogger(__name__)

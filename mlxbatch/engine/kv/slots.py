@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.traffic import Traffic
+from mlxbatch.engine.outputs import Traffic
 
 POSITION_STEP = 256
 

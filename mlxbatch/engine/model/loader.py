@@ -105,7 +105,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
 
     source = resolve_path(spec.model)
     if Path(source).is_dir():
-        from mlxbatch.engine.vlm_model import is_vlm_folder
+        from mlxbatch.engine.vision.adapter import is_vlm_folder
 
         if is_vlm_folder(Path(source)):
             return _load_vision_language(spec, Path(source))
@@ -153,7 +153,7 @@ def _load_vision_language(spec: ModelSpec, path: Path) -> LoadedModel:
     """A vision-language checkpoint through mlx-vlm: same dtype rules; ``model`` is its language model's text view."""
     from mlx_lm.utils import dequantize_model
 
-    from mlxbatch.engine.vlm_model import TextView, load_vlm, processor_identity
+    from mlxbatch.engine.vision.adapter import TextView, load_vlm, processor_identity
 
     if spec.adapter_path is not None:
         raise ModelLoadError(f"adapter_path={spec.adapter_path!r}: adapters on vision-language models are not supported")

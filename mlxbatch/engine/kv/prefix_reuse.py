@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import collections
 
-from mlxbatch.engine.kv_blocks import block_hashes
-from mlxbatch.engine.kv_slots import SlotBatch
-from mlxbatch.engine.planner import common_prefix_len
-from mlxbatch.engine.prefix_cache import PrefixCache, PrefixHit
+from mlxbatch.engine.kv.prefix_cache import PrefixCache, PrefixHit
+from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.request import Request
+from mlxbatch.engine.sched.blocks import block_hashes
+from mlxbatch.engine.sched.planner import common_prefix_len
 
 LIVE_SOURCES = 32  # recently admitted sequences tried as live prefix sources
 
