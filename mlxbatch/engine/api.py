@@ -64,7 +64,7 @@ class Engine:
         # (image placeholders look alike to the planner). Outputs still come back in input order.
         if stream:
             order = [Submission(i, None) for i in range(len(encoded))]
-        elif self.core.runner.prefix is not None and images is None:
+        elif self.core.config.prefix_cache and images is None:
             order = submission_order(plan(encoded))
         else:
             order = [Submission(i, None) for i in sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))]

@@ -17,10 +17,10 @@ from collections import deque
 from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 
+from mlxbatch.engine.inputs import PromptEncoder
 from mlxbatch.engine.sched.planner import plan, submission_order
 from mlxbatch.io import InputRow
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
-from mlxbatch.job.tokenize import PromptEncoder
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlxbatch.engine.inputs import PromptEncoder
 from mlxbatch.engine.model.loader import resolve_path
 from mlxbatch.engine.sched.planner import plan
 from mlxbatch.io import InputFormat, InputSpec, open_reader, resolve_inputs
 from mlxbatch.job.prepare import RowPreparer
 from mlxbatch.job.spec import JobSpec
-from mlxbatch.job.tokenize import PromptEncoder
 
 DEFAULT_WINDOW = 100_000
 TOKENIZE_BATCH = 4096

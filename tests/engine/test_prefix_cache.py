@@ -29,13 +29,13 @@ def run(loaded, prompts, cache: bool, **cfg):
 
         def checked_step():
             out = step()
-            eng.core.runner.prefix.pool.check_integrity()
+            eng.core.scheduler.prefix.pool.check_integrity()
             return out
 
         eng.core.step = checked_step
     outs = eng.generate(prompts, GREEDY)
     if cache:
-        pool = eng.core.runner.prefix.pool
+        pool = eng.core.scheduler.prefix.pool
         assert pool.stats.blocks_referenced == 0  # every hit was released after its copy
     return outs, eng.stats()
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
-from mlxbatch.engine.kv.prefix_cache import PrefixCache
+from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.outputs import Traffic
 from mlxbatch.types import SamplingParams
@@ -119,29 +119,29 @@ def test_a_lazy_view_alive_across_a_row_copy_shows_as_a_whole_buffer_copy():
     assert alloc >= 128 * 2048 * POS_BYTES // 2
 
 
-def test_prefix_cache_store_and_gather_scale_with_blocks_not_cache_size():
-    def run(budget_blocks: int, filled: int) -> tuple[Traffic, int, int]:
+def test_prefix_store_write_and_gather_scale_with_blocks_not_cache_size():
+    def run(num_blocks: int, filled: int) -> tuple[Traffic, int, int]:
         tr = Traffic()
-        cache = PrefixCache(L, H, D, mx.float32, POS_BYTES, budget_blocks * 16 * POS_BYTES, traffic=tr)
+        store = PrefixStore(L, H, D, mx.float32, POS_BYTES, num_blocks, 16, tr)
         row = [(mx.ones((1, H, 2048, D)), mx.ones((1, H, 2048, D))) for _ in range(L)]
         mx.eval(row)
-        for i in range(filled // 64):  # unrelated prompts fill the cache first
-            cache.store(list(range(10_000 + i * 1024, 10_000 + i * 1024 + 1024)), row)
-        cache.flush()
+        for first in range(0, filled, 64):  # other prompts' blocks first
+            store.write(row, 0, range(first, first + 64))
+        store.flush()
         before = tr.snapshot()
-        tokens = list(range(1, 161))
-        alloc_store = _allocated(lambda: (cache.store(tokens, row), cache.flush()))
-        hit = cache.lookup(tokens + [7])
-        alloc_gather = _allocated(lambda: mx.eval(cache.gather([hit])))
-        cache.release(hit)
-        return tr.since(before), alloc_store, alloc_gather
+        ids = list(range(filled, filled + 10))
+        alloc_write = _allocated(lambda: (store.write(row, 2, ids), store.flush()))
+        alloc_gather = _allocated(lambda: mx.eval(store.gather(ids)))
+        return tr.since(before), alloc_write, alloc_gather
 
-    small = run(64, 64)  # a 64-block cache, full: storing evicts
-    large = run(4096, 1984)  # 31 prompts of 64 blocks: a cache grown to 2048 blocks, nearly full
-    assert small[0] == large[0] and small[0].stored_bytes == 160 * POS_BYTES
-    for t, a_store, a_gather in (small, large):
-        assert a_store <= 2 * t.stored_bytes + SLACK, a_store
+    small = run(64, 0)  # the store's first write allocates it (64 blocks)
+    large = run(4096, 1984)  # 31 prompts of 64 blocks: a store grown to 2048 blocks, nearly full
+    assert small[0].stored_bytes == large[0].stored_bytes == 160 * POS_BYTES
+    assert large[0].resizes == 0 and large[0].syncs == 1
+    for t, a_write, a_gather in (small, large):
+        assert a_write <= 2 * t.stored_bytes + t.grown_bytes + 64 * 16 * POS_BYTES + SLACK, a_write
         assert a_gather <= 2 * 160 * POS_BYTES + SLACK, a_gather
+    assert large[1] <= 2 * large[0].stored_bytes + SLACK
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["per-row moves (CPU)", "batched moves (GPU path)"])
@@ -175,8 +175,8 @@ def test_engine_run_moves_the_same_after_earlier_work(tiny_loaded, batched):
 def test_warm_up_takes_every_step_path(tiny_loaded):
     """The GPU warm-up (run on CPU here) copies prefixes from the cache and from running rows, moves rows and forks:
     the kernels of all those paths are compiled before a real step needs them."""
-    from mlxbatch.engine.warmup import warm_up_paths
+    from mlxbatch.engine import EngineCore
 
-    report = warm_up_paths(tiny_loaded, EngineConfig())
+    report = EngineCore(tiny_loaded, EngineConfig(warm_up=False)).warm_up_paths()
     assert report.steps > 3 and report.cached_tokens >= 48
-    assert report.traffic.moved_bytes > 0 and report.traffic.stored_bytes > 0
+    assert report.profile["moved_bytes"] > 0 and report.profile["stored_bytes"] > 0

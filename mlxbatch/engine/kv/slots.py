@@ -416,6 +416,9 @@ class SlotBatch:
         t = self._t_used
         return k_buf[a:b, :, :t, :], v_buf[a:b, :, :t, :]
 
+    def committed(self, request_id: str) -> int:
+        return self.lengths[self.ids.index(request_id)]
+
     def advance(self, request_id: str, count: int) -> None:
         """Commit ``count`` new positions of one row (after the step that wrote them succeeded)."""
         self.lengths[self.ids.index(request_id)] += count
