@@ -131,7 +131,7 @@ def generate(model: str, max_tokens: int, temperature: float, seed: int | None, 
 @main.command()
 def info() -> None:
     """The device, its memory and the BLAS MLX uses."""
-    from mlxbatch.engine.model.worker import device_info
+    from mlxbatch.engine import device_info
 
     d = device_info()
     click.echo(json.dumps({"device": d.kind, "name": d.name, "total_memory_gb": round(d.total_memory / 2**30, 2),

@@ -87,6 +87,7 @@ class EngineCore:
         tok = loaded.tokenizer
         self._eos = frozenset(int(t) for t in (tok.eos_token_ids or ()))
         self._vocab_size = len(tok._tokenizer)
+        self._hidden_ids = frozenset(int(t) for t in (getattr(tok, "all_special_ids", None) or ()))
         self._compiler: GrammarCompiler | None = None
         if self.config.warm_up:
             self.worker.warm_up()
@@ -172,7 +173,7 @@ class EngineCore:
                 # samples 1..n-1 fork sample 0's KV (text rows; an image row's samples prefill on their own)
                 fork_parent=f"{request_id}#0" if i and mm is None else None,
                 text=TextTracker(self.loaded.tokenizer, params.stop, params.include_stop_str_in_output,
-                                 incremental, self._vocab_size),
+                                 incremental, self._hidden_ids, self._vocab_size),
             )
             for i in range(params.n)
         ]
@@ -224,7 +225,8 @@ class EngineCore:
             seqs.append(Request(
                 request_id=f"{request_id}#{i}", group_id=request_id, index=i, prompt_token_ids=ctx_ids + ids,
                 params=_SCORE_PARAMS, seed=0, eos_token_ids=self._eos, max_context=self.loaded.context_length,
-                text=TextTracker(tok, (), False, False, self._vocab_size), score_from=len(ctx_ids)))
+                text=TextTracker(tok, (), False, False, self._hidden_ids, self._vocab_size),
+                score_from=len(ctx_ids)))
         self._groups[request_id] = _Group(request_id, seqs, False)
         for s in seqs:
             self._seqs[s.request_id] = s

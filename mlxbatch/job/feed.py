@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from mlxbatch.engine.inputs import PromptEncoder
-from mlxbatch.engine.sched.planner import plan, submission_order
+from mlxbatch.engine import PromptEncoder, plan, submission_order
 from mlxbatch.io import InputRow
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
 
@@ -47,7 +46,6 @@ class PlanStats:
     rows: int = 0
     prompt_tokens: int = 0
     distinct_tokens: int = 0  # the prefill floor of this run's rows under windowed planning
-    window_rows: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         saving = 1 - self.distinct_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.engine.inputs import PromptEncoder
-from mlxbatch.engine.model.loader import resolve_path
-from mlxbatch.engine.sched.planner import plan
+from mlxbatch.engine import PromptEncoder, plan, resolve_path
 from mlxbatch.io import InputFormat, InputSpec, open_reader, resolve_inputs
 from mlxbatch.job.prepare import RowPreparer
 from mlxbatch.job.spec import JobSpec
@@ -91,7 +89,7 @@ def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int) -> Et
     reading every weight and the batch's FLOPs). No weights are loaded: sizes come from config.json."""
     import mlx.core as mx
 
-    from mlxbatch.engine.model.device_speed import measure
+    from mlxbatch.engine import measure_device_speed as measure
 
     c = _config(model_dir)
     try:

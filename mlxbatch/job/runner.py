@@ -23,8 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from mlxbatch.config import EngineConfig
-from mlxbatch.engine import EngineCore, ModelSpec
-from mlxbatch.engine.model.registry import REGISTRY
+from mlxbatch.engine import REGISTRY, EngineCore, ModelSpec
 from mlxbatch.errors import InvalidRequestError, MlxbatchError
 from mlxbatch.io import (
     CheckpointStore,

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from mlxbatch.config import EngineConfig
 from mlxbatch.errors import InvalidRequestError, MlxbatchError
 from mlxbatch.types import CONSTRAINT_KINDS, OutputConstraint, SamplingParams
 
@@ -68,12 +69,12 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True)
-class EngineSection:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None  # None: the engine's default for the device
-    prefill_chunk_size: int = 512
-    kv_memory_fraction: float = 0.5
-    prefix_cache: bool = True
+class EngineSection:  # the defaults are EngineConfig's (one definition)
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int | None = EngineConfig.max_num_batched_tokens  # None: the device's default
+    prefill_chunk_size: int = EngineConfig.prefill_chunk_size
+    kv_memory_fraction: float = EngineConfig.kv_memory_fraction
+    prefix_cache: bool = EngineConfig.prefix_cache
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,7 @@ def _constraint_problems(spec: JobSpec) -> list[tuple[str, str]]:
 
     from mlx_lm.utils import load_tokenizer
 
-    from mlxbatch.engine.decoding.structured import GrammarCompiler
-    from mlxbatch.engine.model.loader import resolve_path
+    from mlxbatch.engine import GrammarCompiler, resolve_path
     from mlxbatch.errors import MlxbatchError
 
     try:

@@ -1,9 +1,11 @@
-"""Incremental detokenization and stop strings for one sequence.
+"""Generated text and stop strings for one sequence, on mlx-lm's streaming detokenizer.
 
-Owns a sequence's generated text. Decodes a sliding window of the newest tokens (vLLM's prefix/read
-offsets) so each step costs O(1) tokens, holds back text that might be the start of a stop string, and
-finds stop strings that span token boundaries. Sequences with no stop strings that nobody streams skip
-incremental work and decode once at the end.
+Owns a sequence's generated text. Tokens go through the tokenizer wrapper's streaming detokenizer
+(``TokenizerWrapper.detokenizer``: BPE / SentencePiece aware, O(1) work per token, complete UTF-8 only), so the
+text is what mlx-lm itself would print. Special tokens and ids past the tokenizer's vocabulary (padded embedding
+rows) never become text. What is ours: stop strings found across token boundaries, and the hold-back of text that
+might be the start of a stop string when text is streamed. Sequences with no stop strings that nobody streams skip
+incremental work and detokenize once at the end. Pure Python: the tokenizer is the only dependency.
 """
 
 from __future__ import annotations
@@ -28,62 +30,76 @@ class TextTracker:
         stop: Sequence[str] = (),
         include_stop: bool = False,
         incremental: bool = True,
+        hidden_ids: frozenset[int] = frozenset(),
         vocab_size: int | None = None,
     ) -> None:
-        self._tok = tokenizer
+        self._tok = tokenizer  # mlx-lm's TokenizerWrapper
         self._stops = tuple(stop)
         self._include_stop = include_stop
         self._incremental = incremental or bool(self._stops)
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
+        self._hidden = hidden_ids  # special tokens: never text
         self._vocab_size = vocab_size
         self._ids: list[int] = []
-        self._prefix = 0
-        self._read = 0
-        self.text = ""  # all decoded text so far (incremental mode)
-        self._emitted = 0  # characters of ``text`` handed out as deltas
+        self._detok: Any = None
+        self._stopped: str | None = None  # the final text once a stop string was found
+        self._emitted = 0  # characters handed out as deltas
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        if self._vocab_size is not None:  # padded embedding rows have no token
-            ids = [t for t in ids if t < self._vocab_size]
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def _shown(self, token_id: int) -> bool:
+        return token_id not in self._hidden and (self._vocab_size is None or token_id < self._vocab_size)
+
+    def _stream(self) -> Any:
+        if self._detok is None:
+            self._detok = self._tok.detokenizer  # a fresh copy per sequence
+        return self._detok
+
+    @property
+    def text(self) -> str:
+        """All text so far (incremental mode)."""
+        if self._stopped is not None:
+            return self._stopped
+        return self._detok.text if self._detok is not None else ""
 
     def add(self, token_id: int) -> StopHit | None:
         """Add one generated token; returns the stop hit when a stop string completes."""
         self._ids.append(token_id)
-        if not self._incremental:
+        if not self._incremental or not self._shown(token_id):
             return None
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        new_text = self._decode(self._ids[self._prefix :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return None  # an incomplete UTF-8 sequence: wait for more tokens
-        searched_from = max(0, len(self.text) - self._holdback)
-        self.text += new_text[len(prefix_text) :]
-        self._prefix, self._read = self._read, len(self._ids)
+        detok = self._stream()
+        searched_from = max(0, len(detok.text) - self._holdback)
+        detok.add_token(token_id)
+        if not self._stops:
+            return None
+        text = detok.text
         for stop in self._stops:
-            at = self.text.find(stop, searched_from)
+            at = text.find(stop, searched_from)
             if at >= 0:
-                end = at + len(stop) if self._include_stop else at
-                self.text = self.text[:end]
-                return StopHit(stop, self.text)
+                self._stopped = text[: at + len(stop) if self._include_stop else at]
+                return StopHit(stop, self._stopped)
         return None
 
     def flush(self) -> None:
         """The sequence ended (not on a stop string): keep what trailing tokens decode to, even if partial."""
-        if self._incremental and self._read < len(self._ids):
-            prefix_text = self._decode(self._ids[self._prefix : self._read])
-            self.text += self._decode(self._ids[self._prefix :])[len(prefix_text) :]
-            self._prefix = self._read = len(self._ids)
+        if self._incremental and self._stopped is None and self._detok is not None:
+            self._detok.finalize()
 
     def delta(self, final: bool = False) -> str:
         """Text not handed out yet, keeping back a possible stop-string prefix unless ``final``."""
         if not self._incremental:
             return self.final_text() if final else ""
-        upto = len(self.text) if final else max(self._emitted, len(self.text) - self._holdback)
-        out = self.text[self._emitted : upto]
+        text = self.text
+        upto = len(text) if final else max(self._emitted, len(text) - self._holdback)
+        out = text[self._emitted : upto]
         self._emitted = upto
         return out
 
     def final_text(self) -> str:
         if self._incremental:
             return self.text
-        return self._decode(self._ids)
+        detok = self._stream()
+        detok.reset()
+        for t in self._ids:
+            if self._shown(t):
+                detok.add_token(t)
+        detok.finalize()
+        return detok.text

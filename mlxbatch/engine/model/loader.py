@@ -8,7 +8,6 @@ only when asked; errors that name the path and the reason.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,11 +49,7 @@ class LoadedModel:
     dtype: str
     context_length: int
     identity: str  # content hash of config, weights index and adapter: part of every result key
-    vlm: Any = None  # vision-language models: the mlx-vlm model + processor (engine.vlm_model); ``model`` is its text view
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer._tokenizer)
+    vlm: Any = None  # vision-language models: the mlx-vlm model + processor (engine.vision.adapter); ``model`` is its text view
 
 
 def resolve_path(name: str) -> str:
@@ -168,8 +163,3 @@ def _load_vision_language(spec: ModelSpec, path: Path) -> LoadedModel:
     ctx = int(vlm.config.get("max_position_embeddings") or 4096)
     identity = hashlib.sha256((_identity(path, None, dtype) + processor_identity(path)).encode()).hexdigest()[:16]
     return LoadedModel(spec, path, TextView(vlm.model), vlm.tokenizer, vlm.config, dtype, ctx, identity, vlm)
-
-
-def config_summary(loaded: LoadedModel) -> str:
-    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-    return json.dumps({k: loaded.config.get(k) for k in keys})
