@@ -167,8 +167,7 @@ def decode_image(data: bytes, source: str) -> Any:
 
     if not data:
         raise ImageError(f"{source}: empty file, not an image")
-    if data[4:8] == b"ftyp" and data[8:12] in HEIF_BRANDS:
-        _register_heif(source)
+    heif_missing = data[4:8] == b"ftyp" and data[8:12] in HEIF_BRANDS and not _register_heif()
     fmt = None
     try:
         with Image.open(io.BytesIO(data)) as probe:
@@ -178,6 +177,9 @@ def decode_image(data: bytes, source: str) -> Any:
             img.load()  # decodes every pixel: a truncated file fails here
             rgb = upright(img).convert("RGB")
     except UnidentifiedImageError as exc:
+        if heif_missing:
+            raise ImageError(f"{source}: a HEIC/HEIF photo; opening it needs the pillow-heif package "
+                             "(pip install pillow-heif, or install mlxbatch with the vlm extra)") from exc
         raise ImageError(f"{source}: not an image (Pillow cannot identify it)") from exc
     except Image.DecompressionBombError as exc:
         raise ImageError(f"{source}: image too large: {exc}") from exc
@@ -191,27 +193,30 @@ def decode_image(data: bytes, source: str) -> Any:
 
 
 def upright(img: Any) -> Any:
-    """``img`` turned as its EXIF orientation tag says (a phone's portrait photo is stored sideways)."""
+    """``img`` turned as its EXIF orientation tag says (a phone's portrait photo is stored sideways); as stored when
+    the EXIF block cannot be parsed (the pixels are fine)."""
     from PIL import ImageOps
 
-    return ImageOps.exif_transpose(img)
+    try:
+        return ImageOps.exif_transpose(img)
+    except Exception:  # malformed EXIF: Pillow raises SyntaxError, ValueError, struct.error, ...
+        return img
 
 
 _heif_registered = False
 
 
-def _register_heif(source: str) -> None:
-    """Let Pillow open HEIF/HEIC (Apple's photo format) through pillow-heif; a clear error when it is missing."""
+def _register_heif() -> bool:
+    """Let Pillow open HEIF/HEIC (Apple's photo format) through pillow-heif; False when it is not installed."""
     global _heif_registered
-    if _heif_registered:
-        return
-    try:
-        from pillow_heif import register_heif_opener
-    except ImportError as exc:
-        raise ImageError(f"{source}: a HEIC/HEIF photo; opening it needs the pillow-heif package "
-                         "(pip install pillow-heif, or install mlxbatch with the vlm extra)") from exc
-    register_heif_opener()
-    _heif_registered = True
+    if not _heif_registered:
+        try:
+            from pillow_heif import register_heif_opener
+        except ImportError:
+            return False
+        register_heif_opener()
+        _heif_registered = True
+    return True
 
 
 def load_image(ref: ImageRef) -> ImageInput:
