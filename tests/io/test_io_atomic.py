@@ -20,21 +20,26 @@ class DarwinFcntl:
     F_FULLFSYNC = F_FULLFSYNC
 
     def __init__(self, refuse: bool = False) -> None:
-        self.calls: list[tuple[str, int]] = []
+        self.calls: list[tuple[int, int]] = []  # (inode of the file synced, command)
         self.refuse = refuse
 
     def fcntl(self, fd: int, cmd: int) -> int:
-        self.calls.append((os.readlink(f"/proc/self/fd/{fd}"), cmd))
+        self.calls.append((os.fstat(fd).st_ino, cmd))
         if self.refuse:  # e.g. an SMB share
             raise OSError(errno.ENOTSUP, "Operation not supported")
         return 0
 
 
+def ino(path: Path) -> int:
+    return path.stat().st_ino
+
+
 @pytest.fixture()
-def fsyncs(monkeypatch) -> list[str]:
-    seen: list[str] = []
+def fsyncs(monkeypatch) -> list[int]:
+    """The inodes of the files os.fsync is called on (a renamed file keeps its inode)."""
+    seen: list[int] = []
     real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (seen.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
+    monkeypatch.setattr(os, "fsync", lambda fd: (seen.append(os.fstat(fd).st_ino), real(fd))[1])
     return seen
 
 
@@ -43,8 +48,8 @@ def test_atomic_writes_use_f_fullfsync_on_macos(tmp_path: Path, monkeypatch, fsy
     monkeypatch.setattr(atomic, "fcntl", darwin)
     target = tmp_path / "manifest.json"
     atomic.atomic_write_json(target, {"shards": []})
-    # the temporary file's data before the rename, then the folder (the rename itself): both with F_FULLFSYNC
-    assert darwin.calls == [(str(tmp_path / "manifest.json.tmp"), F_FULLFSYNC), (str(tmp_path), F_FULLFSYNC)]
+    # the temporary file's data (before its rename to manifest.json), then the folder (the rename): F_FULLFSYNC
+    assert darwin.calls == [(ino(target), F_FULLFSYNC), (ino(tmp_path), F_FULLFSYNC)]
     assert fsyncs == [] and target.read_text().startswith("{")
 
 
@@ -52,8 +57,8 @@ def test_fsync_where_f_fullfsync_is_refused_or_missing(tmp_path: Path, monkeypat
     refusing = DarwinFcntl(refuse=True)
     monkeypatch.setattr(atomic, "fcntl", refusing)
     atomic.atomic_write_bytes(tmp_path / "a.bin", b"x")
-    assert [c[0] for c in refusing.calls] == fsyncs == [str(tmp_path / "a.bin.tmp"), str(tmp_path)]
+    assert [c[0] for c in refusing.calls] == fsyncs == [ino(tmp_path / "a.bin"), ino(tmp_path)]
     fsyncs.clear()
     monkeypatch.setattr(atomic, "fcntl", SimpleNamespace(fcntl=None))  # Linux: no F_FULLFSYNC
     atomic.atomic_write_bytes(tmp_path / "b.bin", b"y")
-    assert fsyncs == [str(tmp_path / "b.bin.tmp"), str(tmp_path)] and (tmp_path / "b.bin").read_bytes() == b"y"
+    assert fsyncs == [ino(tmp_path / "b.bin"), ino(tmp_path)] and (tmp_path / "b.bin").read_bytes() == b"y"
