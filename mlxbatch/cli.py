@@ -50,11 +50,13 @@ def main(verbose: int) -> None:
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when on a terminal).")
 def run(job_file: Path, progress: bool | None) -> None:
     """Run JOB_FILE; run it again after a crash to resume where it stopped."""
+    from mlxbatch.job.awake import keep_awake
     from mlxbatch.job.runner import JobRunner
     from mlxbatch.job.validate import validate_job
 
     try:
-        result = JobRunner(validate_job(job_file), progress=progress).run()
+        with keep_awake():  # macOS: no idle sleep while the job runs (caffeinate)
+            result = JobRunner(validate_job(job_file), progress=progress).run()
     except MlxbatchError as exc:
         _fail(exc)
     r = result.report

@@ -2,7 +2,7 @@
 
 Owns reading ahead. Rows are read in windows of ``window`` input rows. Each row is prepared; rows finished by an
 earlier run are skipped, rows that cannot run come back as errors, and the prompts of the rest are tokenized in
-batches (``job.tokenize``, exactly as the engine would). Each window's runnable rows are planned
+batches (``engine.inputs``, exactly as the engine would). Each window's runnable rows are planned
 (``engine.planner``): rows sharing a prefix reach the engine back to back in trie order, each with the plan's
 retention (how much of its prompt later rows reuse), and rows sharing nothing come after them, longest first.
 

@@ -58,9 +58,11 @@ def _openai_params(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class RowPreparer:
-    def __init__(self, spec: JobSpec, model_identity: str, openai_batch: bool = False) -> None:
+    def __init__(self, spec: JobSpec, model_identity: str, openai_batch: bool = False,
+                 takes_images: bool = False) -> None:
         self.spec = spec
         self.model_identity = model_identity
+        self.takes_images = takes_images  # a vision-language model: image paths may be opened
         self.renderer = PromptRenderer(spec.prompt, openai_batch)
         self.duplicates = DuplicateIdTracker()
         self._json: dict[SamplingParams, str] = {}
@@ -120,9 +122,11 @@ class RowPreparer:
         except RenderError as exc:
             return self._failed(row, f"{row.source}:{row.position}: {exc}", "render", params)
         try:
-            images, image_identity = row_images(row)
+            images, image_identity = row_images(row, self.takes_images, self.spec.input.image_roots)
         except ImageError as exc:
             return self._failed(row, f"{row.source}:{row.position}: {exc}", "image", params)
+        except InvalidRequestError as exc:  # images for a text-only model
+            return self._failed(row, f"{row.source}:{row.position}: {exc}", "request", params)
         pj = self._canonical(params)
         identity, candidates, answer = rendered.identity + image_identity, None, None
         if self.spec.task.kind == "score":

@@ -96,7 +96,7 @@ class JobRunner:
             try:
                 with CheckpointStore(spec.output) as store:
                     stats = self._generate(store, loaded, is_openai)
-                    preparer = RowPreparer(spec, loaded.identity, is_openai)
+                    preparer = RowPreparer(spec, loaded.identity, is_openai, loaded.vlm is not None)
                     final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns)
                     stats.final_rows = final.rows
                     stats.accuracy = accuracy(final.results_path)
@@ -125,7 +125,7 @@ class JobRunner:
                                                prefill_chunk_size=e.prefill_chunk_size,
                                                kv_memory_fraction=e.kv_memory_fraction,
                                                prefix_cache=e.prefix_cache, seed=spec.seed))
-        preparer = RowPreparer(spec, loaded.identity, is_openai)
+        preparer = RowPreparer(spec, loaded.identity, is_openai, loaded.vlm is not None)
         done = store.done_keys()
         stats = RunStats(total=count_rows(self._input_spec()), resumed_shards=len(store.shards))
         bar = tqdm(total=stats.total, disable=not self.progress, unit="row", dynamic_ncols=True)

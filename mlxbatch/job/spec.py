@@ -46,6 +46,7 @@ class InputSection:
     id_column: str | None = None
     columns: tuple[str, ...] | None = None  # input columns to keep in the output (None: all)
     split: str | None = None  # the split of a saved Hugging Face DatasetDict
+    image_roots: tuple[str, ...] = ()  # folders images may come from besides the input file's own (resolved)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ _TOP = {"model", "input", "prompt", "sampling", "output", "checkpoint", "engine"
         "score"}
 _SECTIONS: dict[str, set[str]] = {
     "model": {"path", "dtype", "adapter", "trust_remote_code"},
-    "input": {"path", "format", "id_column", "columns", "split"},
+    "input": {"path", "format", "id_column", "columns", "split", "image_roots"},
     "prompt": {"template", "messages", "system", "chat_template"},
     "output": {"path", "choice", "regex", "json_schema", "constraint_column"},
     "score": {"candidates", "answer"},
@@ -219,6 +220,11 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
                        id_column=c.typed(i, "input", "id_column", str, None),
                        columns=tuple(columns) if columns is not None else None,
                        split=c.typed(i, "input", "split", str, None))
+    roots = c.typed(i, "input", "image_roots", list, [])
+    for n, r in enumerate(roots):
+        if not isinstance(r, str) or not r or not _resolve(base, r).is_dir():
+            c.bad(f"input.image_roots[{n}]", f"expected an existing folder, got {r!r}")
+    inp = dataclasses.replace(inp, image_roots=tuple(str(_resolve(base, r)) for r in roots if isinstance(r, str)))
     if raw.get("input") is not None and not inp.path:
         c.bad("input.path", "required: a file, folder or glob")
     if inp.format not in _FORMATS:

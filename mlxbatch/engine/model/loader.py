@@ -79,12 +79,13 @@ def _identity(path: Path, adapter: str | None, dtype: str) -> str:
         f = path / name
         if f.exists():
             h.update(f.read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
+    # hidden files are not the model: macOS Finder's .DS_Store, AppleDouble ._*.safetensors on non-Apple volumes
+    for f in sorted(f for f in path.glob("*.safetensors") if not f.name.startswith(".")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}".encode())
     if adapter:
         for f in sorted(Path(adapter).glob("*")):
-            if f.is_file():
+            if f.is_file() and not f.name.startswith("."):
                 h.update(f.name.encode() + f.read_bytes()[:1 << 20])
     h.update(dtype.encode())
     return h.hexdigest()[:16]
