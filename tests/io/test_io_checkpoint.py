@@ -150,6 +150,6 @@ def test_foreign_or_future_manifest_is_refused(tmp_path: Path) -> None:
     (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": "mlxbatch-checkpoint", "version": 99}))
     with pytest.raises(CheckpointError, match="version"):
         CheckpointStore(tmp_path)
-    (tmp_path / MANIFEST_NAME).write_text("not json")
-    with pytest.raises(CheckpointError, match="unreadable"):
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"shards": []}))
+    with pytest.raises(CheckpointError, match="not an mlxbatch checkpoint manifest"):
         CheckpointStore(tmp_path)
