@@ -12,6 +12,7 @@ and leaves no temporary file. Also owns which files of an output folder are mlxb
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -122,8 +123,11 @@ class _InputsSpool:
             return ipc.open_file(source).read_all().column("inputs")
 
     def remove(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        try:
+            if self._writer is not None:
+                self._writer.close()  # a no-op when column() closed it; fails again on a full disk
+        except OSError:
+            pass
         self.path.unlink(missing_ok=True)
 
 
@@ -210,8 +214,8 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
         return _finalize(store, out, expected, keep_columns, row_group_size, include_logprobs, allow_missing,
                          filename, spool)
     except OSError as exc:
-        raise OutputError(f"could not write {out / filename}: {exc.strerror or exc}. Nothing was left behind and "
-                          "the checkpoint is intact: free some space and run the job again") from exc
+        raise OutputError(f"could not write {out / filename}: {_reason(exc)}. Nothing was left behind and the "
+                          "checkpoint is intact: free some space and run the job again") from exc
     finally:
         spool.remove()
 
@@ -266,13 +270,17 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
     return result
 
 
+def _reason(exc: OSError) -> str:
+    return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
 def write_report(out_dir: str | Path, report: Mapping[str, Any], *, filename: str = REPORT_NAME) -> Path:
     """Write the run report as JSON (atomically)."""
     path = Path(out_dir) / filename
     try:
         atomic_write_json(path, dict(report))
     except OSError as exc:
-        raise OutputError(f"could not write {path}: {exc.strerror or exc}") from exc
+        raise OutputError(f"could not write {path}: {_reason(exc)}") from exc
     return path
 
 
@@ -284,7 +292,7 @@ def mark_success(out_dir: str | Path) -> Path:
     try:
         atomic_write_bytes(path, b"")
     except OSError as exc:
-        raise OutputError(f"could not write {path}: {exc.strerror or exc}") from exc
+        raise OutputError(f"could not write {path}: {_reason(exc)}") from exc
     return path
 
 
