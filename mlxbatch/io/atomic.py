@@ -69,7 +69,10 @@ def atomic_writer(path: str | Path, *, text: bool = False) -> Iterator[IO[Any]]:
         f.flush()
         fsync_file(f.fileno())
     except BaseException:
-        f.close()
+        try:
+            f.close()  # flushes what is buffered: fails again on a full disk
+        except OSError:
+            pass
         tmp.unlink(missing_ok=True)
         raise
     f.close()

@@ -1,10 +1,13 @@
 """The job loop: read -> prepare -> skip done -> engine -> checkpoint -> final outputs.
 
-Owns one run of a job. Rows stream in with bounded memory (at most a few batches in flight), finished
-results are checkpointed in atomic shards every N rows or T seconds, and only when every row is done are the
-final Parquet, the OpenAI Batch output, the run report and the success marker written. SIGINT/SIGTERM finish
-the current shard and stop cleanly (a second signal exits at once, still safe); past ``max_error_rate`` the
-job stops with a clear error, keeping what finished.
+Owns one run of a job. The output folder is checked and locked before anything in it changes or a model loads
+(``job.outdir``). Rows stream in with bounded memory (at most a few batches in flight), finished results are
+checkpointed in atomic shards every N rows or T seconds, and only when every row is done (and every shard still
+matches its checksum: a shard that does not is set aside and its rows redone) are the final Parquet, the OpenAI
+Batch output, the run report and the success marker written, all under the lock. SIGINT/SIGTERM finish the
+current shard and stop cleanly (a second signal exits at once, still safe); past ``max_error_rate``
+(``job.error_rate``: rows in input order, earlier runs included, and all rows at the end) the job stops with a
+clear error, keeping what finished.
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ from mlxbatch.io import (
     write_openai_batch_output,
     write_report,
 )
-from mlxbatch.job.feed import Failed, RowFeed
+from mlxbatch.job.error_rate import ErrorRate
+from mlxbatch.job.feed import Failed, Resumed, RowFeed
 from mlxbatch.job.media import ImageError
+from mlxbatch.job.outdir import claim_output, prepare_output
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.report import RunStats, accuracy
 from mlxbatch.job.spec import JobSpec
@@ -49,6 +54,8 @@ from mlxbatch.job.tasks import record_for, submit
 from mlxbatch.types import RequestOutput
 
 log = logging.getLogger(__name__)
+
+REDO_PASSES = 3  # runs over the input after shards failed their checksum at the end
 
 
 class JobInterrupted(MlxbatchError):
@@ -90,34 +97,49 @@ class JobRunner:
         model_spec = ModelSpec(spec.model.path, spec.model.dtype, spec.model.adapter, spec.model.trust_remote_code)
         user = f"job:{spec.output}"
         try:
-            spec.output.mkdir(parents=True, exist_ok=True)
-            clear_success(spec.output)
-            loaded = REGISTRY.acquire(model_spec, user)
-            try:
-                with CheckpointStore(spec.output) as store:
+            prepare_output(spec)
+            with CheckpointStore(spec.output) as store:  # locked first: a refused run changes nothing in the folder
+                claim_output(spec, store)
+                clear_success(spec.output)
+                loaded = REGISTRY.acquire(model_spec, user)
+                try:
                     stats = self._generate(store, loaded, is_openai)
-                    preparer = RowPreparer(spec, loaded.identity, is_openai, loaded.vlm is not None)
+                    for _ in range(REDO_PASSES):  # shards that no longer match their checksum: redo their rows
+                        if not store.verify():
+                            break
+                        log.warning("checkpoint shards changed on disk were set aside; redoing their rows")
+                        self._generate(store, loaded, is_openai, stats)
+                    preparer = RowPreparer(spec, loaded.identity, is_openai, loaded.vlm is not None,
+                                           loaded.context_length)
                     final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns)
                     stats.final_rows = final.rows
                     stats.accuracy = accuracy(final.results_path)
-            finally:
-                REGISTRY.release(model_spec, user)
-            if is_openai:
-                write_openai_batch_output(final.results_path, spec.output)
-            report = stats.report(spec, loaded)
-            write_report(spec.output, report)
-            mark_success(spec.output)
+                finally:
+                    REGISTRY.release(model_spec, user)
+                if is_openai:
+                    write_openai_batch_output(final.results_path, spec.output)
+                report = stats.report(spec, loaded)
+                write_report(spec.output, report)
+                limit = ErrorRate(spec.max_error_rate)
+                if limit.exceeded_at_end(final.rows, final.error_rows):
+                    raise JobFailed(limit.message(final.rows, final.error_rows, str(spec.output))
+                                    + "; results.parquet holds every row (no _SUCCESS)")
+                mark_success(spec.output)
             return RunResult(str(spec.output), report)
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
 
     def _expected(self, preparer: RowPreparer) -> Iterator[ExpectedRow]:
+        """The current rows in input order, with their current input columns (the results show those)."""
         for row in open_reader(self._input_spec()):
             prep = preparer.prepare(row)
-            yield ExpectedRow(prep.row_id, prep.key)
+            yield ExpectedRow(prep.row_id, prep.key, prep.inputs)
 
-    def _generate(self, store: CheckpointStore, loaded: Any, is_openai: bool) -> RunStats:
+    def _generate(self, store: CheckpointStore, loaded: Any, is_openai: bool,
+                  redo_of: RunStats | None = None) -> RunStats:
+        """Run every row whose current key is not checkpointed. ``redo_of``: a second pass adding to those stats
+        (its resumed rows were counted by the first)."""
         spec = self.spec
         e = spec.engine
         core = EngineCore(loaded, EngineConfig(max_num_seqs=e.max_num_seqs,
@@ -125,16 +147,19 @@ class JobRunner:
                                                prefill_chunk_size=e.prefill_chunk_size,
                                                kv_memory_fraction=e.kv_memory_fraction,
                                                prefix_cache=e.prefix_cache, seed=spec.seed))
-        preparer = RowPreparer(spec, loaded.identity, is_openai, loaded.vlm is not None)
+        preparer = RowPreparer(spec, loaded.identity, is_openai, loaded.vlm is not None, loaded.context_length)
         done = store.done_keys()
-        stats = RunStats(total=count_rows(self._input_spec()), resumed_shards=len(store.shards))
-        bar = tqdm(total=stats.total, disable=not self.progress, unit="row", dynamic_ncols=True)
+        stats = redo_of or RunStats(total=count_rows(self._input_spec()), resumed_shards=len(store.shards))
+        errors = ErrorRate(spec.max_error_rate)
+        bar = tqdm(total=stats.total, disable=not self.progress or redo_of is not None, unit="row",
+                   dynamic_ncols=True)
         pending: dict[str, PreparedRow] = {}
+        order: dict[str, int] = {}  # key -> input position of the rows in flight
         buffer: list[ResultRecord] = []
         last_flush = last_log = time.monotonic()
         self._save_plan_params(store)
         feed = RowFeed(open_reader(self._input_spec()), preparer, loaded.tokenizer, done,
-                       window=self.spec.plan.window, planned=self.spec.plan.enabled)
+                       window=self.spec.plan.window, planned=self.spec.plan.enabled, done_errors=store.error_keys())
         max_inflight = 4 * e.max_num_seqs
 
         def flush() -> None:
@@ -144,9 +169,10 @@ class JobRunner:
                 buffer.clear()
             last_flush = time.monotonic()
 
-        def finish(record: ResultRecord) -> None:
+        def finish(record: ResultRecord, index: int) -> None:
             buffer.append(record)
             stats.add(record)
+            errors.finished(index, record.error is not None)
             bar.update(1)
 
         try:
@@ -154,26 +180,34 @@ class JobRunner:
                 if len(pending) <= max_inflight // 2 and not feed.finished and self._stop_signal is None:
                     skipped = feed.skipped
                     for item in feed.take(max_inflight - len(pending)):
+                        if isinstance(item, Resumed):
+                            errors.finished(item.index, item.error)
+                            continue
                         if isinstance(item, Failed):
-                            finish(self._record(item.prep, None, loaded.identity, item.error, item.kind))
+                            finish(self._record(item.prep, None, loaded.identity, item.error, item.kind), item.index)
                             continue
                         prep = item.prep
                         try:
                             submit(core, prep, item.token_ids, item.cache_tokens)
                         except InvalidRequestError as exc:
                             kind = "constraint" if exc.field == "constraint" else "request"
-                            finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", kind))
+                            finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", kind),
+                                   item.index)
                             continue
                         except ImageError as exc:
-                            finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "image"))
+                            finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "image"),
+                                   item.index)
                             continue
                         pending[prep.key] = prep
-                    stats.skipped += feed.skipped - skipped
+                        order[prep.key] = item.index
+                    if redo_of is None:
+                        stats.skipped += feed.skipped - skipped
                     bar.update(feed.skipped - skipped)
                 if pending and self._stop_signal is None:
                     for delta in core.step():
                         if delta.output is not None and delta.request_id in pending:
-                            finish(self._record(pending.pop(delta.request_id), delta.output, loaded.identity))
+                            finish(self._record(pending.pop(delta.request_id), delta.output, loaded.identity),
+                                   order.pop(delta.request_id))
                 now = time.monotonic()
                 if len(buffer) >= spec.checkpoint.every_rows or now - last_flush >= spec.checkpoint.every_seconds:
                     flush()
@@ -183,11 +217,10 @@ class JobRunner:
                     last_log = now
                     log.info("%d/%s rows, %.0f tok/s, %d errors", stats.finished + stats.skipped,
                              stats.total if stats.total is not None else "?", stats.tokens_per_second, stats.errors)
-                if stats.error_rate_exceeded(spec.max_error_rate):
+                if errors.exceeded():
                     flush()
-                    raise JobFailed(f"{stats.errors} of {stats.finished} rows failed, more than max_error_rate="
-                                    f"{spec.max_error_rate}; finished rows are checkpointed in {spec.output}. "
-                                    f"Errors by kind: {dict(stats.errors_by_kind)}")
+                    raise JobFailed(f"{errors.message(errors.rows, errors.errors, str(spec.output))}. Errors by kind "
+                                    f"this run: {dict(stats.errors_by_kind)}")
                 if self._stop_signal is not None:
                     for key in list(pending):
                         core.abort(key)
@@ -199,8 +232,9 @@ class JobRunner:
                     break
         finally:
             bar.close()
-            stats.engine = core.stats()
-            stats.plan = feed.stats.as_dict()
+            if redo_of is None:
+                stats.engine = core.stats()
+                stats.plan = feed.stats.as_dict()
             core.shutdown()
         return stats
 

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import mlx.core as mx
+
 from mlxbatch.engine import ModelSpec, load_model
 
 APPLEDOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(4000)  # a resource-fork sidecar

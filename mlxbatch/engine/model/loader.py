@@ -111,9 +111,9 @@ def load_model(spec: ModelSpec) -> LoadedModel:
             raise ModelLoadError(f"adapter_path={spec.adapter_path!r}: expected a folder with adapter_config.json "
                                  "and adapters.safetensors (mlx-lm LoRA layout)")
     try:
-        model, tokenizer, config = mlx_load(
+        model, tokenizer, config = mlx_load(  # trust_remote_code always explicit: transformers never asks
             source, return_config=True, trust_remote_code=spec.trust_remote_code,
-            tokenizer_config={"trust_remote_code": True} if spec.trust_remote_code else None,
+            tokenizer_config={"trust_remote_code": spec.trust_remote_code},
         )
     except Exception as exc:
         raise ModelLoadError(f"model={spec.model!r}: could not be loaded: {type(exc).__name__}: {exc}") from exc
