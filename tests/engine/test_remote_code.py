@@ -13,7 +13,7 @@ import pytest
 LOAD = """
 import sys
 import mlxbatch
-from mlxbatch.engine.loader import ModelSpec, load_model
+from mlxbatch.engine import ModelSpec, load_model
 try:
     load_model(ModelSpec(sys.argv[1], trust_remote_code=sys.argv[2] == "true"))
     print("LOADED")
