@@ -3,12 +3,10 @@
 Owns the KV buffers of every admitted sequence. Row ``i`` of every layer holds one sequence's keys and
 values at positions ``0..length-1``. A forward pass runs over a contiguous range of rows with ``T`` new
 tokens per row (``T`` = 1 for decode, a chunk for prefill, right-padded): each row writes at its own
-offset and a causal mask per row hides the rest. Decoding rows sit first, prefilling rows after them, so
-both kinds of step read a contiguous slice. Admitting, promoting or retiring a sequence moves at most
+offset and a causal mask per row hides the rest (``kv.slot_forward``). Decoding rows sit first, prefilling rows
+after them, so both kinds of step read a contiguous slice. Admitting, promoting or retiring a sequence moves at most
 two rows; nothing copies the whole batch except buffer growth (amortised: rows double, positions grow by
 256), unlike a left-padded dense cache that is rebuilt at every admission and finish.
-The layer caches implement mlx-lm's cache protocol (``offset``, ``update_and_fetch``, ``make_mask``), so
-mlx-lm's model definitions run on them unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache, plan_forward, write_kv
 from mlxbatch.engine.outputs import Traffic
 
 POSITION_STEP = 256
@@ -25,32 +24,6 @@ POSITION_STEP = 256
 
 def _round_up(n: int, step: int) -> int:
     return ((n + step - 1) // step) * step
-
-
-class SlotLayerCache:
-    """One layer's view of the slot buffers during a forward pass (mlx-lm cache protocol)."""
-
-    def __init__(self, owner: SlotBatch, layer: int) -> None:
-        self._owner = owner
-        self._layer = layer
-
-    @property
-    def offset(self) -> mx.array:  # per-row position of each row's first new token (RoPE offsets)
-        return self._owner._offsets
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array | str | None:
-        assert window_size is None, "sliding-window attention is not supported by slot caches"
-        mask = self._owner._mask
-        if return_array and not isinstance(mask, mx.array):
-            return self._owner._array_mask()
-        return mask
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return self._owner._write(self._layer, keys, values)
-
-    @property
-    def state(self) -> Any:
-        return self._owner._keys[self._layer], self._owner._values[self._layer]
 
 
 class SlotBatch:
@@ -67,15 +40,7 @@ class SlotBatch:
         self._values: list[mx.array] = []
         self._rows_cap = 0
         self._pos_cap = 0
-        self._range = (0, 0)
-        self._offsets = mx.array([0])
-        self._mask: mx.array | str | None = None
-        self._q_pos = mx.array([[0]])
-        self._t_used = 0
-        self._index: tuple[mx.array, mx.array] | None = None
-        self._write_mode = "slice"
-        self._write_offsets: list[int] = []
-        self._write_width = 1
+        self._pass: ForwardPass | None = None  # the forward pass in progress
         self.layers = [SlotLayerCache(self, i) for i in range(num_layers)]
         # how rows move: on a GPU one gather + one scatter per buffer for all rows of a step (each op and each sync
         # costs a launch: per-row copies were ~a third of a GPU step); on the CPU per-row slice copies (memcpy),
@@ -358,31 +323,8 @@ class SlotBatch:
         # where each row's new tokens start: its committed length, unless an earlier forward of the same step
         # (not committed yet) already wrote some
         offsets = list(offsets) if offsets is not None else self.lengths[start : start + n]
-        self._t_used = max(o + T for o in offsets)
-        self._ensure(start + n, self._t_used)
-        self._range = (start, start + n)
-        off = mx.array(offsets, dtype=mx.int32)
-        self._offsets = off
-        q_pos = off[:, None] + mx.arange(T)[None, :]  # [n, T]
-        self._q_pos = q_pos
-        if len(set(offsets)) == 1:
-            # all rows end together: the queries are the last T keys, which SDPA's fused causal mode
-            # handles without materialising a mask (about 2x faster prefill on CPU)
-            self._mask = "causal" if T > 1 else None
-        else:
-            self._mask = self._array_mask()
-        if len(set(offsets)) == 1:
-            self._write_mode = "slice"  # one contiguous block: a slice update, far cheaper than a scatter
-        elif T > 1 and not self.batched_moves:
-            self._write_mode = "rows"  # prefill chunks at different offsets: one block per row (CPU: memcpy)
-        elif T > 1:  # GPU: one scatter per buffer instead of a slice write per row (each a launch)
-            self._write_mode = "scatter"
-            self._index = (mx.arange(start, start + n)[:, None, None], q_pos[:, None, :])
-        else:
-            self._write_mode = "scatter"  # decode: one position per row
-            self._index = (mx.arange(start, start + n)[:, None, None], q_pos[:, None, :])
-        self._write_offsets = offsets
-        self._write_width = T
+        self._ensure(start + n, max(o + T for o in offsets))
+        self._pass = plan_forward(start, offsets, T, self.batched_moves)
         pad = [list(t) + [0] * (T - len(t)) for t in tokens]
         out = model(mx.array(pad, dtype=mx.int32), cache=self.layers)
         if full:
@@ -392,29 +334,15 @@ class SlotBatch:
         last = mx.array([len(t) - 1 for t in tokens], dtype=mx.int32)
         return mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :]
 
-    def _array_mask(self) -> mx.array:
-        return (mx.arange(self._t_used)[None, None, :] <= self._q_pos[:, :, None])[:, None, :, :]
+    def current_pass(self) -> ForwardPass:
+        assert self._pass is not None, "layer caches are read during a forward pass only"
+        return self._pass
 
-    def _write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        k_buf, v_buf = self._keys[layer], self._values[layer]
-        a, b = self._range
-        T = self._write_width
-        if self._write_mode == "slice":
-            o = self._write_offsets[0]
-            k_buf[a:b, :, o : o + T, :] = keys
-            v_buf[a:b, :, o : o + T, :] = values
-        elif self._write_mode == "rows":
-            for i, o in enumerate(self._write_offsets):
-                k_buf[a + i, :, o : o + T, :] = keys[i]
-                v_buf[a + i, :, o : o + T, :] = values[i]
-        else:
-            assert self._index is not None
-            rows, pos = self._index
-            heads = mx.arange(keys.shape[1])[None, :, None]
-            k_buf[rows, heads, pos] = keys
-            v_buf[rows, heads, pos] = values
-        t = self._t_used
-        return k_buf[a:b, :, :t, :], v_buf[a:b, :, :t, :]
+    def write_layer(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return write_kv(self._keys[layer], self._values[layer], self.current_pass(), keys, values)
+
+    def layer_buffers(self, layer: int) -> tuple[mx.array, mx.array]:
+        return self._keys[layer], self._values[layer]
 
     def committed(self, request_id: str) -> int:
         return self.lengths[self.ids.index(request_id)]
