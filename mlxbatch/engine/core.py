@@ -81,6 +81,7 @@ class EngineCore:
             SchedulerConfig(self.config.max_num_seqs, step_tokens, self.config.prefill_chunk_size, budget),
             self.runner.kv_cost, PrefixIndex(blocks, BLOCK_SIZE, block_bytes) if blocks else None)
         self._groups: dict[str, _Group] = {}
+        self._aborted: set[str] = set()  # groups aborted since the last step
         self._seqs: dict[str, Request] = {}
         self._ids = itertools.count()
         self._closed = False
@@ -239,6 +240,7 @@ class EngineCore:
             return
         gone = self.scheduler.abort([s.request_id for s in group.sequences])
         self.runner.free([s.request_id for s in gone])
+        self._aborted.add(request_id)  # its final delta goes out with the next step's
 
     @property
     def has_unfinished(self) -> bool:
@@ -286,7 +288,10 @@ class EngineCore:
                 if text or req.status.finished:
                     deltas.append(StreamDelta(group.request_id, req.index, text, (req.output_token_ids[-1],),
                                               req.finish_reason))
-        for gid in [g for g, grp in self._groups.items() if grp.finished]:
+        # only groups with a sequence touched this step (or aborted) can have finished: not a scan of every group
+        candidates = dict.fromkeys([req.group_id for req in touched] + sorted(self._aborted))
+        self._aborted.clear()
+        for gid in [g for g in candidates if g in self._groups and self._groups[g].finished]:
             group = self._groups.pop(gid)
             for s in group.sequences:
                 self._seqs.pop(s.request_id, None)

@@ -105,8 +105,8 @@ class ModelRunner:
             assert len(out.decodes) == batch.n_decode, "every decoding sequence runs every step"
             by_id = {r.request_id: r for r in out.decodes}
             rows = [by_id[rid] for rid in batch.ids[: batch.n_decode]]
-            step_logits = self._forward(0, [[r.last_token] for r in rows],
-                                        seqs=[RowInput(r, r.num_tokens - 1, 1) for r in rows])
+            seqs = [RowInput(r, r.num_tokens - 1, 1) for r in rows] if self._mm is not None else None
+            step_logits = self._forward(0, [[r.last_token] for r in rows], seqs=seqs)
             self.traffic.evaluate(step_logits)
             prof.decode_s += time.perf_counter() - t0
             prof.decode_tokens += len(rows)

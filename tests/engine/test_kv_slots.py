@@ -40,10 +40,15 @@ def test_random_operations_match_single_sequence_forward(model, seed, batched):
             pending[rid] = [rng.randrange(3, 900) for _ in range(rng.randint(1, 40))]
         # retire a random row now and then
         if seqs and rng.random() < 0.3:
-            rid = rng.choice(sorted(seqs))
-            batch.remove(rid)
-            del seqs[rid]
-            pending.pop(rid, None)
+            gone = rng.sample(sorted(seqs), k=min(len(seqs), rng.randint(1, 3)))
+            if len(gone) == 1:
+                batch.remove(gone[0])
+            else:  # several rows retire at once (the batched path moves every hole-filler in one go)
+                batch.remove_many(gone)
+            for rid in gone:
+                del seqs[rid]
+                pending.pop(rid, None)
+            batch.check_integrity()
         dec = batch.ids[: batch.n_decode]
         if dec:
             new = [rng.randrange(3, 900) for _ in dec]
@@ -70,8 +75,9 @@ def test_random_operations_match_single_sequence_forward(model, seed, batched):
                 if not pending[rid]:
                     batch.promote(rid)
         assert sorted(batch.ids) == sorted(seqs)
+        batch.check_integrity()
         for rid in batch.ids:
-            assert batch.lengths[batch.ids.index(rid)] == len(seqs[rid])
+            assert batch.committed(rid) == len(seqs[rid])
 
 
 def test_extract_returns_the_rows_own_kv(model):

@@ -30,6 +30,7 @@ def run(loaded, prompts, cache: bool, **cfg):
         def checked_step():
             out = step()
             eng.core.scheduler.prefix.pool.check_integrity()
+            eng.core.runner.batch.check_integrity()
             return out
 
         eng.core.step = checked_step

@@ -33,7 +33,8 @@ class SlotBatch:
         self.num_layers = num_layers
         self.traffic = traffic if traffic is not None else Traffic()  # bytes copied and syncs, for the step profile
         self._pos_bytes = 0  # bytes of one position of one row, keys and values of every layer
-        self.ids: list[str] = []  # request id per row
+        self.ids: list[str] = []  # request id per row (read only outside: moves keep ``_row`` in step)
+        self._row: dict[str, int] = {}  # request id -> its row
         self.lengths: list[int] = []  # KV positions filled per row
         self.n_decode = 0
         self._keys: list[mx.array] = []
@@ -51,7 +52,13 @@ class SlotBatch:
         return len(self.ids)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self.ids
+        return request_id in self._row
+
+    def row_of(self, request_id: str) -> int:
+        return self._row[request_id]
+
+    def _reindex(self) -> None:
+        self._row = {rid: i for i, rid in enumerate(self.ids)}
 
     @staticmethod
     def cost_positions(lengths: Sequence[int]) -> int:
@@ -129,10 +136,13 @@ class SlotBatch:
             buf[row, :, :n, :] = arr
 
     def _copy_row(self, src: int, dst: int) -> None:
+        if src == dst:
+            return
         n = self.lengths[src]
-        if n and src != dst:
+        if n:
             self._put_row(dst, n, self._row_copies(src, n))
         self.ids[dst], self.lengths[dst] = self.ids[src], self.lengths[src]
+        self._row[self.ids[dst]] = dst
 
     def _swap(self, a: int, b: int) -> None:
         if a == b:
@@ -143,11 +153,12 @@ class SlotBatch:
             self._put_row(a, n, rb)
             self._put_row(b, n, ra)
         self.ids[a], self.ids[b] = self.ids[b], self.ids[a]
+        self._row[self.ids[a]], self._row[self.ids[b]] = a, b
         self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
 
     def add(self, request_id: str, kv: Sequence[tuple[mx.array, mx.array]] = (), length: int = 0) -> None:
         """Admit a sequence as a prefilling row, optionally starting from ``length`` positions of ``kv``."""
-        assert request_id not in self.ids and self._keys, "allocate() first; ids are unique"
+        assert request_id not in self._row and self._keys, "allocate() first; ids are unique"
         row = len(self.ids)
         self._ensure(row + 1, length + 1)
         if kv:
@@ -155,12 +166,13 @@ class SlotBatch:
         for i, (k, v) in enumerate(kv):
             self._keys[i][row, :, :length, :] = k[0, :, :length, :]
             self._values[i][row, :, :length, :] = v[0, :, :length, :]
+        self._row[request_id] = len(self.ids)
         self.ids.append(request_id)
         self.lengths.append(length)
 
     def promote(self, request_id: str) -> None:
         """A prefilling row finished its prefill: it joins the decode region."""
-        row = self.ids.index(request_id)
+        row = self.row_of(request_id)
         assert row >= self.n_decode
         self._swap(row, self.n_decode)
         self.n_decode += 1
@@ -171,14 +183,14 @@ class SlotBatch:
         One permutation of the prefill region: every moved row is copied out in one sync, then written back at its
         place with one scatter per buffer (a swap per row would cost a device sync each: ~200 a step on a GPU).
         """
-        assert all(self.ids.index(rid) >= self.n_decode for rid in request_ids)
+        assert all(self.row_of(rid) >= self.n_decode for rid in request_ids)
         if not self.batched_moves:
             for j, rid in enumerate(request_ids):
-                self._swap(self.ids.index(rid), self.n_decode + j)
+                self._swap(self.row_of(rid), self.n_decode + j)
             return
         first = set(request_ids)
         order = list(request_ids) + [rid for rid in self.ids[self.n_decode :] if rid not in first]
-        src = [self.ids.index(rid) for rid in order]
+        src = [self.row_of(rid) for rid in order]
         dst = list(range(self.n_decode, self.n_decode + len(order)))
         self._move_rows([(s, d) for s, d in zip(src, dst) if s != d])
 
@@ -190,6 +202,7 @@ class SlotBatch:
         ids, lengths = list(self.ids), list(self.lengths)
         for s, d in moves:
             self.ids[d], self.lengths[d] = ids[s], lengths[s]
+            self._row[ids[s]] = d
         if n:
             self._copy_rows([s for s, _ in moves], [d for _, d in moves], n)
 
@@ -211,18 +224,18 @@ class SlotBatch:
             return
         n = max(c[2] for c in copies)
         if not self.batched_moves:
-            rows = [(self.ids.index(d), self._row_copies(self.ids.index(s), k), k) for d, s, k in copies]
+            rows = [(self.row_of(d), self._row_copies(self.row_of(s), k), k) for d, s, k in copies]
             for d, data, k in rows:
                 self._ensure(len(self.ids), k + 1)
                 self._put_row(d, k, data)
                 self.lengths[d] = k
             return
         for _, s, k in copies:
-            assert k <= self.lengths[self.ids.index(s)], "only committed positions can be copied"
+            assert k <= self.lengths[self.row_of(s)], "only committed positions can be copied"
         self._ensure(len(self.ids), n + 1)
-        self._copy_rows([self.ids.index(s) for _, s, _ in copies], [self.ids.index(d) for d, _, _ in copies], n)
+        self._copy_rows([self.row_of(s) for _, s, _ in copies], [self.row_of(d) for d, _, _ in copies], n)
         for d, _, k in copies:
-            self.lengths[self.ids.index(d)] = k
+            self.lengths[self.row_of(d)] = k
 
     def write_blocks(self, targets: Sequence[tuple[str, int]], keys: Sequence[mx.array], values: Sequence[mx.array],
                      block_size: int) -> None:
@@ -239,7 +252,7 @@ class SlotBatch:
                 e = b
                 while e < len(targets) and targets[e][0] == rid and targets[e][1] == start + (e - b) * block_size:
                     e += 1
-                row, width = self.ids.index(rid), (e - b) * block_size
+                row, width = self.row_of(rid), (e - b) * block_size
                 for i in range(self.num_layers):
                     for bufs, src in ((self._keys, keys[i]), (self._values, values[i])):
                         blk = src[b:e]  # [n, H, B, D]
@@ -247,7 +260,7 @@ class SlotBatch:
                         bufs[i][row, :, start : start + width, :] = blk.transpose(1, 0, 2, 3).reshape(H, n * B, D)
                 b = e
             return
-        rows = mx.array([self.ids.index(rid) for rid, _ in targets], dtype=mx.int32)[:, None, None]
+        rows = mx.array([self.row_of(rid) for rid, _ in targets], dtype=mx.int32)[:, None, None]
         starts = mx.array([p for _, p in targets], dtype=mx.int32)
         pos = (starts[:, None] + mx.arange(block_size, dtype=mx.int32)[None, :])[:, None, :]
         heads = mx.arange(keys[0].shape[1], dtype=mx.int32)[None, :, None]
@@ -257,7 +270,7 @@ class SlotBatch:
 
     def remove_many(self, request_ids: Sequence[str]) -> None:
         """Retire rows. With batched moves, every row that fills a hole moves in one gather + scatter."""
-        gone = {rid for rid in request_ids if rid in self.ids}
+        gone = {rid for rid in request_ids if rid in self._row}
         if not gone:
             return
         if not self.batched_moves:
@@ -275,11 +288,12 @@ class SlotBatch:
         self._move_rows(moves)
         del self.ids[nd + len(keep_pre) :]
         del self.lengths[nd + len(keep_pre) :]
+        self._reindex()
         self.n_decode = nd
 
     def remove(self, request_id: str) -> None:
         """Retire a row; the region's last row fills the hole (at most two rows copied)."""
-        row = self.ids.index(request_id)
+        row = self._row.pop(request_id)
         if row < self.n_decode:
             last_dec = self.n_decode - 1
             self._copy_row(last_dec, row)
@@ -288,12 +302,12 @@ class SlotBatch:
         last = len(self.ids) - 1
         if row != last:
             self._copy_row(last, row)
-        self.ids.pop()
+        self.ids.pop()  # the last row (its id, if it moved, now also stands in the hole)
         self.lengths.pop()
 
     def extract(self, request_id: str) -> list[tuple[mx.array, mx.array]]:
         """A copy of one row's KV, per layer ``[1, H, length, D]``."""
-        row = self.ids.index(request_id)
+        row = self.row_of(request_id)
         n = self.lengths[row]
         copies = self._row_copies(row, n)
         layers = len(self._keys)
@@ -302,7 +316,7 @@ class SlotBatch:
     def row_view(self, request_id: str) -> list[tuple[mx.array, mx.array]]:
         """Lazy slices of one row's KV, per layer ``[1, H, length, D]``: evaluate them before the next forward
         (a pending slice keeps the buffer referenced, so the forward's in-place write would copy it whole)."""
-        row = self.ids.index(request_id)
+        row = self.row_of(request_id)
         n = self.lengths[row]
         return [(k[row : row + 1, :, :n, :], v[row : row + 1, :, :n, :]) for k, v in zip(self._keys, self._values)]
 
@@ -344,9 +358,15 @@ class SlotBatch:
     def layer_buffers(self, layer: int) -> tuple[mx.array, mx.array]:
         return self._keys[layer], self._values[layer]
 
+    def check_integrity(self) -> None:
+        """Assert the row books agree (tests call it after every operation)."""
+        assert self._row == {rid: i for i, rid in enumerate(self.ids)}, "row index out of step with the rows"
+        assert len(self.lengths) == len(self.ids) and 0 <= self.n_decode <= len(self.ids)
+        assert all(0 <= n <= self._pos_cap for n in self.lengths) and len(self.ids) <= max(self._rows_cap, 0)
+
     def committed(self, request_id: str) -> int:
-        return self.lengths[self.ids.index(request_id)]
+        return self.lengths[self.row_of(request_id)]
 
     def advance(self, request_id: str, count: int) -> None:
         """Commit ``count`` new positions of one row (after the step that wrote them succeeded)."""
-        self.lengths[self.ids.index(request_id)] += count
+        self.lengths[self.row_of(request_id)] += count
