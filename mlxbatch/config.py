@@ -11,14 +11,15 @@ from mlxbatch.errors import InvalidRequestError
 class EngineConfig:
     """How the engine batches and how much memory it may use for KV.
 
-    ``kv_memory_fraction`` of the memory the worker finds available (after the weights) goes to KV unless
-    ``kv_budget_bytes`` sets the budget outright. ``max_num_seqs`` caps concurrency on top of memory.
+    ``kv_memory_fraction`` of the memory the worker finds available (after the weights) goes to KV — the running
+    rows' slots and the prefix and vision caches together — unless ``kv_budget_bytes`` sets the slots' budget
+    outright (the caches then come on top). ``max_num_seqs`` caps concurrency on top of memory.
     """
 
     max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None  # None: 2048 on CPU, 8192 on a GPU (prefill per step)
+    max_num_batched_tokens: int | None = None  # None: by device (2048 on CPU and small Macs, up to 8192 on GPUs)
     prefill_chunk_size: int = 512
-    kv_memory_fraction: float = 0.5
+    kv_memory_fraction: float | None = None  # None: 0.5 (0.3 on Macs with 16 GB or less)
     kv_budget_bytes: int | None = None
     prefix_cache: bool = True  # keep full prompt blocks' KV and start matching prompts from it
     prefix_cache_bytes: int | None = None  # None: a quarter of the KV budget, at most 2 GiB
@@ -33,7 +34,7 @@ class EngineConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidRequestError(name, v, "must be an integer >= 1")
-        if not 0 < self.kv_memory_fraction <= 1:
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
             raise InvalidRequestError("kv_memory_fraction", self.kv_memory_fraction, "must be in (0, 1]")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes < 1:
             raise InvalidRequestError("kv_budget_bytes", self.kv_budget_bytes, "must be >= 1")

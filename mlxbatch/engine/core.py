@@ -22,6 +22,7 @@ from mlxbatch.engine.decoding.sampling import derive_seed, uniform_for
 from mlxbatch.engine.decoding.structured import GrammarCompiler, short_value
 from mlxbatch.engine.inputs import Prompt, encode_prompt
 from mlxbatch.engine.model.loader import LoadedModel
+from mlxbatch.engine.model.memory import MemoryLimits, plan_memory
 from mlxbatch.engine.model.worker import Worker
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.runner import ModelRunner
@@ -69,17 +70,20 @@ class EngineCore:
         self.config = config or EngineConfig()
         self.loaded = loaded
         self.worker = worker or Worker(loaded)
-        budget = self.config.kv_budget_bytes or self.worker.kv_budget_bytes(self.config.kv_memory_fraction)
-        blocks = 0
-        block_bytes = self.worker.geometry.bytes_per_token * BLOCK_SIZE
-        if self.config.prefix_cache:
-            blocks = max(1, (self.config.prefix_cache_bytes or min(budget // 4, 2 << 30)) // block_bytes)
-        self.runner = ModelRunner(loaded.model, self.worker.geometry, blocks, BLOCK_SIZE, vlm=loaded.vlm,
-                                  vision_cache_bytes=self.config.vision_cache_bytes)
-        step_tokens = self.config.max_num_batched_tokens or (2048 if self.worker.device.kind == "cpu" else 8192)
+        dev, geo = self.worker.device, self.worker.geometry
+        block_bytes = geo.bytes_per_token * BLOCK_SIZE
+        mem = plan_memory(self.config, dev.kind, dev.host_memory, self.worker.kv_budget_bytes, block_bytes,
+                          loaded.vlm is not None)
+        self.memory = mem
+        self._limits = MemoryLimits(dev.kind)
+        self._limits.apply(dev.total_memory, self.worker.weights_bytes + mem.total)
+        self.runner = ModelRunner(loaded.model, geo, mem.prefix_blocks, BLOCK_SIZE, vlm=loaded.vlm,
+                                  vision_cache_bytes=mem.vision_cache_bytes)
         self.scheduler = Scheduler(
-            SchedulerConfig(self.config.max_num_seqs, step_tokens, self.config.prefill_chunk_size, budget),
-            self.runner.kv_cost, PrefixIndex(blocks, BLOCK_SIZE, block_bytes) if blocks else None)
+            SchedulerConfig(self.config.max_num_seqs, mem.step_tokens, self.config.prefill_chunk_size,
+                            mem.slot_budget),
+            self.runner.kv_cost,
+            PrefixIndex(mem.prefix_blocks, BLOCK_SIZE, block_bytes) if mem.prefix_blocks else None)
         self._groups: dict[str, _Group] = {}
         self._aborted: set[str] = set()  # groups aborted since the last step
         self._seqs: dict[str, Request] = {}
@@ -311,6 +315,7 @@ class EngineCore:
         self._groups.clear()
         self._closed = True
         self.worker.shutdown()
+        self._limits.restore()
 
     def stats(self) -> dict[str, Any]:
         rs = self.runner.stats()

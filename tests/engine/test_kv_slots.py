@@ -99,6 +99,15 @@ def test_extract_returns_the_rows_own_kv(model):
     assert mx.allclose(out[0], _reference_last_logits(model, [8, 9, 10]), atol=1e-4).item()
 
 
-def test_cost_is_rows_times_padded_longest():
+def test_cost_is_what_the_buffers_allocate(model):
     assert SlotBatch.cost_positions([]) == 0
-    assert SlotBatch.cost_positions([10, 300]) == 2 * 512
+    assert SlotBatch.cost_positions([10, 300]) == 4 * 512  # 4 rows is the smallest capacity
+    batch = SlotBatch(len(model.layers))
+    kv_heads, head_dim = model.layers[0].self_attn.n_kv_heads, model.args.hidden_size // model.args.num_attention_heads
+    batch.allocate(kv_heads, head_dim, mx.float32)
+    lengths = [40, 300, 7, 120, 299]
+    for i, n in enumerate(lengths):  # sequences admitted one by one, each reserving n positions
+        batch.add(f"r{i}")
+        batch._ensure(len(batch.ids), n)
+    per_position = 2 * len(model.layers) * kv_heads * head_dim * 4
+    assert batch.nbytes == SlotBatch.cost_positions(lengths) * per_position  # 8 rows x 512 positions

@@ -28,7 +28,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -243,12 +243,32 @@ def constrain_logits(logits: mx.array, rows: list[int], matchers: list[Matcher])
     rows = [int(r) for r in rows]
     mask = fill_masks(matchers)  # one parallel fill for every constrained row
     ntok = matchers[0].tokenizer_vocab
-    if _on_metal():
-        try:
-            return _apply_metal(logits, rows, mask, ntok)
-        except Exception:  # noqa: BLE001 - e.g. an MLX build without custom kernels: the portable ops
-            log.debug("llguidance's Metal kernel failed; using portable MLX ops", exc_info=True)
+    if _on_metal() and _metal_kernel_ok(logits, rows, mask, ntok):
+        return _apply_metal(logits, rows, mask, ntok)
     return _apply_portable(logits, rows, mask, ntok)
+
+
+_METAL_CHECKED: dict[str, bool] = {}  # "ok" -> whether llguidance's Metal kernel agreed with the portable path
+
+
+def _metal_kernel_ok(logits: mx.array, rows: list[int], mask: np.ndarray, ntok: int,
+                     apply_metal: Callable[..., mx.array] | None = None) -> bool:
+    """Whether llguidance's Metal kernel may be used: checked once, on the first real batch, against the portable
+    path and evaluated inside the check (a kernel that fails to compile or dispatch only fails when evaluated, long
+    after a ``try`` around the call). A kernel that fails or differs is never used again in this process."""
+    if "ok" not in _METAL_CHECKED:
+        try:
+            got = (apply_metal or _apply_metal)(logits, rows, mask, ntok)
+            want = _apply_portable(logits, rows, mask, ntok)
+            mx.eval(got, want)
+            same = got.shape == want.shape and bool(mx.array_equal(got, want).item())
+            if not same:
+                log.warning("llguidance's Metal kernel disagrees with the portable mask; using the portable one")
+        except Exception:  # noqa: BLE001 - compile or dispatch failure: the portable ops
+            log.warning("llguidance's Metal kernel failed; using portable MLX ops", exc_info=True)
+            same = False
+        _METAL_CHECKED["ok"] = same
+    return _METAL_CHECKED["ok"]
 
 
 class SequenceGrammars:

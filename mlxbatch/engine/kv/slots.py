@@ -26,6 +26,14 @@ def _round_up(n: int, step: int) -> int:
     return ((n + step - 1) // step) * step
 
 
+def row_capacity(rows: int) -> int:
+    """Rows the buffers hold once ``rows`` sequences were added one by one: 4, then doubling."""
+    cap = 4
+    while cap < rows:
+        cap *= 2
+    return cap
+
+
 class SlotBatch:
     """KV for every admitted sequence; rows ``[0, n_decode)`` decode, rows ``[n_decode, n)`` prefill."""
 
@@ -62,10 +70,11 @@ class SlotBatch:
 
     @staticmethod
     def cost_positions(lengths: Sequence[int]) -> int:
-        """KV positions held for sequences of these (reserved) lengths: rows x padded longest."""
+        """KV positions the buffers hold for sequences of these (reserved) lengths: the row capacity that many rows
+        grow the buffers to (rows double) x the longest, padded. What is charged is what is allocated."""
         if not lengths:
             return 0
-        return len(lengths) * _round_up(max(lengths), POSITION_STEP)
+        return row_capacity(len(lengths)) * _round_up(max(lengths), POSITION_STEP)
 
     def kv_arrays(self) -> list[mx.array]:
         return self._keys + self._values

@@ -1,8 +1,10 @@
 """Loading a model and tokenizer through mlx-lm: aliases, local folders, hub ids, dtypes, adapters.
 
 Owns the rules that turn a ``ModelSpec`` into a ``LoadedModel``: float32 on CPU (quantized checkpoints
-dequantized), the checkpoint's own dtype on Metal and CUDA unless asked otherwise; ``trust_remote_code``
-only when asked; errors that name the path and the reason.
+dequantized), the weights' own stored floating dtype on Metal and CUDA unless asked otherwise (a config's
+``torch_dtype`` label is not trusted: 4-bit checkpoints often store fp16 scales under a bf16 label, and a cast
+would double the memory a load needs); ``trust_remote_code`` only when asked; errors that name the path and the
+reason.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from mlxbatch.errors import ModelLoadError
 
@@ -125,24 +128,44 @@ def load_model(spec: ModelSpec) -> LoadedModel:
             raise ModelLoadError(f"adapter_path={spec.adapter_path!r}: could not be applied to {spec.model!r}: "
                                  f"{type(exc).__name__}: {exc}") from exc
     path = Path(source) if Path(source).exists() else Path(hf_repo_to_path(source))
-    on_cpu = mx.default_device() == mx.cpu
-    dtype = _choose_dtype(spec, config, on_cpu)
+    on_cpu = _on_cpu()
     if on_cpu and _is_quantized(model):
         log.info("dequantizing %s for the CPU", spec.model)
         model = dequantize_model(model)
-    model.set_dtype(DTYPES[dtype])
-    mx.eval(model.parameters())
+    dtype = _choose_dtype(spec, on_cpu, stored_dtype(model))
+    _cast(model, dtype)
     ctx = int(config.get("max_position_embeddings") or config.get("max_sequence_length") or 4096)
     return LoadedModel(spec, path, model, tokenizer, config, dtype, ctx, _identity(path, spec.adapter_path, dtype))
 
 
-def _choose_dtype(spec: ModelSpec, config: dict[str, Any], on_cpu: bool) -> str:
+def _on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+def stored_dtype(model: nn.Module) -> str:
+    """The floating dtype most of the model's parameters are stored in (quantized weights' scales included)."""
+    counts: dict[str, int] = {}
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            name = str(p.dtype).rsplit(".", 1)[-1]
+            counts[name] = counts.get(name, 0) + p.size
+    return max(counts, key=counts.__getitem__) if counts else "bfloat16"
+
+
+def _choose_dtype(spec: ModelSpec, on_cpu: bool, stored: str) -> str:
     if spec.dtype != "auto":
         return spec.dtype
     if on_cpu:
         return "float32"  # bf16/fp16/quantized matmuls bypass BLAS on CPU and are slow
-    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").replace("torch.", "")
-    return dtype if dtype in DTYPES else "bfloat16"
+    return stored if stored in DTYPES else "bfloat16"
+
+
+def _cast(model: nn.Module, dtype: str) -> None:
+    """Floating parameters to ``dtype`` (nothing is copied when they already are), then evaluated."""
+    target = DTYPES[dtype]
+    if any(mx.issubdtype(p.dtype, mx.floating) and p.dtype != target for _, p in tree_flatten(model.parameters())):
+        model.set_dtype(target)
+    mx.eval(model.parameters())
 
 
 def _load_vision_language(spec: ModelSpec, path: Path) -> LoadedModel:
@@ -154,13 +177,12 @@ def _load_vision_language(spec: ModelSpec, path: Path) -> LoadedModel:
     if spec.adapter_path is not None:
         raise ModelLoadError(f"adapter_path={spec.adapter_path!r}: adapters on vision-language models are not supported")
     vlm = load_vlm(path, spec.trust_remote_code)
-    on_cpu = mx.default_device() == mx.cpu
-    dtype = _choose_dtype(spec, vlm.config, on_cpu)
+    on_cpu = _on_cpu()
     if on_cpu and _is_quantized(vlm.model):
         log.info("dequantizing %s for the CPU", spec.model)
         vlm.set_model(dequantize_model(vlm.model))
-    vlm.model.set_dtype(DTYPES[dtype])
-    mx.eval(vlm.model.parameters())
+    dtype = _choose_dtype(spec, on_cpu, stored_dtype(vlm.model))
+    _cast(vlm.model, dtype)
     ctx = int(vlm.config.get("max_position_embeddings") or 4096)
     identity = hashlib.sha256((_identity(path, None, dtype) + processor_identity(path)).encode()).hexdigest()[:16]
     return LoadedModel(spec, path, TextView(vlm.model), vlm.tokenizer, vlm.config, dtype, ctx, identity, vlm)

@@ -8,7 +8,6 @@ a health check, and shutdown that frees MLX memory.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxbatch import _blas
 from mlxbatch.engine.model.loader import LoadedModel
+from mlxbatch.engine.model.memory import HostMemory, default_kv_fraction, device_available, host_memory
 from mlxbatch.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,9 @@ class DeviceInfo:
     kind: str  # "metal" | "cuda" | "cpu"
     name: str
     total_memory: int  # bytes the device can use (GPU memory, or system RAM on CPU)
-    available_memory: int  # bytes free now
+    available_memory: int  # bytes free now (on Metal: within the working set and what the host has free)
     blas: str  # CPU only: the BLAS MLX uses ("openblas: <path>" or "reference")
+    host_memory: int = 0  # the machine's RAM
 
 
 @dataclass(frozen=True)
@@ -56,32 +57,16 @@ class HealthReport:
     message: str = ""
 
 
-def _meminfo(key: str) -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def device_info() -> DeviceInfo:
+def device_info(host: HostMemory | None = None) -> DeviceInfo:
     dev = mx.default_device()
     info = mx.device_info() if hasattr(mx, "device_info") else {}
+    host = host or host_memory()
     if dev == mx.gpu:
         kind = "metal" if mx.metal.is_available() else "cuda"
-        # Metal reports the recommended working set; CUDA reports total and free memory (through NVML)
-        total = int(info.get("max_recommended_working_set_size") or info.get("memory_size")
-                    or info.get("total_memory") or 0)
-        free = info.get("free_memory")
-        avail = int(free) if free is not None else max(0, total - mx.get_active_memory())
-        return DeviceInfo(kind, str(info.get("device_name", kind)), total, avail, "")
-    total = _meminfo("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    avail = _meminfo("MemAvailable") or total // 2
+        total, avail = device_available(kind, info, host, mx.get_active_memory() + mx.get_cache_memory())
+        return DeviceInfo(kind, str(info.get("device_name", kind)), total, avail, "", host.total)
     blas = f"openblas: {_blas.loaded_path}" if _blas.loaded_path else "reference"
-    return DeviceInfo("cpu", str(info.get("device_name", "cpu")), total, avail, blas)
+    return DeviceInfo("cpu", str(info.get("device_name", "cpu")), host.total, host.available, blas, host.total)
 
 
 class Worker:
@@ -104,8 +89,11 @@ class Worker:
         mx.eval(k)
         return KVGeometry(len(cache), k.shape[1], k.shape[3], k.dtype.size, str(k.dtype).rsplit(".", 1)[-1])
 
-    def kv_budget_bytes(self, fraction: float) -> int:
-        """Memory the engine may fill with KV: a fraction of what is free after the weights."""
+    def kv_budget_bytes(self, fraction: float | None = None) -> int:
+        """Memory the engine may fill with KV (slots and caches): a fraction of what is free after the weights
+        (None: the device's default share, smaller on small Macs)."""
+        if fraction is None:
+            fraction = default_kv_fraction(self.device.kind, self.device.host_memory)
         free = device_info().available_memory
         if free <= 0:  # the backend did not say: assume 8 GiB rather than starving the batch
             log.warning("device memory unknown; assuming 8 GiB are free for KV")

@@ -240,10 +240,12 @@ class Scheduler:
             self._budget = min(self.config.kv_budget_bytes, 2 * self._budget)
 
     def preempt_for_memory(self, failed: SchedulerOutput) -> list[Request]:
-        """An allocation failed during ``failed``: shrink the batch and return whose KV must be dropped.
+        """An allocation failed during ``failed``: shrink the batch and return whose KV must be dropped: everyone's.
 
-        The newest half of the running sequences go back to the queue front, and sequences that were
-        prefilling in the failed step restart their prefill (their KV may be half-written).
+        The newest half of the running sequences go back to the queue front; the others restart their prefill
+        (prompt and generated tokens) in place. Every resident KV row is dropped, not only the failed step's
+        prefills: on a GPU the row moves of a step run lazily in the same command buffer as its forward, so after a
+        failure the rows may not hold what the books say (on Metal a failed command buffer is not retried).
         """
         self.num_preemptions += 1
         self._calm_steps = 0
@@ -257,15 +259,16 @@ class Scheduler:
             r.status = RequestStatus.WAITING
             r.num_computed_tokens = 0
             self.waiting.appendleft(r)
-        restarted = [c.request for c in failed.prefills if c.request in self.running]
+        restarted = list(self.running)
         for r in restarted:
-            r.status = RequestStatus.PREFILLING
+            if r.fork_parent is None:  # (a forked sample keeps waiting for its parent's prefill)
+                r.status = RequestStatus.PREFILLING
             r.num_computed_tokens = 0
             self._rowless.add(r.request_id)
         if self.prefix is not None:
             self.prefix.abort_step(failed.stores)
             for r in victims + restarted:
                 self._forget(r)
-        log.warning("out of memory: %d sequence(s) back to the queue; now at most %d at once",
-                    len(victims), self._max_seqs)
+        log.warning("out of memory: %d sequence(s) back to the queue, %d recompute their KV; now at most %d at once",
+                    len(victims), len(restarted), self._max_seqs)
         return victims + restarted

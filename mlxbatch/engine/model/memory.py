@@ -1,0 +1,162 @@
+"""How much memory the engine may use, and the MLX memory settings that keep it there.
+
+Owns the memory rules of a device: what the host really has free (Linux ``/proc/meminfo``; macOS ``sysctl`` +
+``vm_stat``), what the device can take (CUDA reports total and free memory; Metal shares the host's RAM, so what is
+available is the recommended working set less what MLX holds, but never more than the host has free: the OS and
+other apps use the same memory), the default share of it for KV (smaller on small Macs), and the limits a run sets
+and restores: MLX's buffer cache bounded (freed buffers otherwise pile up and, on a Mac, push the machine into swap)
+and, on Metal, the run's weights and KV wired so they are not paged out between steps (what mlx-lm's
+``maybe_set_recommended_wired_limit`` does). The platform, device facts and MLX calls are injectable for tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+SMALL_MAC = 16 * GiB  # a Mac with this much RAM or less gets smaller defaults
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    total: int
+    available: int
+
+
+def _meminfo(text: str, key: str) -> int:
+    m = re.search(rf"^{key}:\s+(\d+)\s*kB", text, re.M)
+    return int(m.group(1)) * 1024 if m else 0
+
+
+def _vm_stat_available(text: str) -> int:
+    """Free + inactive + speculative + purgeable pages of ``vm_stat`` output, in bytes."""
+    page = re.search(r"page size of (\d+) bytes", text)
+    size = int(page.group(1)) if page else 4096
+    pages = 0
+    for key in ("Pages free", "Pages inactive", "Pages speculative", "Pages purgeable"):
+        m = re.search(rf"^{key}:\s+(\d+)", text, re.M)
+        pages += int(m.group(1)) if m else 0
+    return pages * size
+
+
+def host_memory(platform: str = sys.platform, read: Callable[[list[str]], str] | None = None) -> HostMemory:
+    """The host's RAM and what is free now (``read`` runs a command or reads a file: injectable)."""
+
+    def run(cmd: list[str]) -> str:
+        if cmd[0] == "cat":
+            with open(cmd[1]) as f:
+                return f.read()
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=5, check=True).stdout
+
+    read = read or run
+    try:
+        if platform == "darwin":
+            total = int(read(["sysctl", "-n", "hw.memsize"]).strip())
+            return HostMemory(total, _vm_stat_available(read(["vm_stat"])) or total // 2)
+        text = read(["cat", "/proc/meminfo"])
+        total = _meminfo(text, "MemTotal")
+        if total:
+            return HostMemory(total, _meminfo(text, "MemAvailable") or total // 2)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return HostMemory(total, total // 2)
+
+
+def device_available(kind: str, info: dict[str, Any], host: HostMemory, mlx_held: int) -> tuple[int, int]:
+    """(total, available) bytes for a device: ``mlx_held`` is MLX's active memory plus its buffer cache."""
+    if kind == "cuda":
+        total = int(info.get("total_memory") or info.get("memory_size") or 0)
+        free = info.get("free_memory")
+        return total, int(free) if free is not None else max(0, total - mlx_held)
+    if kind == "metal":  # unified memory: the working set MLX may use, and what the host really has free
+        working_set = int(info.get("max_recommended_working_set_size") or info.get("memory_size") or host.total)
+        return working_set, max(0, min(working_set - mlx_held, host.available))
+    return host.total, host.available
+
+
+def default_kv_fraction(kind: str, host_total: int) -> float:
+    """The share of available memory given to KV when the config does not say: less on small Macs, where the OS
+    and the desktop live in the same memory."""
+    return 0.3 if kind == "metal" and host_total <= SMALL_MAC else 0.5
+
+
+def default_step_tokens(kind: str, host_total: int) -> int:
+    """Prefill tokens per step: a multi-second step on a base M-series chip stalls every decoding row (and the
+    desktop); an H100-class GPU takes 8192 in milliseconds."""
+    if kind == "cpu":
+        return 2048
+    if kind == "metal":
+        return 2048 if host_total <= SMALL_MAC else 4096 if host_total <= 48 * GiB else 8192
+    return 8192
+
+
+class MemoryLimits:
+    """MLX's cache limit (every GPU) and wired limit (Metal) for one engine's life; ``restore`` puts them back."""
+
+    def __init__(self, kind: str, backend: Any = None) -> None:
+        import mlx.core as mx
+
+        self._kind = kind
+        self._mx = backend or mx
+        self._saved: dict[str, int] = {}
+
+    def apply(self, working_set: int, needed: int) -> None:
+        if self._kind == "cpu":
+            return
+        self._mx.clear_cache()  # what loading left behind
+        self._saved["cache"] = self._mx.set_cache_limit(max(GiB // 4, working_set // 16))
+        if self._kind == "metal":
+            wired = min(needed, working_set)
+            self._saved["wired"] = self._mx.set_wired_limit(wired)
+            log.info("wired %.1f GiB (weights and KV) of a %.1f GiB working set", wired / GiB, working_set / GiB)
+
+    def restore(self) -> None:
+        if "cache" in self._saved:
+            self._mx.set_cache_limit(self._saved.pop("cache"))
+        if "wired" in self._saved:
+            self._mx.set_wired_limit(self._saved.pop("wired"))
+        if self._kind != "cpu":
+            self._mx.clear_cache()
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How an engine splits its memory: the running rows' KV (what the scheduler admits against), the prefix
+    cache's blocks and the vision cache, all inside one budget; and the prefill tokens a step may take."""
+
+    slot_budget: int
+    prefix_blocks: int
+    vision_cache_bytes: int
+    step_tokens: int
+    total: int  # slots + caches
+
+
+def plan_memory(config: Any, kind: str, host_total: int, auto_budget: Callable[[float | None], int],
+                block_bytes: int, takes_images: bool) -> MemoryPlan:
+    """``config`` is an ``EngineConfig``; ``auto_budget(fraction)`` what the worker finds free for KV.
+
+    An explicit ``kv_budget_bytes`` is the slots' budget and the caches come on top; otherwise the caches are carved
+    out of the automatic budget (the prefix cache a quarter of it, at most 2 GiB; the vision cache as configured,
+    at most a quarter)."""
+    vision = config.vision_cache_bytes if takes_images else 0
+    if config.kv_budget_bytes:
+        slots = config.kv_budget_bytes
+        prefix = (config.prefix_cache_bytes or min(slots // 4, 2 * GiB)) if config.prefix_cache else 0
+    else:
+        total = auto_budget(config.kv_memory_fraction)
+        prefix = (config.prefix_cache_bytes or min(total // 4, 2 * GiB)) if config.prefix_cache else 0
+        vision = min(vision, total // 4)
+        slots = max(total // 4, total - prefix - vision)
+    blocks = max(1, prefix // block_bytes) if config.prefix_cache else 0
+    steps = config.max_num_batched_tokens or default_step_tokens(kind, host_total)
+    return MemoryPlan(slots, blocks, vision, steps, slots + blocks * block_bytes + vision)

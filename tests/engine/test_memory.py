@@ -1,0 +1,119 @@
+"""Memory rules per device, with the platform, device facts and MLX calls injected (a Mac's branch runs here too)."""
+
+from __future__ import annotations
+
+from mlxbatch.config import EngineConfig
+from mlxbatch.engine.model.memory import (
+    GiB,
+    HostMemory,
+    MemoryLimits,
+    default_kv_fraction,
+    default_step_tokens,
+    device_available,
+    host_memory,
+    plan_memory,
+)
+
+VM_STAT = """Mach Virtual Memory Statistics: (page size of 16384 bytes)
+Pages free:                               10000.
+Pages active:                            300000.
+Pages inactive:                           50000.
+Pages speculative:                         2000.
+Pages throttled:                              0.
+Pages wired down:                        200000.
+Pages purgeable:                           1000.
+"""
+
+
+def test_host_memory_on_a_mac_counts_free_inactive_speculative_and_purgeable_pages():
+    calls = []
+
+    def read(cmd):
+        calls.append(cmd)
+        return str(16 * GiB) if cmd[0] == "sysctl" else VM_STAT
+
+    host = host_memory("darwin", read)
+    assert host == HostMemory(16 * GiB, (10000 + 50000 + 2000 + 1000) * 16384)
+    assert ["vm_stat"] in calls and not any("/proc" in " ".join(c) for c in calls)
+
+
+def test_host_memory_on_linux_reads_meminfo():
+    host = host_memory("linux", lambda cmd: "MemTotal:       24000000 kB\nMemAvailable:   12000000 kB\n")
+    assert host == HostMemory(24000000 * 1024, 12000000 * 1024)
+
+
+def test_metal_available_memory_is_bounded_by_what_the_host_has_free():
+    info = {"max_recommended_working_set_size": 11 * GiB, "memory_size": 16 * GiB}  # no free_memory on Metal
+    total, avail = device_available("metal", info, HostMemory(16 * GiB, 3 * GiB), mlx_held=2 * GiB)
+    assert total == 11 * GiB and avail == 3 * GiB  # the OS and other apps hold the rest of the RAM
+    _, avail = device_available("metal", info, HostMemory(16 * GiB, 14 * GiB), mlx_held=2 * GiB)
+    assert avail == 9 * GiB  # working set less what MLX holds (active + its buffer cache)
+    total, avail = device_available("cuda", {"total_memory": 141 * GiB, "free_memory": 120 * GiB},
+                                    HostMemory(128 * GiB, 100 * GiB), mlx_held=0)
+    assert (total, avail) == (141 * GiB, 120 * GiB)
+
+
+def test_small_macs_get_smaller_defaults():
+    assert default_kv_fraction("metal", 16 * GiB) < default_kv_fraction("metal", 64 * GiB) == 0.5
+    assert default_kv_fraction("cuda", 8 * GiB) == 0.5
+    assert default_step_tokens("metal", 8 * GiB) == 2048 < default_step_tokens("metal", 32 * GiB)
+    assert default_step_tokens("cuda", 8 * GiB) == 8192 and default_step_tokens("cpu", 256 * GiB) == 2048
+
+
+def test_every_cache_is_inside_the_automatic_budget():
+    asked = []
+
+    def budget(fraction):
+        asked.append(fraction)
+        return 8 * GiB
+
+    plan = plan_memory(EngineConfig(vision_cache_bytes=1 * GiB), "metal", 16 * GiB, budget, block_bytes=1 << 20,
+                       takes_images=True)
+    assert asked == [None]  # the device's default share
+    assert plan.prefix_blocks == 2 * 1024 and plan.vision_cache_bytes == 1 * GiB
+    assert plan.slot_budget == 5 * GiB and plan.total == 8 * GiB
+    assert plan.step_tokens == 2048
+    text_only = plan_memory(EngineConfig(prefix_cache=False), "cpu", 16 * GiB, budget, 1 << 20, takes_images=False)
+    assert text_only.slot_budget == 8 * GiB and text_only.prefix_blocks == 0 and text_only.vision_cache_bytes == 0
+    explicit = plan_memory(EngineConfig(kv_budget_bytes=1 * GiB), "cpu", 16 * GiB, budget, 1 << 20, False)
+    assert explicit.slot_budget == 1 * GiB and explicit.total == 1 * GiB + explicit.prefix_blocks * (1 << 20)
+
+
+class FakeMx:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.cache, self.wired = 100, 0
+
+    def clear_cache(self) -> None:
+        self.calls.append(("clear_cache", 0))
+
+    def set_cache_limit(self, n: int) -> int:
+        self.calls.append(("set_cache_limit", n))
+        old, self.cache = self.cache, n
+        return old
+
+    def set_wired_limit(self, n: int) -> int:
+        self.calls.append(("set_wired_limit", n))
+        old, self.wired = self.wired, n
+        return old
+
+
+def test_metal_wires_weights_and_kv_and_restores_the_limits():
+    fake = FakeMx()
+    limits = MemoryLimits("metal", fake)
+    limits.apply(working_set=11 * GiB, needed=6 * GiB)
+    assert ("set_wired_limit", 6 * GiB) in fake.calls and fake.cache < 100 * GiB and fake.calls[0][0] == "clear_cache"
+    limits.restore()
+    assert (fake.cache, fake.wired) == (100, 0)
+    limits = MemoryLimits("metal", fake)
+    limits.apply(working_set=11 * GiB, needed=30 * GiB)
+    assert fake.wired == 11 * GiB  # never more than the working set
+
+
+def test_cuda_bounds_the_cache_but_wires_nothing_and_cpu_changes_nothing():
+    fake = FakeMx()
+    MemoryLimits("cuda", fake).apply(141 * GiB, 10 * GiB)
+    assert not any(c[0] == "set_wired_limit" for c in fake.calls) and fake.cache != 100
+    fake = FakeMx()
+    MemoryLimits("cpu", fake).apply(24 * GiB, 1 * GiB)
+    assert fake.calls == []

@@ -1,0 +1,44 @@
+"""``dtype: auto`` keeps the weights' stored floating dtype on a GPU, whatever the config's label says (an fp16
+checkpoint labelled bf16 is not re-cast, which would double a load's memory); on the CPU it is float32. The GPU
+branch runs here with the device injected."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from mlx.utils import tree_flatten
+
+from mlxbatch.engine.model import loader
+from mlxbatch.engine.model.loader import ModelSpec, load_model
+from mlxbatch.models.random_model import build_random_model
+
+
+@pytest.fixture(scope="module")
+def fp16_labelled_bf16(tmp_path_factory):
+    src = build_random_model(tmp_path_factory.mktemp("m") / "fp16", "tiny", dtype="float16")
+    out = tmp_path_factory.mktemp("m") / "labelled"
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"  # the label lies, as older mlx-community checkpoints' did
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def dtypes(loaded) -> set[str]:
+    return {str(p.dtype).rsplit(".", 1)[-1] for _, p in tree_flatten(loaded.model.parameters())}
+
+
+def test_auto_keeps_the_stored_dtype_on_a_gpu(fp16_labelled_bf16, monkeypatch):
+    monkeypatch.setattr(loader, "_on_cpu", lambda: False)
+    loaded = load_model(ModelSpec(str(fp16_labelled_bf16)))
+    assert loaded.dtype == "float16" and dtypes(loaded) == {"float16"}
+    asked = load_model(ModelSpec(str(fp16_labelled_bf16), dtype="bfloat16"))
+    assert asked.dtype == "bfloat16" and dtypes(asked) == {"bfloat16"}
+    assert loaded.identity != asked.identity  # the dtype is part of every result key
+
+
+def test_auto_is_float32_on_the_cpu(fp16_labelled_bf16):
+    loaded = load_model(ModelSpec(str(fp16_labelled_bf16)))
+    assert loaded.dtype == "float32" and dtypes(loaded) == {"float32"}
