@@ -108,18 +108,23 @@ def eng_bytes(loaded) -> int:
     return Worker(loaded).geometry.bytes_per_token
 
 
-def test_running_rows_share_their_prefix_to_the_token(tiny_loaded):
-    # in the plan's order the row before is usually still running: its KV is copied to the token, so the shared
-    # prefixes' partial last blocks are not recomputed and prefill meets the distinct-token floor
+def test_shared_prefixes_are_reused_to_the_token(tiny_loaded):
+    # planned: the cache keeps each shared prefix's partial last block for exactly the rows that share it, so prefill
+    # meets the distinct-token floor; unplanned (no retention): a running row's KV is copied to the token instead
     prompts = fewshot_like(24, seed=8) + label_like(12, seed=9)
     off = Engine(tiny_loaded, EngineConfig(prefix_cache=False, warm_up=False)).generate(prompts, GREEDY)
     eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4))
     outs = eng.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in off]
     st = eng.stats()
-    assert st["prefix_cache"]["tokens_reused_live"] > 0
     floor = plan(prompts).distinct_tokens
     assert floor <= st["profile"]["prefill_tokens"] <= floor * 1.05
+    assert eng.core.scheduler.prefix.pool.stats.blocks_cached == 0  # partial blocks are dropped after their users too
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4))
+    ids = [eng.core.add_request(p, GREEDY) for p in sorted(prompts)]
+    done = {o.request_id: o for o in eng.core.run_until_done()}
+    assert [done[ids[sorted(prompts).index(p)]].token_ids for p in prompts] == [o.token_ids for o in off]
+    assert eng.stats()["prefix_cache"]["tokens_reused_live"] > 0
 
 
 def test_batched_copy_ins_of_the_gpu_path_give_the_same_output(tiny_loaded):
@@ -130,4 +135,10 @@ def test_batched_copy_ins_of_the_gpu_path_give_the_same_output(tiny_loaded):
     outs = eng.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     st = eng.stats()["prefix_cache"]
-    assert st["tokens_reused_live"] > 0 and st["tokens_reused"] > st["tokens_reused_live"]
+    assert st["tokens_reused"] > 0 and eng.stats()["profile"]["moved_bytes"] > 0
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=6))  # unplanned: copies from running rows
+    eng.core.runner.batch.batched_moves = True
+    ids = [eng.core.add_request(p, GREEDY) for p in sorted(prompts)]
+    done = {o.request_id: o for o in eng.core.run_until_done()}
+    assert [done[ids[sorted(prompts).index(p)]].token_ids for p in prompts] == [o.token_ids for o in ref]
+    assert eng.stats()["prefix_cache"]["tokens_reused_live"] > 0

@@ -141,3 +141,19 @@ def test_scheduler_output_lists_admissions_with_sources_and_the_stores():
     (adm,) = out.admissions
     assert adm.request.request_id == "b" and adm.source == RunningRow("a", 13)  # more than the 3 cached blocks
     assert [(c.request.request_id, c.start) for c in out.prefills] == [("b", 13)]
+
+
+def test_a_shared_prefix_ending_mid_block_is_reused_to_the_token_then_dropped():
+    ix = PrefixIndex(16, B)
+    ix.begin_step()
+    shared = [5, 6, 7, 8, 9, 10]  # a block and a half
+    a = req("a", shared + [1, 2, 3], cache_tokens=6)  # the plan: the next row shares 6 tokens
+    admit(ix, a)
+    stores = finish_prefill(ix, a)
+    assert [(s.first_block, len(s.block_ids)) for s in stores] == [(0, 1), (1, 1)]  # a whole block, then a partial
+    ix.begin_step()
+    b = req("b", shared + [40, 41], cache_tokens=0)  # the group's last row
+    src = admit(ix, b)
+    assert isinstance(src, CachedBlocks) and src.num_tokens == 6 and len(src.block_ids) == 2
+    finish_prefill(ix, b)
+    assert ix.pool.stats.blocks_cached == 0 and ix.plan_evictions == 2  # both dead once their last user is in

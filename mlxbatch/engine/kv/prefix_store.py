@@ -57,16 +57,16 @@ class PrefixStore:
         return [k[idx] for k in self._keys], [v[idx] for v in self._values]
 
     def write(self, row_kv: Sequence[tuple[mx.array, mx.array]], first_block: int, block_ids: Sequence[int]) -> None:
-        """Copy blocks ``first_block ..`` of a row (per layer ``[1, H, >=length, D]``, lazy views) into ``block_ids``.
+        """Copy blocks ``first_block ..`` of a row (per layer ``[1, H, length, D]``, lazy views) into ``block_ids`` (the
+        last may be partial: the row's length ends inside it).
         Evaluated by ``flush``, once for every write of a step."""
         self._ensure(max(block_ids))
         B, n = self.block_size, len(block_ids)
         idx = mx.array(list(block_ids), dtype=mx.int32)
         start, stop = first_block * B, (first_block + n) * B
         for layer, (k, v) in enumerate(row_kv):
-            H, D = k.shape[1], k.shape[3]
-            self._keys[layer][idx] = k[0, :, start:stop, :].reshape(H, n, B, D).transpose(1, 0, 2, 3)
-            self._values[layer][idx] = v[0, :, start:stop, :].reshape(H, n, B, D).transpose(1, 0, 2, 3)
+            self._keys[layer][idx] = _blocks(k[0, :, start:stop, :], n, B)
+            self._values[layer][idx] = _blocks(v[0, :, start:stop, :], n, B)
         self.traffic.stored_bytes += n * B * self._token_bytes
         self._dirty = True
 
@@ -75,3 +75,12 @@ class PrefixStore:
         if self._dirty:
             self.traffic.evaluate(self._keys, self._values)
             self._dirty = False
+
+
+def _blocks(x: mx.array, n: int, block_size: int) -> mx.array:
+    """``[H, <= n * B, D]`` positions as ``n`` blocks ``[n, H, B, D]``; a partial last block (the row ends inside it)
+    is padded, and only its first positions are ever read back."""
+    H, T, D = x.shape
+    if T < n * block_size:
+        x = mx.pad(x, ((0, 0), (0, n * block_size - T), (0, 0)))
+    return x.reshape(H, n, block_size, D).transpose(1, 0, 2, 3)

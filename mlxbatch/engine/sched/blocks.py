@@ -72,6 +72,19 @@ def block_hashes(tokens: Sequence[int], block_size: int = BLOCK_SIZE,
     return out
 
 
+def partial_hash(prev: int | None, tokens: Sequence[int]) -> int:
+    """The key of a partial block: the ``len(tokens) < block_size`` tokens that follow the full block ``prev`` (None:
+    the prompt's start). A separate namespace from full blocks, so a partial block never stands for a full one."""
+    packed = array("q", tokens)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    h = hashlib.blake2b(digest_size=8, person=b"mlxb-partial")
+    h.update((_ROOT_HASH if prev is None else prev).to_bytes(8, "little"))
+    h.update(len(tokens).to_bytes(8, "little"))
+    h.update(packed.tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
 def stable_hash(text: str) -> int:
     """A 64-bit hash of ``text`` that is the same in every process (Python's ``hash`` of a str is salted)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")

@@ -3,14 +3,16 @@
 Owns the prefix cache's books (a ``BlockPool``: block ids, ref counts, the chained-hash index, LRU) and every
 decision about them, on the scheduler's side of the step (pure Python: the runner only copies what is decided).
 - **At admission** (``match``), two sources; the longer wins. Cached blocks: whole 16-token blocks of earlier
-  prompts, keyed by chained hashes (image hashes at image positions). A running row: a sequence admitted in an
-  earlier step and still running that shares more with the new prompt than the cache's whole blocks (in the plan's
-  order the row before is usually still running): its KV is copied to the token, so the shared prefix's partial last
-  block is not recomputed.
+  prompts, keyed by chained hashes (image hashes at image positions), then possibly one *partial* block: the tokens
+  of a shared prefix past its last whole block (a ~50-token system prompt ends mid-block), kept for the rows the plan
+  says share exactly that much, so reuse from the cache goes to the token too. A running row: a sequence admitted in
+  an earlier step and still running that shares more with the new prompt than the cache holds (in the plan's order
+  the row before is usually still running): its KV is copied to the token.
 - **Waiting** (``in_progress``): a sequence whose next prefix blocks an admitted sequence is computing right now can
   wait a step or two, so the shared prefix is computed once.
 - **Keeping** (``plan_stores`` / ``commit``): a prefill that ends this step offers the blocks of its first
-  ``cache_tokens`` prompt tokens (the plan's retention; ``None`` without a plan offers all); their cache blocks are
+  ``cache_tokens`` prompt tokens (the plan's retention; ``None`` without a plan offers all), and a partial block up
+  to exactly ``cache_tokens`` (for a scoring sequence: up to its context's end); their cache blocks are
   allocated when the step is scheduled and registered when it succeeded. Then newly admitted planned sequences'
   blocks past their ``cache_tokens`` are evicted: no later sequence shares them. Without a plan, or while blocks are
   still referenced, eviction is the pool's LRU.
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlxbatch.engine.request import Request, RequestStatus
-from mlxbatch.engine.sched.blocks import BLOCK_SIZE, BlockPool, NoFreeBlocks, block_hashes
+from mlxbatch.engine.sched.blocks import BLOCK_SIZE, BlockPool, NoFreeBlocks, block_hashes, partial_hash
 from mlxbatch.engine.sched.planner import common_prefix_len
 
 LIVE_SOURCES = 32  # recently admitted sequences tried as running-row prefix sources
@@ -71,6 +73,7 @@ class PrefixIndex:
         self._computing_count: collections.Counter[int] = collections.Counter()
         self._chains: dict[str, list[int]] = {}  # request id -> its tokens' block hashes (until it is freed)
         self._planned: list[Request] = []  # admitted this step with a plan retention to apply
+        self._partials_seen: dict[str, tuple[int, int]] = {}  # request id -> (hash, tokens) of the partial it matched
         self._held: list[CachedBlocks] = []  # matched this step, retained until the step's stores are allocated
         self.lookups = 0
         self.tokens_reused = 0  # prompt tokens whose KV came from the cache
@@ -86,7 +89,8 @@ class PrefixIndex:
         tokens = request.tokens(0, request.num_tokens)
         chain = self._chain(request)
         # a scoring sequence must compute the position before its continuation (it predicts the first token)
-        cached = self._cached(tokens if request.score_from is None else tokens[: request.score_from], chain)
+        cached = self._cached(tokens if request.score_from is None else tokens[: request.score_from], chain,
+                              request.request_id)
         usable = (len(tokens) - 1) // self.block_size
         hashes = chain[: min(usable, self._stored_tokens(request) // self.block_size)]
         self._computing[request.request_id] = hashes
@@ -106,17 +110,29 @@ class PrefixIndex:
             self._held.append(cached)
         return cached
 
-    def _cached(self, tokens: Sequence[int], chain: list[int]) -> CachedBlocks | None:
-        usable = (len(tokens) - 1) // self.block_size
-        if usable <= 0:
+    def _cached(self, tokens: Sequence[int], chain: list[int], rid: str) -> CachedBlocks | None:
+        """Whole cached blocks of ``tokens``, then the longest cached partial block after them (at least one token
+        is always left to compute)."""
+        B = self.block_size
+        limit = len(tokens) - 1
+        if limit <= 0:
             return None
         self.lookups += 1
-        ids = self.pool.match(chain[:usable])
+        ids = self.pool.match(chain[: limit // B])
+        n = len(ids) * B
+        prev = chain[len(ids) - 1] if ids else None
+        for r in range(min(B - 1, limit - n), 0, -1):
+            h = partial_hash(prev, tokens[n : n + r])
+            if self.pool.has(h):
+                ids += self.pool.match([h])
+                n += r
+                self._partials_seen[rid] = (h, n)
+                break
         if not ids:
             return None
         self.pool.retain(ids)
-        self.tokens_reused += len(ids) * self.block_size
-        return CachedBlocks(tuple(ids), len(ids) * self.block_size)
+        self.tokens_reused += n
+        return CachedBlocks(tuple(ids), n)
 
     def _running_row(self, request: Request, tokens: list[int], at_least: int) -> RunningRow | None:
         """A sequence admitted in an earlier step and still running whose committed KV shares more than
@@ -185,7 +201,30 @@ class PrefixIndex:
                 continue  # everything is in use: keep computing instead
             planned.update(new)
             stores.append(BlockStore(r.request_id, known, tuple(ids), tuple(new)))
+        for r in finishing:
+            partial = self._partial_store(r, planned)
+            if partial is not None:
+                stores.append(partial)
         return tuple(stores)
+
+    def _partial_store(self, r: Request, planned: set[int]) -> BlockStore | None:
+        """The partial block of ``r``'s prompt up to the point later sequences share exactly: the plan's
+        ``cache_tokens`` (or a scoring sequence's context end), when it ends mid-block."""
+        B = self.block_size
+        point = r.cache_tokens if r.cache_tokens is not None else r.score_from
+        if not point or point % B == 0 or point > r.num_prompt_tokens:
+            return None
+        k = point // B
+        chain = self._chain(r)
+        h = partial_hash(chain[k - 1] if k else None, r.prompt_token_ids[k * B : point])
+        if self.pool.has(h) or h in planned:
+            return None
+        try:
+            (bid,) = self.pool.allocate(1)
+        except NoFreeBlocks:
+            return None
+        planned.add(h)
+        return BlockStore(r.request_id, k, (bid,), (h,))
 
     def commit(self, stores: Sequence[BlockStore], finished_prefills: Sequence[Request]) -> None:
         """The step succeeded: stored blocks join the index; then the plan's dead prefixes go (after the stores,
@@ -210,6 +249,7 @@ class PrefixIndex:
         self._done_computing(request_id)
         self._chains.pop(request_id, None)
         self._admitted_at.pop(request_id, None)
+        self._partials_seen.pop(request_id, None)
 
     def _drop_after(self, r: Request) -> None:
         """Evict the cached blocks of ``r``'s chain past its first ``cache_tokens`` tokens (dead: the plan says no
@@ -220,6 +260,11 @@ class PrefixIndex:
             if bid is None:
                 break
             self.plan_evictions += self.pool.evict(bid)
+        seen = self._partials_seen.pop(r.request_id, None)
+        if seen is not None and seen[1] != (r.cache_tokens or 0):  # later rows share more, or less, than it holds
+            bid = self.pool.cached_id(seen[0])
+            if bid is not None:
+                self.plan_evictions += self.pool.evict(bid)
 
     # -- helpers --------------------------------------------------------------------------------------
     def _chain(self, request: Request) -> list[int]:
