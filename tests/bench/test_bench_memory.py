@@ -85,3 +85,13 @@ def test_streaming_child_on_linux_reads_proc(tmp_path):
     assert r["rows"] == 30 and r["shards"] == 3
     assert 0 < r["anon_peak"] <= r["maxrss"] <= memory.peak_rss()  # VmHWM then; the high-water mark only grows
     assert r["rss_file_end"] > 0
+
+
+def test_constraints_bench_reads_rss_without_proc(tmp_path, monkeypatch):
+    from mlxbatch.bench import constraints
+
+    monkeypatch.setattr(memory, "PLATFORM", "darwin")
+    monkeypatch.setattr(memory, "STATUS", str(tmp_path / "no-status"))
+    monkeypatch.setattr(memory, "STATM", str(tmp_path / "no-statm"))
+    current, peak = constraints.rss_mb()  # read /proc/self/status unguarded before: FileNotFoundError on macOS
+    assert current == peak == raw_maxrss() / (1 << 20)
