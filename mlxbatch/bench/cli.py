@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-IN_PROCESS = ("engine", "job", "nsample", "score", "gpu")  # registered by the section modules (harness.SECTIONS)
+SECTION_MODULES = {"engine": "engine", "job": "job", "nsample": "tasks", "score": "tasks", "gpu": "suite"}
+IN_PROCESS = tuple(SECTION_MODULES)  # each registers itself (harness.SECTIONS) when its module is imported
 STANDALONE = {"constraints": "mlxbatch.bench.constraints", "vlm": "mlxbatch.bench.vlm"}
 SHAPES = ("tiny", "small", "0.5b")  # mlxbatch.models.random_model.SHAPES (checked by the tests; kept light here)
 
@@ -104,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
     """Load the model once, run the sections in order, print their tables, write ``--json``."""
     import mlx.core as mx
 
-    from mlxbatch.bench import engine, job, suite, tasks  # noqa: F401  (each registers its sections)
     from mlxbatch.bench.harness import SECTIONS, Bench, log
     from mlxbatch.bench.meta import machine_meta, render_meta
 
+    for name in args.section:  # only the sections asked for: the job section alone imports the job layer
+        importlib.import_module(f"mlxbatch.bench.{SECTION_MODULES[name]}")
     if args.repeats is None:
         args.repeats = 3 if mx.default_device() == mx.gpu else 1
     t0 = time.perf_counter()

@@ -67,7 +67,8 @@ def test_gpu_command_on_a_bare_copy_of_the_tree(tmp_path, tiny_model_path):
     (tree / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "bench.py", tree / "scripts" / "bench.py")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GIT_SHA")}
-    env["PYTHONPATH"] = sysconfig.get_paths()["purelib"]  # the dependencies, without the editable install's hook
+    paths = sysconfig.get_paths()  # the dependencies, without the editable install's hook (.pth files need site)
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([paths["purelib"], paths["platlib"]]))
     out = tmp_path / "out"
     cmd = [sys.executable, "-S", "scripts/bench.py", "--section", "gpu", "--model", "tiny", "--commit", "abc1234",
            "--out", str(out), "--cache-dir", str(_cache_with_tiny(tmp_path, tiny_model_path)),
@@ -113,10 +114,14 @@ def test_unknown_and_misplaced_sections_are_refused(capsys):
 
 
 def test_section_names_match_the_registry_and_shapes():
-    from mlxbatch.bench import engine, job, suite, tasks  # noqa: F401
+    import importlib
+
     from mlxbatch.bench.harness import SECTIONS
     from mlxbatch.models.random_model import SHAPES
 
+    for name, module in bench_cli.SECTION_MODULES.items():
+        importlib.import_module(f"mlxbatch.bench.{module}")
+        assert SECTIONS[name].__module__ == f"mlxbatch.bench.{module}"
     assert set(SECTIONS) == set(bench_cli.IN_PROCESS)
     assert tuple(SHAPES) == bench_cli.SHAPES
 
