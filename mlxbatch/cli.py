@@ -1,4 +1,4 @@
-"""The command line: ``mlxbatch run | validate | plan | status | generate | info``.
+"""The command line: ``mlxbatch run | validate | plan | status | generate | info | bench``.
 
 Owns process-level concerns only: logging set-up (once, here), exit codes and messages. Exit codes: 0 done,
 1 error, 2 invalid job file, 3 too many row errors, 130 interrupted (resume by running the same command).
@@ -138,6 +138,20 @@ def info() -> None:
     d = device_info()
     click.echo(json.dumps({"device": d.kind, "name": d.name, "total_memory_gb": round(d.total_memory / 2**30, 2),
                            "available_memory_gb": round(d.available_memory / 2**30, 2), "blas": d.blas}, indent=2))
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False,
+                                "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args: tuple[str, ...]) -> None:
+    """Benchmarks on this machine: SECTION (engine, job, nsample, score, gpu, constraints, vlm) [options].
+
+    Every figure is a ratio against mlx-lm / mlx-vlm run in the same process. `mlxbatch bench --help` lists the
+    options; `mlxbatch bench engine --model tiny` takes about a minute on two CPU cores.
+    """
+    from mlxbatch.bench.cli import main as bench_main
+
+    sys.exit(bench_main(list(args)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Vision-language benchmark (issue #6): 64 rows over 8 distinct images, in one process, one model object.
 
-    .venv/bin/python scripts/bench_vlm.py [--rows 64 --images 8 --size 224 --max-tokens 32 --repeats 2 --json out.json]
+    .venv/bin/mlxbatch bench vlm [--rows 64 --images 8 --size 224 --max-tokens 32 --repeats 2 --json out.json]
 
 Paths, each warmed up on two rows, then run ``--repeats`` times (interleaved) and the median reported:
   B0  mlx-vlm one row at a time: ``mlx_vlm.stream_generate`` (what a loop over rows does)
@@ -20,14 +19,11 @@ import datetime as dt
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
-# isort: off
-import mlxbatch  # noqa: F401  (first: it preloads OpenBLAS before mlx is imported)
 import mlx.core as mx
-
-# isort: on
 from mlx_vlm import batch_generate, stream_generate
 
 from mlxbatch import _blas
@@ -83,8 +79,9 @@ def run_engine(loaded, rows, max_tokens, vision_cache_bytes):
                                                               "prefix_cache": st["prefix_cache"]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mlxbatch bench vlm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--images", type=int, default=8)
     ap.add_argument("--size", type=int, default=224)
@@ -92,7 +89,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip", default="", help="comma-separated paths to skip (B0,B1,E,E0)")
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     path = build_random_vlm(Path.home() / ".cache" / "mlxbatch" / "bench" / "tiny-qwen2-vl")
     loaded = load_model(ModelSpec(str(path)))
@@ -140,7 +137,8 @@ def main() -> None:
                   f"encoder {vc['encoder_s']:.3f} s, saved {vc['encoder_s_saved']:.3f} s")
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "table": table}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """Engine sections of the benchmark: a workload (unique, label, fewshot, chat) vs B0/B1/B2, and decode levels.
 
-Run through ``scripts/bench.py --section engine --workload NAME``; the shared harness (Bench, Table, baselines)
-is in bench.py.
+Run as ``mlxbatch bench engine --workload NAME`` (or ``python -m mlxbatch.bench engine ...``); the shared
+harness (Bench, Table, baselines) is ``harness.py``.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-import bench_workloads as wl
-from bench import MB, Bench, Run, Table, agreement, log, ratio, section
+from mlxbatch.bench import workloads as wl
+from mlxbatch.bench.harness import MB, Bench, Run, Table, agreement, log, ratio, section
 
 
 @section("engine")

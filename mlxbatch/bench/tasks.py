@@ -1,7 +1,7 @@
 """Task sections of the benchmark: n > 1 samples from one prefill, and log-likelihood scoring.
 
-    .venv/bin/python scripts/bench.py --section nsample --model tiny
-    .venv/bin/python scripts/bench.py --section score --model tiny
+    .venv/bin/mlxbatch bench nsample --model tiny
+    .venv/bin/mlxbatch bench score --model tiny
 
 ``nsample``: R prompts with n=8 samples each (one request per prompt) vs the same prompts submitted as 8 separate
 rows (8R requests), prefix cache off for both, then the separate rows with the prefix cache on; prefill work is
@@ -15,10 +15,10 @@ from __future__ import annotations
 import random
 import time
 
-import bench_workloads as wl
 import mlx.core as mx
-from bench import Bench, Table, log, ratio, section
 
+from mlxbatch.bench import workloads as wl
+from mlxbatch.bench.harness import Bench, Table, log, ratio, section
 from mlxbatch.engine import Engine, EngineConfig
 from mlxbatch.types import SamplingParams
 

@@ -1,6 +1,6 @@
 """The GPU suite: every workload of the GPU targets and the decode table in one run, one JSON + one Markdown file.
 
-    python3 scripts/bench.py --section gpu --model 0.5b --commit <sha> --out DIR
+    python3 scripts/bench.py --section gpu --model 0.5b --commit <sha> --out DIR   # = mlxbatch bench gpu ...
 
 For the H200 benchmark machine (one device call, under 10 minutes), where the copy of the tree has no ``.git``:
 the commit is passed in and printed in the header and both files. Sizes are those of the GPU targets in
@@ -20,12 +20,20 @@ import json
 import time
 from pathlib import Path
 
-import bench_workloads as wl
 import mlx.core as mx
-from bench import MB, Bench, Run, Table, agreement, log, ratio, section
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxbatch.bench import workloads as wl
+from mlxbatch.bench.harness import MB, Bench, Run, Table, agreement, log, ratio, section
+
 SIZES = {"label": 2048, "fewshot": 2048, "chat": 1024, "unique": 1024}
+
+
+def suite_rows(rows: int | None, scale: float, name: str) -> int:
+    """Rows of workload ``name``: ``rows`` if given, else its target size x ``scale`` (64 at least when scaled)."""
+    if rows:
+        return rows
+    return SIZES[name] if scale == 1 else max(64, int(SIZES[name] * scale))
 
 
 def _prefill_cost(run: Run) -> float | None:
@@ -38,7 +46,7 @@ def suite_workload(b: Bench, name: str, rows: int) -> tuple[Table, dict]:
     C = b.concurrency
     warm = w.subset(list(range(min(64, w.rows))))
     log(f"{name}: {w.rows} rows, {w.prompt_tokens} prompt tokens (floor {w.trie_floor}); warming up on {warm.rows}")
-    b.run_b1(warm.subset(list(range(16))), C, b.args.prefill_batch)
+    b.run_b1(warm.subset(list(range(min(16, warm.rows)))), C, b.args.prefill_batch)
     b.run_engine(warm, max_num_seqs=C)
     b.run_engine(warm, max_num_seqs=C, prefix_cache=False)
     paths = {"B1": lambda: b.run_b1(w, C, b.args.prefill_batch),
@@ -130,7 +138,7 @@ def gpu_suite(b: Bench) -> list[Table]:
     t0 = time.perf_counter()
     tables, figures = [], {}
     for name in a.suite_workloads.split(","):
-        tab, fig = suite_workload(b, name, SIZES[name] if a.rows_scale == 1 else max(64, int(SIZES[name] * a.rows_scale)))
+        tab, fig = suite_workload(b, name, suite_rows(a.suite_rows, a.rows_scale, name))
         tables.append(tab)
         figures[name] = fig
     levels = [int(x) for x in a.decode_levels.split(",") if x.strip()]

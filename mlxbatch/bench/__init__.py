@@ -1,0 +1,16 @@
+"""Benchmarks you can run on your own machine: ``mlxbatch bench SECTION [options]`` (or ``python -m mlxbatch.bench``).
+
+Every figure is a ratio against baselines (mlx-lm, mlx-vlm, the direct way) run in the same process on the same
+model object; the method is in docs/benchmarks.md. Modules, top-down (nothing imports upward):
+
+- ``cli`` / ``__main__``: argument parsing, which sections run, the JSON file.
+- ``engine`` (a workload vs B0/B1/B2, decode at fixed concurrency), ``tasks`` (``nsample``, ``score``), ``suite``
+  (``gpu``: every GPU target in one run, one JSON + one Markdown file), ``job`` (job layer overhead) with
+  ``stream`` (streaming memory; the child process is ``stream_child``): the in-process sections.
+- ``constraints`` (+ ``constraint_libs``, ``constraints_engine``) and ``vlm``: stand-alone benches.
+- ``meta`` (machine / software / git header), ``harness`` (Table, Run, Measured, MemoryProbe, Bench, baselines,
+  the section registry), ``workloads`` and ``jobdata`` (inputs from a seed), ``memory`` (RSS on Linux and macOS),
+  ``procs`` (child processes by module name).
+
+This package imports nothing on its own, so ``python -m mlxbatch.bench.stream_child`` stays free of MLX.
+"""

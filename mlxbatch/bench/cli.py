@@ -1,0 +1,142 @@
+"""The bench's command line. ``mlxbatch bench ...``, ``python -m mlxbatch.bench ...`` and ``scripts/bench.py``
+(a shim kept for the GPU machine's commands) all end in :func:`main`.
+
+    mlxbatch bench engine --model tiny [--workload label] [--json results.json]
+    mlxbatch bench engine job --model tiny               # several sections, one model load
+    mlxbatch bench --section gpu --model 0.5b --commit <sha> --out DIR   # the scripts' form, same options
+    mlxbatch bench constraints [--engine] ...            # stand-alone benches with their own options
+    mlxbatch bench vlm [--rows 64 ...]
+
+In-process sections share one model object and print Markdown tables (a header with machine, software, git
+commit and model first); ``--json`` also writes them with the raw runs. This module imports nothing heavy until
+it knows what to run, so a stand-alone bench does not load the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SECTION_MODULES = {"engine": "engine", "job": "job", "nsample": "tasks", "score": "tasks", "gpu": "suite"}
+IN_PROCESS = tuple(SECTION_MODULES)  # each registers itself (harness.SECTIONS) when its module is imported
+STANDALONE = {"constraints": "mlxbatch.bench.constraints", "vlm": "mlxbatch.bench.vlm"}
+SHAPES = ("tiny", "small", "0.5b")  # mlxbatch.models.random_model.SHAPES (checked by the tests; kept light here)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="mlxbatch bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [SECTION ...] [options]  |  %(prog)s constraints|vlm [options]",
+        description="mlxbatch benchmarks: every figure is a ratio against baselines run in the same process.",
+        epilog="stand-alone benches (own options; see their --help): " + ", ".join(STANDALONE))
+    ap.add_argument("sections", nargs="*", metavar="SECTION",
+                    help=f"section(s) to run: {', '.join(IN_PROCESS)} (default: engine)")
+    ap.add_argument("--section", action="append", choices=list(IN_PROCESS),
+                    help="section(s) to run (repeatable; the same as the positional names)")
+    ap.add_argument("--model", default="tiny",
+                    help=f"{'|'.join(SHAPES)} (random-weight qwen2, built once into --cache-dir) or a model path "
+                         "(default tiny)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto (default): float32 on CPU, bfloat16 on GPU")
+    ap.add_argument("--cache-dir", default="~/.cache/mlxbatch/bench", help="where random models are built")
+    ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    ap.add_argument("--rows", type=int, default=256, help="rows of the main workload (default 256)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="new tokens per row (default: the workload's: unique 64, label 32, fewshot 8, chat 32)")
+    ap.add_argument("--workload", default="unique", choices=["unique", "label", "fewshot", "chat"],
+                    help="engine section workload (default unique; others add engine-nocache)")
+    ap.add_argument("--b0-rows", type=int, default=16, help="rows B0 runs (default 16; 0 skips B0)")
+    ap.add_argument("--concurrency", type=int, default=None,
+                    help="engine max_num_seqs = B1 completion_batch_size (default 32 on CPU, 256 on GPU)")
+    ap.add_argument("--prefill-batch", type=int, default=8, help="B1/B2 prefill_batch_size (default 8, as mlx-lm)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs per path, median reported (default: engine 1 on CPU, 3 on GPU; job 3)")
+    ap.add_argument("--decode-levels", default="1,8,64,256",
+                    help="concurrent sequences for the decode table (default 1,8,64,256; '' skips it)")
+    ap.add_argument("--decode-prompt-len", type=int, default=32, help="decode table prompt length (default 32)")
+    ap.add_argument("--decode-new-tokens", type=int, default=128, help="decode table new tokens (default 128)")
+    ap.add_argument("--job-rows", type=int, default=512, help="job section: rows of the overhead run (default 512; "
+                    "0 skips it)")
+    ap.add_argument("--job-max-tokens", type=int, default=16, help="job section: max_tokens (default 16)")
+    ap.add_argument("--job-checkpoint-rows", type=int, default=64,
+                    help="job section: checkpoint.every_rows (default 64)")
+    ap.add_argument("--stream-rows", default="10000,100000,1000000",
+                    help="job section: rows streamed through reader + checkpoint, one process each ('' skips)")
+    ap.add_argument("--stream-checkpoint-rows", type=int, default=1000,
+                    help="job section: rows per checkpoint shard when streaming (default 1000)")
+    ap.add_argument("--stream-track-ids", default="1000000",
+                    help="job section: sizes also streamed with the run loop's duplicate-id set (default 1000000)")
+    ap.add_argument("--stream-timeout", type=int, default=1200, help="job section: seconds per size (default 1200)")
+    ap.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    ap.add_argument("--commit", default=os.environ.get("GIT_SHA"),
+                    help="the git commit measured (default $GIT_SHA; for copies of the tree without .git)")
+    ap.add_argument("--out", default=None, help="gpu section: folder for gpu_suite.json and gpu_suite.md")
+    ap.add_argument("--suite-workloads", default="label,fewshot,chat,unique",
+                    help="gpu section: workloads to run (default label,fewshot,chat,unique)")
+    ap.add_argument("--rows-scale", type=float, default=1.0,
+                    help="gpu section: scale the target sizes (default 1: label/fewshot 2048, chat/unique 1024)")
+    ap.add_argument("--suite-rows", type=int, default=None,
+                    help="gpu section: rows of every workload, instead of the target sizes x --rows-scale "
+                         "(a quick check on a small machine)")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_intermixed_args(argv)  # section names may come before, between or after options
+    unknown = [s for s in args.sections if s not in IN_PROCESS]
+    if unknown:
+        where = " (a stand-alone bench: give it first, alone)" if set(unknown) & set(STANDALONE) else ""
+        ap.error(f"unknown section(s) {', '.join(unknown)}{where}; choose from {', '.join(IN_PROCESS)}")
+    names = [*args.sections, *(args.section or [])]
+    args.section = list(dict.fromkeys(names)) or ["engine"]  # in the order given, each once
+    del args.sections
+    args.repeats_given = args.repeats is not None
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model once, run the sections in order, print their tables, write ``--json``."""
+    import mlx.core as mx
+
+    from mlxbatch.bench.harness import SECTIONS, Bench, log
+    from mlxbatch.bench.meta import machine_meta, render_meta
+
+    for name in args.section:  # only the sections asked for: the job section alone imports the job layer
+        importlib.import_module(f"mlxbatch.bench.{SECTION_MODULES[name]}")
+    if args.repeats is None:
+        args.repeats = 3 if mx.default_device() == mx.gpu else 1
+    t0 = time.perf_counter()
+    b = Bench(args)
+    meta = machine_meta(b)
+    print(render_meta(meta), flush=True)
+    results: dict[str, Any] = {"meta": meta, "args": vars(args), "sections": {}}
+    for name in args.section:
+        ts = time.perf_counter()
+        tables = SECTIONS[name](b)
+        for t in tables:
+            print(t.render(), flush=True)
+        results["sections"][name] = {
+            "seconds": round(time.perf_counter() - ts, 1),
+            "tables": [t.as_dict() for t in tables],
+        }
+    total = time.perf_counter() - t0
+    print(f"(total {total:.0f} s)")
+    results["total_s"] = round(total, 1)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(results, indent=2, default=str))
+        log(f"wrote {args.json_path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in STANDALONE:
+        return int(importlib.import_module(STANDALONE[argv[0]]).main(argv[1:]) or 0)
+    return run(parse_args(argv))

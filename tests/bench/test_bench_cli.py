@@ -1,0 +1,131 @@
+"""The bench as a command: ``python -m mlxbatch.bench`` / ``mlxbatch bench`` and the ``scripts/bench.py`` shim.
+
+Tiny sizes on the tiny random model: these check that sections run end to end, that the files appear with the
+commit given and that the tables hold numbers; they never assert speeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from mlxbatch.bench import cli as bench_cli
+from mlxbatch.cli import main as mlxbatch_main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cache_with_tiny(tmp_path: Path, tiny_model_path: Path) -> Path:
+    """A --cache-dir where the ``tiny`` shape is the test suite's tiny model (no second build)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "tiny").symlink_to(tiny_model_path, target_is_directory=True)
+    return cache
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _numbers(row: list) -> list[float]:
+    return [v for v in row if isinstance(v, int | float) and not isinstance(v, bool)]
+
+
+def test_engine_section_as_a_module(tmp_path, tiny_model_path):
+    out = tmp_path / "engine.json"
+    proc = _run([sys.executable, "-m", "mlxbatch.bench", "engine", "--model", "tiny", "--cache-dir",
+                 str(_cache_with_tiny(tmp_path, tiny_model_path)), "--rows", "8", "--max-tokens", "4",
+                 "--decode-levels", "1", "--decode-new-tokens", "8", "--b0-rows", "2", "--repeats", "1",
+                 "--json", str(out)])
+    assert "- command: `python" in proc.stdout and "-m mlxbatch.bench engine" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["args"]["section"] == ["engine"] and res["meta"]["model"] == "tiny"
+    main, split, decode = res["sections"]["engine"]["tables"]
+    assert [r[0] for r in main["rows"]] == ["B0", "B1", "B2", "engine"]
+    for r in main["rows"]:
+        assert r[1] == (2 if r[0] == "B0" else 8) and r[3] > 0 and r[4] > 0  # rows, rows/s, gen tok/s
+    by_path = {r[0]: dict(zip(split["columns"], r)) for r in split["rows"]}
+    assert by_path["engine"]["prefill tok"] >= by_path["engine"]["prefill / floor"] > 0
+    assert by_path["engine"]["steps"] >= 4 and by_path["B1"]["prefill tok"] > 0
+    assert decode["rows"][0][0] == 1 and len(_numbers(decode["rows"][0])) == 8
+    assert "### unique: 8 rows" in proc.stdout and "where the time goes" in proc.stdout
+
+
+def test_gpu_command_on_a_bare_copy_of_the_tree(tmp_path, tiny_model_path):
+    """The GPU machine's command line on a copy with no .git and no installed package (site-packages only)."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "mlxbatch", tree / "mlxbatch", ignore=shutil.ignore_patterns("__pycache__"))
+    (tree / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "bench.py", tree / "scripts" / "bench.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GIT_SHA")}
+    paths = sysconfig.get_paths()  # the dependencies, without the editable install's hook (.pth files need site)
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-S", "scripts/bench.py", "--section", "gpu", "--model", "tiny", "--commit", "abc1234",
+           "--out", str(out), "--cache-dir", str(_cache_with_tiny(tmp_path, tiny_model_path)),
+           "--suite-workloads", "label", "--suite-rows", "8", "--decode-levels", "1", "--json", str(out / "all.json")]
+    check = "import importlib.util as u; print(u.find_spec('mlxbatch') is None)"
+    assert _run([sys.executable, "-S", "-c", check], env=env, cwd=tmp_path).stdout.strip() == "True"
+    proc = _run(cmd, env=env, cwd=tree)
+    assert "(git abc1234 (given))" in proc.stdout
+    suite = json.loads((out / "gpu_suite.json").read_text())
+    assert suite["commit"] == "abc1234"
+    label = suite["figures"]["label"]
+    assert label["rows"] == 8 and label["floor"] > 0 and label["x_b1"] > 0 and label["prefill_over_floor"] >= 1
+    assert set(suite["figures"]["decode"]["1"]) >= {"engine_step", "mlx_lm", "bare"}
+    md = (out / "gpu_suite.md").read_text()
+    assert md.startswith("GPU figures measured at commit abc1234") and "### label: 8 rows" in md
+    summary = json.loads((out / "all.json").read_text())["sections"]["gpu"]["tables"][0]
+    assert summary["rows"][0][0] == "label" and len(_numbers(summary["rows"][0])) == 5
+    assert json.loads((out / "all.json").read_text())["meta"]["git"] == "abc1234 (given)"
+
+
+def test_mlxbatch_bench_forwards_to_the_package(monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench_cli, "run", lambda args: seen.append(args) or 0)
+    result = CliRunner().invoke(mlxbatch_main, ["bench", "--model", "small", "engine", "job", "--section", "gpu",
+                                                "--decode-levels", ""])
+    assert result.exit_code == 0, result.output
+    (args,) = seen
+    assert args.section == ["engine", "job", "gpu"] and args.model == "small" and args.decode_levels == ""
+    assert not args.repeats_given
+    help_ = CliRunner().invoke(mlxbatch_main, ["bench", "--help"])
+    assert help_.exit_code == 0 and "--rows-scale" in help_.output and "constraints" in help_.output
+
+
+def test_unknown_and_misplaced_sections_are_refused(capsys):
+    for argv, says in ((["nope"], "unknown section(s) nope"), (["engine", "vlm"], "a stand-alone bench")):
+        try:
+            bench_cli.parse_args(argv)
+        except SystemExit as exc:
+            assert exc.code == 2
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        assert says in capsys.readouterr().err
+
+
+def test_section_names_match_the_registry_and_shapes():
+    import importlib
+
+    from mlxbatch.bench.harness import SECTIONS
+    from mlxbatch.models.random_model import SHAPES
+
+    for name, module in bench_cli.SECTION_MODULES.items():
+        importlib.import_module(f"mlxbatch.bench.{module}")
+        assert SECTIONS[name].__module__ == f"mlxbatch.bench.{module}"
+    assert set(SECTIONS) == set(bench_cli.IN_PROCESS)
+    assert tuple(SHAPES) == bench_cli.SHAPES
+
+
+def test_the_streaming_child_does_not_import_mlx():
+    code = "import sys, mlxbatch.bench.stream_child; print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlx'))"
+    assert _run([sys.executable, "-c", code]).stdout.strip() == "[]"
