@@ -106,7 +106,7 @@ class LLG:
 
     def compile(self, kind):
         # the engine's own grammar for the constraint (imported with mlx before timing: see constraints.main)
-        from mlxbatch.engine.decoding.structured import grammar_text
+        from mlxbatch.engine import grammar_text
         from mlxbatch.types import OutputConstraint
 
         c = {"choice": OutputConstraint.choice(LABELS), "regex": OutputConstraint.regex(REGEX),

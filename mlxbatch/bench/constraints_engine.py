@@ -1,7 +1,8 @@
 """The mask cost of constrained decoding inside the engine (``mlxbatch bench constraints --engine``).
 
 Decode-step time with every row under a long-lived JSON schema against none, at each ``--batches`` size, and the
-time in the grammar calls themselves (mask fill + apply, matcher advance). A step counts when it is a pure decode
+host time in the grammar calls themselves (mask fill, matcher advance: the engine's step profile; the mask's apply
+runs on the device inside the sampling step). A step counts when it is a pure decode
 step of all rows: no prefill tokens and exactly one decode token per row (read from ``Engine.stats()``).
 """
 
@@ -10,12 +11,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-import mlx.core as mx
 
 from mlxbatch.bench.constraint_libs import SCHEMA
 from mlxbatch.engine import Engine, EngineConfig, LoadedModel, ModelSpec, load_model, resolve_path
@@ -37,39 +34,9 @@ def engine_model(name: str) -> LoadedModel:
     return load_model(ModelSpec(str(path), dtype="float32"))
 
 
-@contextmanager
-def timed_grammar_calls(engine: Engine) -> Iterator[dict[str, list[float]]]:
-    """Seconds of each mask (``constrain``, evaluated) and ``advance`` call of the runner's grammars, while open.
-
-    The engine exposes no per-step grammar timing, so this reaches the runner's ``SequenceGrammars`` (a private
-    attribute) and wraps its two methods on that one instance; they are restored on exit.
-    """
-    grammars = engine.core.runner._grammars
-    timing: dict[str, list[float]] = {"mask": [], "advance": []}
-    constrain, advance = grammars.constrain, grammars.advance
-
-    def timed_constrain(ids: list[str], logits: mx.array) -> mx.array:
-        t0 = time.perf_counter()
-        out = constrain(ids, logits)
-        mx.eval(out)  # the step's logits are evaluated already: this is the mask alone
-        timing["mask"].append(time.perf_counter() - t0)
-        return out
-
-    def timed_advance(ids: list[str], toks: list[int]) -> None:
-        t0 = time.perf_counter()
-        advance(ids, toks)
-        timing["advance"].append(time.perf_counter() - t0)
-
-    grammars.constrain, grammars.advance = timed_constrain, timed_advance
-    try:
-        yield timing
-    finally:
-        del grammars.constrain, grammars.advance
-
-
-def _profile(engine: Engine) -> tuple[int, int]:
+def _profile(engine: Engine) -> tuple[int, int, float, float]:
     p = engine.stats()["profile"]
-    return p["prefill_tokens"], p["decode_tokens"]
+    return p["prefill_tokens"], p["decode_tokens"], p["grammar_mask_s"], p["grammar_advance_s"]
 
 
 def engine_run(engine: Engine, rows: int, constrained: bool, warm: int, steps: int) -> dict[str, Any]:
@@ -79,22 +46,19 @@ def engine_run(engine: Engine, rows: int, constrained: bool, warm: int, steps: i
     params = SamplingParams(temperature=0, max_tokens=warm + steps + 8, ignore_eos=True, constraint=constraint)
     ids = [core.add_request(f"Record {i}: write the records as JSON.", params) for i in range(rows)]
     step_s = []
-    with timed_grammar_calls(engine) as timing:
-        try:
-            while len(step_s) < warm + steps and core.has_unfinished:
-                prefill_before, decode_before = _profile(engine)
-                timing["mask"].clear()
-                timing["advance"].clear()
-                t0 = time.perf_counter()
-                core.step()
-                dt = time.perf_counter() - t0
-                prefill_after, decode_after = _profile(engine)
-                if prefill_after == prefill_before and decode_after - decode_before == rows:
-                    step_s.append((dt, sum(timing["mask"]), sum(timing["advance"])))
-        finally:
-            for rid in ids:
-                core.abort(rid)
+    try:
+        while len(step_s) < warm + steps and core.has_unfinished:
+            prefill_before, decode_before, mask_before, adv_before = _profile(engine)
+            t0 = time.perf_counter()
             core.step()
+            dt = time.perf_counter() - t0
+            prefill_after, decode_after, mask_after, adv_after = _profile(engine)
+            if prefill_after == prefill_before and decode_after - decode_before == rows:
+                step_s.append((dt, mask_after - mask_before, adv_after - adv_before))
+    finally:
+        for rid in ids:
+            core.abort(rid)
+        core.step()
     meas = step_s[warm:]
     med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
     return {"step_ms": med([m[0] for m in meas]), "mask_ms": med([m[1] for m in meas]),

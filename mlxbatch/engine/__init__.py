@@ -10,7 +10,7 @@ from mlxbatch.config import EngineConfig
 from mlxbatch.engine.api import Engine
 from mlxbatch.engine.async_core import AsyncEngineCore
 from mlxbatch.engine.core import EngineCore
-from mlxbatch.engine.decoding.structured import GrammarCompiler
+from mlxbatch.engine.decoding.structured import GrammarCompiler, grammar_text
 from mlxbatch.engine.inputs import PromptEncoder, encode_prompt
 from mlxbatch.engine.model.device_speed import DeviceSpeed
 from mlxbatch.engine.model.device_speed import measure as measure_device_speed
@@ -23,5 +23,5 @@ from mlxbatch.engine.vision.adapter import is_vlm_folder
 
 __all__ = ["REGISTRY", "AsyncEngineCore", "DeviceInfo", "DeviceSpeed", "Engine", "EngineConfig", "EngineCore",
            "GrammarCompiler", "LoadedModel", "ModelRegistry", "ModelSpec", "Plan", "PromptEncoder", "Request",
-           "RequestStatus", "Submission", "device_info", "encode_prompt", "is_vlm_folder", "load_model",
+           "RequestStatus", "Submission", "device_info", "encode_prompt", "grammar_text", "is_vlm_folder", "load_model",
            "measure_device_speed", "plan", "resolve_path", "submission_order"]

@@ -57,6 +57,8 @@ class StepProfile:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    grammar_mask_s: float = 0.0  # structured outputs: filling the allowed-token masks (host), inside sampling_s
+    grammar_advance_s: float = 0.0  # ... advancing the matchers by the sampled tokens (host)
     traffic: Traffic = field(default_factory=Traffic)
 
     @property
@@ -69,7 +71,8 @@ class StepProfile:
             "steps": self.steps, "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
             "sampling_s": round(self.sampling_s, 4), "host_s": round(self.host_s, 4),
             "total_s": round(self.total_s, 4), "prefill_tokens": self.prefill_tokens,
-            "decode_tokens": self.decode_tokens, **self.traffic.as_dict(),
+            "decode_tokens": self.decode_tokens, "grammar_mask_s": round(self.grammar_mask_s, 5),
+            "grammar_advance_s": round(self.grammar_advance_s, 5), **self.traffic.as_dict(),
         }
 
 

@@ -158,11 +158,16 @@ class ModelRunner:
             for r in due
         ]
         due_ids = [r.request_id for r in due]
-        tokens_out = sample(self._grammars.constrain(due_ids, all_logits), rows_s)
+        t1 = time.perf_counter()
+        constrained = self._grammars.constrain(due_ids, all_logits)
+        prof.grammar_mask_s += time.perf_counter() - t1
+        tokens_out = sample(constrained, rows_s)
         self.traffic.syncs += 1  # the sampled ids are read back
         prof.sampling_s += time.perf_counter() - t0
         self._commit(out)
+        t1 = time.perf_counter()
         self._grammars.advance(due_ids, [t.token_id for t in tokens_out])  # once the step can no longer fail
+        prof.grammar_advance_s += time.perf_counter() - t1
         done = frozenset(rid for rid in due_ids if self._grammars.done(rid))
         return RunnerOutput({r.request_id: t for r, t in zip(due, tokens_out)}, scored, done)
 

@@ -5,7 +5,7 @@ caches each compiled grammar) and masking the logits of a batch's constrained ro
 allowed-token bitmasks of all constrained rows are filled in one parallel call, then applied with portable MLX
 ops (Metal kernel only on a Metal default device). Unconstrained rows are left bit-identical.
 
-The grammar engine is llguidance, chosen over outlines-core by ``scripts/bench_constraints.py`` (Linux CPU,
+The grammar engine is llguidance, chosen over outlines-core by ``mlxbatch bench constraints`` (Linux CPU,
 2 shared cores; SmolLM2's 49,152-id tokenizer and a synthetic 151,646-id byte-level BPE of Qwen2's size):
 - compile (until the first mask): llguidance 1-2 ms for a 5-label choice, ``\d{3}-\d{4}`` and a 4-field JSON
   schema at either size; outlines-core builds a full vocabulary index per constraint: 10 / 55 / 757 ms at 49k,
