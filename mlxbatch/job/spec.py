@@ -16,9 +16,10 @@ from typing import Any
 import yaml
 
 from mlxbatch.errors import InvalidRequestError, MlxbatchError
+from mlxbatch.job.overrides import JobOverrides, apply_overrides
 from mlxbatch.types import CONSTRAINT_KINDS, OutputConstraint, SamplingParams
 
-SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)}
+SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} - {"constraint"}  # constraints: output.*
 
 
 class JobSpecError(MlxbatchError):
@@ -44,7 +45,10 @@ class InputSection:
     format: str = "auto"
     id_column: str | None = None
     columns: tuple[str, ...] | None = None  # input columns to keep in the output (None: all)
-    split: str | None = None  # the split of a saved Hugging Face DatasetDict
+    split: str | None = None  # the split of a saved Hugging Face DatasetDict (or of input.dataset)
+    limit: int | None = None  # read only the first ``limit`` rows (trial runs: --limit)
+    dataset: str | None = None  # a Hugging Face dataset by name (owner/name) or a local dataset folder, streamed
+    config: str | None = None  # the configuration (subset) of input.dataset
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,8 @@ class TaskSection:
     candidates: tuple[str, ...] | None = None  # score.candidates given as a list
     candidates_column: str | None = None  # score.candidates given as a column name
     answer_column: str | None = None  # score.answer: the right candidate (its index or its text), for accuracy
+    gold_column: str | None = None  # output.gold: the expected text of a generate row, for accuracy
+    keep_prompt: bool = False  # output.keep_prompt: store the prompt the model saw in a ``prompt`` column
 
 
 @dataclass(frozen=True)
@@ -108,15 +114,17 @@ class JobSpec:
     max_error_rate: float = 0.1
     plan: PlanSection = PlanSection()
     task: TaskSection = TaskSection()
+    raw: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # the mapping it was parsed from
+    base_dir: Path | None = field(default=None, compare=False, repr=False)  # relative paths are relative to it
 
 
 _TOP = {"model", "input", "prompt", "sampling", "output", "checkpoint", "engine", "seed", "max_error_rate", "plan", "task",
         "score"}
 _SECTIONS: dict[str, set[str]] = {
     "model": {"path", "dtype", "adapter", "trust_remote_code"},
-    "input": {"path", "format", "id_column", "columns", "split"},
+    "input": {"path", "format", "id_column", "columns", "split", "limit", "dataset", "config"},
     "prompt": {"template", "messages", "system", "chat_template"},
-    "output": {"path", "choice", "regex", "json_schema", "constraint_column"},
+    "output": {"path", "choice", "regex", "json_schema", "constraint_column", "gold", "keep_prompt"},
     "score": {"candidates", "answer"},
     "checkpoint": {"every_rows", "every_seconds"},
     "engine": {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_memory_fraction", "prefix_cache"},
@@ -166,8 +174,8 @@ class _Checker:
             self.bad(path, f"must be > 0, got {value}")
 
 
-def load_job(path: str | Path) -> JobSpec:
-    """Read and validate a job file; raises JobSpecError listing every problem."""
+def load_job(path: str | Path, overrides: JobOverrides | None = None) -> JobSpec:
+    """Read and validate a job file (with command-line ``overrides``); raises JobSpecError listing every problem."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -177,12 +185,14 @@ def load_job(path: str | Path) -> JobSpec:
         raise JobSpecError(str(path), [("<file>", f"not valid YAML: {exc}")]) from exc
     if not isinstance(raw, dict):
         raise JobSpecError(str(path), [("<file>", "the job file must be a YAML mapping")])
-    return parse_job(raw, source=str(path), base_dir=path.parent)
+    return parse_job(raw, source=str(path), base_dir=path.parent, overrides=overrides)
 
 
-def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None = None) -> JobSpec:
+def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None = None,
+              overrides: JobOverrides | None = None) -> JobSpec:
     c = _Checker()
-    base = base_dir or Path.cwd()
+    base = (base_dir or Path.cwd()).resolve()
+    raw, c.problems = apply_overrides(raw, overrides)
     for key in raw:
         if key not in _TOP:
             c.bad(key, f"unknown key (expected one of: {', '.join(sorted(_TOP))})")
@@ -209,23 +219,7 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
         if not Path(model.adapter).exists():
             c.bad("model.adapter", f"no such folder: {model.adapter}")
 
-    i = c.section(raw, "input", shorthand="path")
-    columns = c.typed(i, "input", "columns", list, None)
-    if columns is not None and not all(isinstance(x, str) for x in columns):
-        c.bad("input.columns", "expected a list of column names")
-        columns = None
-    inp = InputSection(path=c.typed(i, "input", "path", str, ""), format=c.typed(i, "input", "format", str, "auto"),
-                       id_column=c.typed(i, "input", "id_column", str, None),
-                       columns=tuple(columns) if columns is not None else None,
-                       split=c.typed(i, "input", "split", str, None))
-    if raw.get("input") is not None and not inp.path:
-        c.bad("input.path", "required: a file, folder or glob")
-    if inp.format not in _FORMATS:
-        c.bad("input.format", f"expected one of {', '.join(sorted(_FORMATS))}, got {inp.format!r}")
-    if inp.path:
-        inp = dataclasses.replace(inp, path=str(_resolve(base, inp.path)))
-        if not any(ch in inp.path for ch in "*?[") and not Path(inp.path).exists():
-            c.bad("input.path", f"no such file or folder: {inp.path}")
+    inp = _input(c, raw, base)
 
     p = c.section(raw, "prompt", shorthand="template")
     messages = c.typed(p, "prompt", "messages", list, None)
@@ -249,6 +243,8 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     if raw.get("output") is not None and not out_path:
         c.bad("output.path", "required: the output folder")
     task = _task(c, raw, o)
+    if task.gold_column is not None and inp.columns is not None and task.gold_column not in inp.columns:
+        inp = dataclasses.replace(inp, columns=inp.columns + (task.gold_column,))  # kept: correct is checked on it
     ck = c.section(raw, "checkpoint")
     checkpoint = CheckpointSection(c.typed(ck, "checkpoint", "every_rows", int, 256),
                                    c.typed(ck, "checkpoint", "every_seconds", float, 60.0))
@@ -274,7 +270,48 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     if c.problems:
         raise JobSpecError(source, c.problems)
     return JobSpec(source, model, inp, prompt, sampling, _resolve(base, out_path), checkpoint, engine, seed,
-                   max_error_rate, plan, task)
+                   max_error_rate, plan, task, raw=raw, base_dir=base)
+
+
+def _input(c: _Checker, raw: dict[str, Any], base: Path) -> InputSection:
+    i = c.section(raw, "input", shorthand="path")
+    columns = c.typed(i, "input", "columns", list, None)
+    if columns is not None and not all(isinstance(x, str) for x in columns):
+        c.bad("input.columns", "expected a list of column names")
+        columns = None
+    inp = InputSection(path=c.typed(i, "input", "path", str, ""), format=c.typed(i, "input", "format", str, "auto"),
+                       id_column=c.typed(i, "input", "id_column", str, None),
+                       columns=tuple(columns) if columns is not None else None,
+                       split=c.typed(i, "input", "split", str, None), limit=c.typed(i, "input", "limit", int, None),
+                       dataset=c.typed(i, "input", "dataset", str, None),
+                       config=c.typed(i, "input", "config", str, None))
+    if inp.limit is not None:
+        c.positive("input.limit", inp.limit)
+    if inp.dataset is not None:
+        if inp.path:
+            c.bad("input", "give one of input.path (files) or input.dataset (a dataset by name), not both")
+        if inp.format not in ("auto", "hf"):
+            c.bad("input.format", f"input.dataset is read by the datasets library; format {inp.format!r} does not apply")
+        local = _resolve(base, inp.dataset)
+        if inp.dataset.startswith((".", "/", "~")) or local.exists():
+            if not local.exists():
+                c.bad("input.dataset", f"no such folder: {local}")
+            inp = dataclasses.replace(inp, dataset=str(local))
+        elif inp.dataset.count("/") > 1 or not inp.dataset.strip("/"):
+            c.bad("input.dataset", f"expected a Hugging Face dataset name (owner/name) or a local folder, "
+                                   f"got {inp.dataset!r}")
+        return inp
+    if inp.config is not None:
+        c.bad("input.config", "only used with input.dataset")
+    if raw.get("input") is not None and not inp.path:
+        c.bad("input.path", "required: a file, folder or glob (or input.dataset: a dataset by name)")
+    if inp.format not in _FORMATS:
+        c.bad("input.format", f"expected one of {', '.join(sorted(_FORMATS))}, got {inp.format!r}")
+    if inp.path:
+        inp = dataclasses.replace(inp, path=str(_resolve(base, inp.path)))
+        if not any(ch in inp.path for ch in "*?[") and not Path(inp.path).exists():
+            c.bad("input.path", f"no such file or folder: {inp.path}")
+    return inp
 
 
 def _sampling(c: _Checker, raw: dict[str, Any]) -> SamplingSection:
@@ -288,15 +325,28 @@ def _sampling(c: _Checker, raw: dict[str, Any]) -> SamplingSection:
             c.bad(f"sampling.overrides.{key}", "not a sampling parameter")
     values = {k: v for k, v in s.items() if k != "overrides"}
     for key in list(values):
-        if key not in SAMPLING_KEYS:
+        if key == "constraint":
+            c.bad("sampling.constraint", "set an output constraint with output.choice, output.regex or "
+                                         "output.json_schema (or per row with output.constraint_column)")
+            values.pop(key)
+        elif key not in SAMPLING_KEYS:
             c.bad(f"sampling.{key}", f"unknown key (expected one of: {', '.join(sorted(SAMPLING_KEYS))}, overrides)")
             values.pop(key)
     for key in ("stop", "stop_token_ids"):
         if isinstance(values.get(key), list):
             values[key] = tuple(values[key])
     values.setdefault("temperature", 0.0)  # offline jobs default to greedy: reproducible labels
+    for key in list(values):  # each value on its own first: every bad one is reported, not only the first
+        alone: dict[str, Any] = {"temperature": 0.0, key: values[key]}
+        if key == "min_tokens":
+            alone["max_tokens"] = 1 << 30
+        try:
+            SamplingParams(**alone)
+        except (ValueError, TypeError) as exc:
+            c.bad(f"sampling.{getattr(exc, 'field', None) or key}", getattr(exc, "reason", str(exc)))
+            values.pop(key)
     try:
-        params = SamplingParams(**values)
+        params = SamplingParams(**values)  # what is left: checks between fields (min_tokens <= max_tokens)
     except (ValueError, TypeError) as exc:
         field_name = getattr(exc, "field", None)
         c.bad(f"sampling.{field_name}" if field_name else "sampling", getattr(exc, "reason", str(exc)))
@@ -353,7 +403,11 @@ def _task(c: _Checker, raw: dict[str, Any], out: dict[str, Any]) -> TaskSection:
             c.bad("output", "choice / regex / json_schema constrain generated text; task score generates none")
     elif s:
         c.bad("score", "only used with task: score")
-    return TaskSection(kind, constraint, column, candidates, candidates_column, answer)
+    gold = c.typed(out, "output", "gold", str, None)
+    if kind == "score" and gold is not None:
+        c.bad("output.gold", "task score names its answer column in score.answer")
+    return TaskSection(kind, constraint, column, candidates, candidates_column, answer, gold,
+                       c.typed(out, "output", "keep_prompt", bool, False))
 
 
 def _resolve(base: Path, value: str) -> Path:
