@@ -4,12 +4,15 @@ Owns the plan report and the prediction of the run's prefill tokens (what report
 ``prefix_reuse.prefill_tokens_computed``):
 - rows are cut into the job's windows (``plan.window``) by input position, as the run's feed cuts them, and a
   window's text rows are planned along their token trie: the floor is the trie's node count (``distinct_tokens``);
+  as in the engine, a row starts from the longest prefix one of the last ``LIVE_SOURCES`` rows submitted holds
+  (to the token: within a window the row before it in trie order, across windows the last rows of the one before)
+  or from whole blocks of the prefix cache, which outlives a window;
 - ``task: score`` rows prefill their context once and each candidate after it; every candidate but the first
   recomputes the context's last token (its logits predict the candidate's first token);
 - rows with images are not planned by the run (pictures are decoded only when a row runs): they reuse whole
   16-token blocks of the prefix cache, keyed by the images' content, and are predicted so, from their real
   token ids (with the model loaded, the processor expands each image to its placeholder tokens);
-- ``plan.enabled: false`` (longest first, LRU cache) is predicted with the same block-cache model, and
+- ``plan.enabled: false`` (longest first, LRU cache) is predicted with the same reuse rules in that order, and
   ``engine.prefix_cache: false`` as no reuse.
 Rows are kept as compact ``array('i')`` token sequences (4 bytes a token); memory holds one window.
 The ETA comes from ``job.calibrate``: a short real run of the model on this machine (a FLOPs estimate without
@@ -18,6 +21,7 @@ weights).
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from array import array
@@ -27,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from mlxbatch.engine.kv_blocks import BLOCK_SIZE, block_hashes
-from mlxbatch.engine.planner import plan
+from mlxbatch.engine.planner import common_prefix_len, plan
+from mlxbatch.engine.prefix_reuse import LIVE_SOURCES
 from mlxbatch.io import InputFormat, open_reader, resolve_inputs
 from mlxbatch.job.calibrate import Eta, estimate, measured_eta
 from mlxbatch.job.model_ref import local_model_dir
@@ -93,14 +98,23 @@ class _BlockCache:
     def __init__(self) -> None:
         self.seen: set[int] = set()
 
-    def prefill(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> int:
+    def cached(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> int:
+        """Leading tokens whose whole blocks are cached (never the last token: its logits are needed)."""
         chain = block_hashes(list(tokens), BLOCK_SIZE, media)
-        usable = (len(tokens) - 1) // BLOCK_SIZE  # the last token is always computed (its logits are needed)
+        usable = min((len(tokens) - 1) // BLOCK_SIZE, len(chain))
         hits = 0
-        while hits < min(usable, len(chain)) and chain[hits] in self.seen:
+        while hits < usable and chain[hits] in self.seen:
             hits += 1
-        self.seen.update(chain)
-        return len(tokens) - hits * BLOCK_SIZE
+        return hits * BLOCK_SIZE
+
+    def store(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> None:
+        self.seen.update(block_hashes(list(tokens), BLOCK_SIZE, media))
+
+    def prefill(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> int:
+        """Tokens computed for ``tokens`` (then cached)."""
+        computed = len(tokens) - self.cached(tokens, media)
+        self.store(tokens, media)
+        return computed
 
 
 @dataclass
@@ -125,6 +139,7 @@ class _Planner:
         self.spec, self.tok, self.loaded = spec, tok, loaded
         self.encoder = PromptEncoder(tok)
         self.cache = _BlockCache()
+        self.recent: collections.deque[Sequence[int]] = collections.deque(maxlen=LIVE_SOURCES)
         self.t = _Tally()
         self.sample_size = spec.engine.max_num_seqs
 
@@ -134,6 +149,7 @@ class _Planner:
         encoded = self.encoder.encode_many([p.prompt for p in text])  # type: ignore[misc]
         seqs: list[array[int]] = []
         extra = 0  # score rows: candidate tokens, and the context's last token again for each later candidate
+        more_prompt = 0  # score rows: every candidate's sequence is context + candidate
         for prep, ids in zip(text, encoded):
             if isinstance(ids, str):
                 t.skipped += 1
@@ -144,21 +160,21 @@ class _Planner:
             if prep.candidates is not None:
                 t.scored += 1
                 lens = [len(self.tok.encode(c, add_special_tokens=False)) for c in prep.candidates]
-                t.prompt += sum(lens) + len(ids) * (len(lens) - 1)
+                more_prompt += sum(lens) + len(ids) * (len(lens) - 1)
                 extra += lens[0] + sum(1 + n for n in lens[1:])
         if seqs:
             p = plan(seqs)
             t.windows += 1
             t.planned += len(seqs)
-            t.prompt += p.total_tokens
+            t.prompt += p.total_tokens + more_prompt
             t.distinct += p.distinct_tokens
             t.peak = max(t.peak, p.peak_retained_tokens())
             if not spec.engine.prefix_cache:
-                t.prefill += p.total_tokens + extra
+                t.prefill += p.total_tokens + more_prompt
             elif spec.plan.enabled:
-                t.prefill += p.distinct_tokens + extra
-            else:  # longest first, whole cached blocks
-                t.prefill += sum(self.cache.prefill(s) for s in sorted(seqs, key=len, reverse=True)) + extra
+                t.prefill += sum(self._reuse(seqs[r.index]) for r in p.rows) + extra
+            else:  # longest first (the same reuse rules, in the run's order)
+                t.prefill += sum(self._reuse(s) for s in sorted(seqs, key=lambda s: -len(s))) + extra
         for prep in (p for p in preps if p.images):
             t.images += 1
             ids, media, encoded_prompt = self._image_tokens(prep)
@@ -167,6 +183,14 @@ class _Planner:
                 t.prefill += self.cache.prefill(ids, media) if spec.engine.prefix_cache else len(ids)
             if encoded_prompt is not None and len(t.sample) < self.sample_size:
                 t.sample.append(encoded_prompt)
+
+    def _reuse(self, seq: Sequence[int]) -> int:
+        """Tokens ``seq`` computes, submitted now: it starts from the longest prefix a recently submitted row holds
+        (to the token; in trie order the row before shares the most) or the cache's whole blocks."""
+        reuse = max([self.cache.cached(seq)] + [common_prefix_len(seq, s) for s in self.recent])
+        self.recent.append(seq)
+        self.cache.store(seq)
+        return len(seq) - min(reuse, len(seq) - 1)
 
     def predict(self, prompts: list[Any]) -> int:
         """The prefill predicted for ``prompts`` (token ids or encoded image prompts) run alone, as one window."""
