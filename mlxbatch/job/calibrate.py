@@ -60,8 +60,8 @@ class Eta:
                     f"{self.decode_s_per_step or 0:.3f} s a decode step, ~{self.tokens_per_row or 0:.1f} tokens a row")
         return (f"ETA: ~{self.total_s / 60:.1f} min (prefill {self.prefill_s:.0f} s, decode <= {self.decode_s:.0f} s) "
                 f"on this device ({self.matmul_gflops or 0:.0f} GFLOP/s matmul, {self.bandwidth_gbs or 0:.0f} GB/s "
-                "measured); an estimate from FLOPs (no weights here): every row generating max_tokens, attention "
-                "and host time not counted")
+                "measured); an estimate from FLOPs, not measured (--no-calibrate, or no weights here): every row "
+                "generating max_tokens, attention and host time not counted")
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}

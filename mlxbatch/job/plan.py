@@ -73,8 +73,9 @@ class PlanReport:
             f"rows: {self.rows} ({self.planned_rows} planned, {self.image_rows} with images, {self.score_rows} "
             f"scored, {self.skipped_rows} would be error rows)",
             f"prompt tokens: {self.prompt_tokens}",
-            f"distinct trie tokens (prefill floor of the planned rows): {self.distinct_tokens}",
-            f"predicted prefill: {self.prefill_tokens} tokens, saving {self.saving:.1%} of the prompt tokens",
+            f"distinct trie tokens (prefill floor): {self.distinct_tokens} (the planned rows, window by window)",
+            f"expected prefill saving: {self.saving:.1%} (predicted prefill: {self.prefill_tokens} of "
+            f"{self.prompt_tokens} prompt tokens, as report.json will count them)",
             f"peak shared-prefix KV retained: {self.peak_retained_tokens} tokens "
             f"({self.peak_retained_bytes / 2**20:.1f} MiB at {self.kv_bytes_per_token} bytes/token, float32)",
             f"planned {'in windows of ' + str(self.window) + ' rows' if self.windowed else 'whole'}"
