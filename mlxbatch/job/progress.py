@@ -29,6 +29,7 @@ class Progress:
         self._total = total
         self._bar: tqdm | None = None
         self.resumed = 0
+        self.done = 0  # rows finished in this run (a disabled bar counts nothing)
         self._last = self._last_log = 0.0
 
     def loading(self, model: str) -> None:
@@ -47,11 +48,14 @@ class Progress:
         if n <= 0:
             return
         self.resumed += n
+        if self._total is not None:
+            self._total = max(self.done, self._total - n)
         if self._bar is not None and self._bar.total is not None:
             self._bar.total = max(self._bar.n, self._bar.total - n)
             self._bar.refresh()
 
     def finished(self, n: int = 1) -> None:
+        self.done += n
         if self._bar is not None:
             self._bar.update(n)
 
@@ -69,9 +73,7 @@ class Progress:
             self._bar.set_postfix(figures, refresh=False)
         elif now - self._last_log >= LOG_EVERY_S:
             self._last_log = now
-            done = self._bar.n if self._bar is not None else stats.finished
-            total = self._bar.total if self._bar is not None else None
-            log.info("%d/%s rows this run, %s", done, total if total is not None else "?",
+            log.info("%d/%s rows this run, %s", self.done, self._total if self._total is not None else "?",
                      ", ".join(f"{k} {v}" for k, v in figures.items()))
 
     def close(self) -> None:

@@ -68,7 +68,7 @@ def test_status_counts_current_records_against_the_job(tmp_path, tiny_model_path
     assert status(out)["rows_done"] == 16  # against what the last run ran
 
 
-def test_progress_counts_only_rows_run_now(tmp_path, tiny_model_path, capfd):
+def test_progress_counts_only_rows_run_now(tmp_path, tiny_model_path, capfd, caplog, monkeypatch):
     rows = texts(24)
     for r in rows:
         r["budget"] = 6
@@ -85,3 +85,14 @@ def test_progress_counts_only_rows_run_now(tmp_path, tiny_model_path, capfd):
     final = err.replace("\r", "\n").strip().splitlines()[-1]
     assert "3/3" in final and "resumed=21" in final and "24/24" not in err, final
     assert "in_flight=" in final and "in_tok_s=" in final and "cached=" in final
+    # without a terminal, the same figures go to the log
+    from mlxbatch.job import progress
+
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    for r in rows[3:5]:
+        r["budget"] = 3
+    write_jsonl(data, rows)
+    with caplog.at_level("INFO", logger="mlxbatch.job.progress"):
+        run(job)
+    lines = [r.getMessage() for r in caplog.records if "rows this run" in r.getMessage()]
+    assert lines and lines[-1].startswith("2/2 rows this run") and "resumed 22" in lines[-1], lines
