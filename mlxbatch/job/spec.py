@@ -1,8 +1,9 @@
 """JobSpec: the job file, parsed and validated in exactly one place.
 
 Owns the YAML schema. Every problem is reported with its key path and reason (all of them at once) before
-any model loads; a key given twice in one mapping is a problem too (YAML would silently keep the last). Structural checks live here; checks that need the input data (template fields no row
-provides) live in ``job.validate``.
+any model loads; a key given twice in one mapping is a problem too (YAML would silently keep the last).
+Structural checks live here; checks that need the input data (template fields no row provides) live in
+``job.validate``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import yaml
 
 from mlxbatch.config import EngineConfig
 from mlxbatch.errors import InvalidRequestError, MlxbatchError
+from mlxbatch.job.overrides import JobOverrides, apply_overrides
 from mlxbatch.types import CONSTRAINT_KINDS, OutputConstraint, SamplingParams
 
-SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)}
+SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} - {"constraint"}  # constraints: output.*
 
 
 class JobSpecError(MlxbatchError):
@@ -45,8 +47,11 @@ class InputSection:
     format: str = "auto"
     id_column: str | None = None
     columns: tuple[str, ...] | None = None  # input columns to keep in the output (None: all)
-    split: str | None = None  # the split of a saved Hugging Face DatasetDict
+    split: str | None = None  # the split of a saved Hugging Face DatasetDict (or of input.dataset)
     image_roots: tuple[str, ...] = ()  # folders images may come from besides the input file's own (resolved)
+    limit: int | None = None  # read only the first ``limit`` rows (trial runs: --limit)
+    dataset: str | None = None  # a Hugging Face dataset by name (owner/name) or a local dataset folder, streamed
+    config: str | None = None  # the configuration (subset) of input.dataset
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,8 @@ class TaskSection:
     candidates: tuple[str, ...] | None = None  # score.candidates given as a list
     candidates_column: str | None = None  # score.candidates given as a column name
     answer_column: str | None = None  # score.answer: the right candidate (its index or its text), for accuracy
+    gold_column: str | None = None  # output.gold: the expected text of a generate row, for accuracy
+    keep_prompt: bool = False  # output.keep_prompt: store the prompt the model saw in a ``prompt`` column
 
 
 @dataclass(frozen=True)
@@ -111,15 +118,17 @@ class JobSpec:
     plan: PlanSection = PlanSection()
     task: TaskSection = TaskSection()
     overwrite: bool = False  # output.overwrite: take over a folder holding another job's results or other files
+    raw: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # the mapping it was parsed from
+    base_dir: Path | None = field(default=None, compare=False, repr=False)  # relative paths are relative to it
 
 
 _TOP = {"model", "input", "prompt", "sampling", "output", "checkpoint", "engine", "seed", "max_error_rate", "plan", "task",
         "score"}
 _SECTIONS: dict[str, set[str]] = {
     "model": {"path", "dtype", "adapter", "trust_remote_code"},
-    "input": {"path", "format", "id_column", "columns", "split", "image_roots"},
+    "input": {"path", "format", "id_column", "columns", "split", "image_roots", "limit", "dataset", "config"},
     "prompt": {"template", "messages", "system", "chat_template"},
-    "output": {"path", "choice", "regex", "json_schema", "constraint_column", "overwrite"},
+    "output": {"path", "choice", "regex", "json_schema", "constraint_column", "overwrite", "gold", "keep_prompt"},
     "score": {"candidates", "answer"},
     "checkpoint": {"every_rows", "every_seconds"},
     "engine": {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_memory_fraction", "prefix_cache"},
@@ -169,8 +178,8 @@ class _Checker:
             self.bad(path, f"must be > 0, got {value}")
 
 
-def load_job(path: str | Path) -> JobSpec:
-    """Read and validate a job file; raises JobSpecError listing every problem."""
+def load_job(path: str | Path, overrides: JobOverrides | None = None) -> JobSpec:
+    """Read and validate a job file (with command-line ``overrides``); raises JobSpecError listing every problem."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -186,7 +195,7 @@ def load_job(path: str | Path) -> JobSpec:
         raise JobSpecError(str(path), duplicates)
     if not isinstance(raw, dict):
         raise JobSpecError(str(path), [("<file>", "the job file must be a YAML mapping")])
-    return parse_job(raw, source=str(path), base_dir=path.parent)
+    return parse_job(raw, source=str(path), base_dir=path.parent, overrides=overrides)
 
 
 def _duplicate_keys(node: yaml.Node | None, path: str = "") -> list[tuple[str, str]]:
@@ -208,9 +217,11 @@ def _duplicate_keys(node: yaml.Node | None, path: str = "") -> list[tuple[str, s
     return problems
 
 
-def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None = None) -> JobSpec:
+def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None = None,
+              overrides: JobOverrides | None = None) -> JobSpec:
     c = _Checker()
-    base = base_dir or Path.cwd()
+    base = (base_dir or Path.cwd()).resolve()
+    raw, c.problems = apply_overrides(raw, overrides)
     for key in raw:
         if key not in _TOP:
             c.bad(key, f"unknown key (expected one of: {', '.join(sorted(_TOP))})")
@@ -237,28 +248,7 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
         if not Path(model.adapter).exists():
             c.bad("model.adapter", f"no such folder: {model.adapter}")
 
-    i = c.section(raw, "input", shorthand="path")
-    columns = c.typed(i, "input", "columns", list, None)
-    if columns is not None and not all(isinstance(x, str) for x in columns):
-        c.bad("input.columns", "expected a list of column names")
-        columns = None
-    inp = InputSection(path=c.typed(i, "input", "path", str, ""), format=c.typed(i, "input", "format", str, "auto"),
-                       id_column=c.typed(i, "input", "id_column", str, None),
-                       columns=tuple(columns) if columns is not None else None,
-                       split=c.typed(i, "input", "split", str, None))
-    roots = c.typed(i, "input", "image_roots", list, [])
-    for n, r in enumerate(roots):
-        if not isinstance(r, str) or not r or not _resolve(base, r).is_dir():
-            c.bad(f"input.image_roots[{n}]", f"expected an existing folder, got {r!r}")
-    inp = dataclasses.replace(inp, image_roots=tuple(str(_resolve(base, r)) for r in roots if isinstance(r, str)))
-    if raw.get("input") is not None and not inp.path:
-        c.bad("input.path", "required: a file, folder or glob")
-    if inp.format not in _FORMATS:
-        c.bad("input.format", f"expected one of {', '.join(sorted(_FORMATS))}, got {inp.format!r}")
-    if inp.path:
-        inp = dataclasses.replace(inp, path=str(_resolve(base, inp.path)))
-        if not any(ch in inp.path for ch in "*?[") and not Path(inp.path).exists():
-            c.bad("input.path", f"no such file or folder: {inp.path}")
+    inp = _input(c, raw, base)
 
     p = c.section(raw, "prompt", shorthand="template")
     messages = c.typed(p, "prompt", "messages", list, None)
@@ -283,6 +273,8 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
         c.bad("output.path", "required: the output folder")
     overwrite = c.typed(o, "output", "overwrite", bool, False)
     task = _task(c, raw, o)
+    if task.gold_column is not None and inp.columns is not None and task.gold_column not in inp.columns:
+        inp = dataclasses.replace(inp, columns=inp.columns + (task.gold_column,))  # kept: correct is checked on it
     ck = c.section(raw, "checkpoint")
     checkpoint = CheckpointSection(c.typed(ck, "checkpoint", "every_rows", int, 256),
                                    c.typed(ck, "checkpoint", "every_seconds", float, 60.0))
@@ -308,7 +300,53 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     if c.problems:
         raise JobSpecError(source, c.problems)
     return JobSpec(source, model, inp, prompt, sampling, _resolve(base, out_path), checkpoint, engine, seed,
-                   max_error_rate, plan, task, overwrite)
+                   max_error_rate, plan, task, overwrite, raw=raw, base_dir=base)
+
+
+def _input(c: _Checker, raw: dict[str, Any], base: Path) -> InputSection:
+    i = c.section(raw, "input", shorthand="path")
+    columns = c.typed(i, "input", "columns", list, None)
+    if columns is not None and not all(isinstance(x, str) for x in columns):
+        c.bad("input.columns", "expected a list of column names")
+        columns = None
+    inp = InputSection(path=c.typed(i, "input", "path", str, ""), format=c.typed(i, "input", "format", str, "auto"),
+                       id_column=c.typed(i, "input", "id_column", str, None),
+                       columns=tuple(columns) if columns is not None else None,
+                       split=c.typed(i, "input", "split", str, None), limit=c.typed(i, "input", "limit", int, None),
+                       dataset=c.typed(i, "input", "dataset", str, None),
+                       config=c.typed(i, "input", "config", str, None))
+    if inp.limit is not None:
+        c.positive("input.limit", inp.limit)
+    roots = c.typed(i, "input", "image_roots", list, [])
+    for n, r in enumerate(roots):
+        if not isinstance(r, str) or not r or not _resolve(base, r).is_dir():
+            c.bad(f"input.image_roots[{n}]", f"expected an existing folder, got {r!r}")
+    inp = dataclasses.replace(inp, image_roots=tuple(str(_resolve(base, r)) for r in roots if isinstance(r, str)))
+    if inp.dataset is not None:
+        if inp.path:
+            c.bad("input", "give one of input.path (files) or input.dataset (a dataset by name), not both")
+        if inp.format not in ("auto", "hf"):
+            c.bad("input.format", f"input.dataset is read by the datasets library; format {inp.format!r} does not apply")
+        local = _resolve(base, inp.dataset)
+        if inp.dataset.startswith((".", "/", "~")) or local.exists():
+            if not local.exists():
+                c.bad("input.dataset", f"no such folder: {local}")
+            inp = dataclasses.replace(inp, dataset=str(local))
+        elif inp.dataset.count("/") > 1 or not inp.dataset.strip("/"):
+            c.bad("input.dataset", f"expected a Hugging Face dataset name (owner/name) or a local folder, "
+                                   f"got {inp.dataset!r}")
+        return inp
+    if inp.config is not None:
+        c.bad("input.config", "only used with input.dataset")
+    if raw.get("input") is not None and not inp.path:
+        c.bad("input.path", "required: a file, folder or glob (or input.dataset: a dataset by name)")
+    if inp.format not in _FORMATS:
+        c.bad("input.format", f"expected one of {', '.join(sorted(_FORMATS))}, got {inp.format!r}")
+    if inp.path:
+        inp = dataclasses.replace(inp, path=str(_resolve(base, inp.path)))
+        if not any(ch in inp.path for ch in "*?[") and not Path(inp.path).exists():
+            c.bad("input.path", f"no such file or folder: {inp.path}")
+    return inp
 
 
 def _sampling(c: _Checker, raw: dict[str, Any]) -> SamplingSection:
@@ -323,11 +361,11 @@ def _sampling(c: _Checker, raw: dict[str, Any]) -> SamplingSection:
     values = {k: v for k, v in s.items() if k != "overrides"}
     for key in list(values):
         if key == "constraint":
-            c.bad("sampling.constraint", "set output.choice, output.regex or output.json_schema instead")
+            c.bad("sampling.constraint", "set an output constraint with output.choice, output.regex or "
+                                         "output.json_schema (or per row with output.constraint_column)")
             values.pop(key)
         elif key not in SAMPLING_KEYS:
-            c.bad(f"sampling.{key}", f"unknown key (expected one of: {', '.join(sorted(SAMPLING_KEYS - {'constraint'}))},"
-                                     " overrides)")
+            c.bad(f"sampling.{key}", f"unknown key (expected one of: {', '.join(sorted(SAMPLING_KEYS))}, overrides)")
             values.pop(key)
     for key, kind in (("stop", "strings"), ("stop_token_ids", "token ids")):
         value = values.get(key)
@@ -337,20 +375,21 @@ def _sampling(c: _Checker, raw: dict[str, Any]) -> SamplingSection:
             c.bad(f"sampling.{key}", f"expected a list of {kind}, got {type(value).__name__}")
             values.pop(key)
     values.setdefault("temperature", 0.0)  # offline jobs default to greedy: reproducible labels
-    bad = False
-    for key, value in values.items():  # each value alone first: every bad key is named, all at once
+    for key in list(values):  # each value on its own first: every bad one is reported, not only the first
+        alone: dict[str, Any] = {"temperature": 0.0, key: values[key]}
+        if key == "min_tokens":
+            alone["max_tokens"] = 1 << 30
         try:
-            SamplingParams(**{"temperature": 0.0, key: value})
+            SamplingParams(**alone)
         except (ValueError, TypeError) as exc:
-            if getattr(exc, "field", key) == key:
-                c.bad(f"sampling.{key}", getattr(exc, "reason", f"invalid value {value!r:.60} ({exc})"))
-                bad = True
+            c.bad(f"sampling.{getattr(exc, 'field', None) or key}",
+                  getattr(exc, "reason", f"invalid value {values[key]!r:.60} ({exc})"))
+            values.pop(key)
     try:
-        params = SamplingParams(**values)
-    except (ValueError, TypeError) as exc:  # a combination (min_tokens > max_tokens, ...)
-        if not bad:
-            field_name = getattr(exc, "field", None)
-            c.bad(f"sampling.{field_name}" if field_name else "sampling", getattr(exc, "reason", str(exc)))
+        params = SamplingParams(**values)  # what is left: checks between fields (min_tokens <= max_tokens)
+    except (ValueError, TypeError) as exc:
+        field_name = getattr(exc, "field", None)
+        c.bad(f"sampling.{field_name}" if field_name else "sampling", getattr(exc, "reason", str(exc)))
         params = SamplingParams(temperature=0.0)
     return SamplingSection(params, dict(overrides))
 
@@ -407,7 +446,11 @@ def _task(c: _Checker, raw: dict[str, Any], out: dict[str, Any]) -> TaskSection:
             c.bad("output", "choice / regex / json_schema constrain generated text; task score generates none")
     elif s:
         c.bad("score", "only used with task: score")
-    return TaskSection(kind, constraint, column, candidates, candidates_column, answer)
+    gold = c.typed(out, "output", "gold", str, None)
+    if kind == "score" and gold is not None:
+        c.bad("output.gold", "task score names its answer column in score.answer")
+    return TaskSection(kind, constraint, column, candidates, candidates_column, answer, gold,
+                       c.typed(out, "output", "keep_prompt", bool, False))
 
 
 def _resolve(base: Path, value: str) -> Path:
