@@ -15,11 +15,13 @@ __version__ = "0.1.0"
 __all__ = [
     "FinishReason",
     "InvalidRequestError",
+    "JobResult",
     "MlxbatchError",
     "OutputConstraint",
     "RequestOutput",
     "SamplingParams",
     "__version__",
+    "run_job",
 ]
 
 
@@ -28,4 +30,8 @@ def __getattr__(name: str):  # lazy: importing the engine imports mlx
         from mlxbatch import engine
 
         return getattr(engine, name)
+    if name in ("run_job", "JobResult"):  # the in-process job API (notebooks, scripts, threads)
+        from mlxbatch.job import api
+
+        return getattr(api, name)
     raise AttributeError(name)

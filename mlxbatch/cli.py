@@ -1,7 +1,8 @@
-"""The command line: ``mlxbatch run | validate | plan | status | generate | info | bench``.
+"""The command line: ``mlxbatch run | validate | plan | status | show | generate | info | bench``.
 
 Owns process-level concerns only: logging set-up (once, here), exit codes and messages. Exit codes: 0 done,
-1 error, 2 invalid job file, 3 too many row errors, 130 interrupted (resume by running the same command).
+1 error, 2 invalid job file, 3 too many row errors, 64 command-line usage error (an unknown option, a bad option
+value), 130 interrupted (resume by running the same command).
 """
 
 from __future__ import annotations
@@ -10,14 +11,14 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
 import mlxbatch  # noqa: F401  (preloads OpenBLAS before anything imports mlx)
 from mlxbatch.errors import MlxbatchError
 
-EXIT_INVALID, EXIT_ERRORS, EXIT_INTERRUPTED = 2, 3, 130
+EXIT_INVALID, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERRUPTED = 2, 3, 64, 130
 
 
 def _fail(exc: MlxbatchError) -> NoReturn:
@@ -37,7 +38,25 @@ def _setup_logging(verbose: int) -> None:
         logging.getLogger("mlxbatch").setLevel(min(level, logging.INFO))
 
 
-@click.group()
+class _Commands(click.Group):
+    """Command-line usage errors exit with EXIT_USAGE (click's own 2 is an invalid job file here)."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            exc.exit_code = EXIT_USAGE
+            raise
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            exc.exit_code = EXIT_USAGE
+            raise
+
+
+@click.group(cls=_Commands)
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 @click.version_option(mlxbatch.__version__)
 def main(verbose: int) -> None:
@@ -45,10 +64,42 @@ def main(verbose: int) -> None:
     _setup_logging(verbose)
 
 
+def _job_options(f: Any) -> Any:
+    """--set / --limit / --output: change a job without editing its file (typed and checked like the file)."""
+    f = click.option("--output", "-o", "output", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help="Output folder (instead of the job's output.path; relative to the current folder).")(f)
+    f = click.option("--limit", type=click.IntRange(min=1), default=None,
+                     help="Only the first N input rows (a trial run; the same folder resumes them later).")(f)
+    return click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+                        help="Set a job key, e.g. --set sampling.temperature=0.7 (a YAML value; repeatable).")(f)
+
+
+def _overrides(sets: tuple[str, ...], limit: int | None, output: Path | None) -> Any:
+    from mlxbatch.job.overrides import JobOverrides
+
+    return JobOverrides(sets=sets, limit=limit, output=output)
+
+
+def _done_line(report: dict[str, Any], out_dir: str) -> str:
+    rows, this = report["rows"], report.get("this_run", {})
+    parts = [f"done: {rows['output']} rows, {rows['errors']} errors ({rows['finished_this_run']} run now, "
+             f"{rows['resumed']} resumed)"]
+    if this.get("finished"):
+        if report["tokens"]["generated"] or this.get("generated_tokens_per_s"):
+            parts.append(f"{this['generated_tokens_per_s']} tok/s")
+        else:  # scoring generates nothing: its speed is in rows and prompt tokens
+            parts.append(f"{this['rows_per_s']} rows/s, {this['prompt_tokens_per_s']} prompt tok/s")
+    acc = report.get("accuracy")
+    if acc and acc.get("accuracy") is not None:
+        parts.append(f"accuracy {acc['accuracy']:.1%} ({acc['correct']}/{acc['answered']})")
+    return ", ".join(parts) + f" -> {out_dir}/results.parquet"
+
+
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when on a terminal).")
-def run(job_file: Path, progress: bool | None) -> None:
+@_job_options
+def run(job_file: Path, progress: bool | None, sets: tuple[str, ...], limit: int | None, output: Path | None) -> None:
     """Run JOB_FILE; run it again after a crash to resume where it stopped."""
     from mlxbatch.job.awake import keep_awake
     from mlxbatch.job.runner import JobRunner
@@ -56,55 +107,78 @@ def run(job_file: Path, progress: bool | None) -> None:
 
     try:
         with keep_awake():  # macOS: no idle sleep while the job runs (caffeinate)
-            result = JobRunner(validate_job(job_file), progress=progress).run()
+            result = JobRunner(validate_job(job_file, _overrides(sets, limit, output)), progress=progress).run()
     except MlxbatchError as exc:
         _fail(exc)
-    r = result.report
-    click.echo(f"done: {r['rows']['output']} rows ({r['rows']['errors']} errors this run, {r['rows']['resumed']} "
-               f"resumed), {r['generated_tokens_per_s']} tok/s -> {result.out_dir}/results.parquet")
+    click.echo(_done_line(result.report, result.out_dir))
 
 
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
-def validate(job_file: Path) -> None:
-    """Check JOB_FILE without loading a model: keys, types, files, template fields."""
-    from mlxbatch.job.validate import validate_job
+@_job_options
+def validate(job_file: Path, sets: tuple[str, ...], limit: int | None, output: Path | None) -> None:
+    """Check JOB_FILE without loading a model: keys, types, files, model, template fields, constraint."""
+    from mlxbatch.job.spec import load_job
+    from mlxbatch.job.validate import check_spec
 
     try:
-        spec = validate_job(job_file)
+        result = check_spec(load_job(job_file, _overrides(sets, limit, output)))
     except MlxbatchError as exc:
         _fail(exc)
-    click.echo(f"{job_file}: ok (model {spec.model.path}, input {spec.input.path}, output {spec.output})")
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    spec = result.spec
+    click.echo(f"{job_file}: ok (model {spec.model.path}, input {spec.input.dataset or spec.input.path}, "
+               f"output {spec.output})")
 
 
 @main.command("plan")
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--window", default=100_000, show_default=True, help="Plan jobs larger than this in windows of rows.")
+@click.option("--window", type=click.IntRange(min=1), default=None,
+              help="Rows planned together (default: the job's plan.window).")
+@click.option("--calibrate/--no-calibrate", default=True, show_default=True,
+              help="Time a short real step of the model for the ETA (loads its weights); off: estimate from FLOPs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan report as JSON.")
-def plan_cmd(job_file: Path, window: int, as_json: bool) -> None:
-    """Dry run: tokenize JOB_FILE's prompts and plan the run, without loading model weights."""
+@_job_options
+def plan_cmd(job_file: Path, window: int | None, calibrate: bool, as_json: bool, sets: tuple[str, ...],
+             limit: int | None, output: Path | None) -> None:
+    """Dry run: tokenize JOB_FILE's prompts and plan the run as `run` would; predicts prefill tokens and an ETA."""
     from mlxbatch.job.plan import as_dict, plan_job
     from mlxbatch.job.validate import validate_job
 
     try:
-        report = plan_job(validate_job(job_file), window=window)
+        report = plan_job(validate_job(job_file, _overrides(sets, limit, output)), window=window, calibrate=calibrate)
     except MlxbatchError as exc:
         _fail(exc)
     click.echo(json.dumps(as_dict(report), indent=2) if as_json else report.summary())
 
 
 @main.command()
-@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("target", type=click.Path(exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
-def status(out_dir: Path, as_json: bool) -> None:
-    """How far the run writing OUT_DIR got, and what failed and why."""
+def status(target: Path, as_json: bool) -> None:
+    """How far a job got and what failed: TARGET is its output folder or its job file."""
     from mlxbatch.job.status import read_status
 
     try:
-        st = read_status(out_dir)
+        st = read_status(target)
     except MlxbatchError as exc:
         _fail(exc)
     click.echo(json.dumps(st, indent=2) if as_json else st["summary"])
+
+
+@main.command()
+@click.argument("target", type=click.Path(exists=True, path_type=Path))
+@click.option("--n", "-n", "n", type=click.IntRange(min=0), default=5, show_default=True, help="Rows to print.")
+def show(target: Path, n: int) -> None:
+    """A few rows of the results (prompt if kept, output, error) and a summary: TARGET is the output folder
+    or the job file."""
+    from mlxbatch.job.show import show as show_results
+
+    try:
+        click.echo(show_results(target, n))
+    except MlxbatchError as exc:
+        _fail(exc)
 
 
 @main.command()

@@ -18,10 +18,13 @@ from mlxbatch.engine.model.loader import LoadedModel, ModelSpec, load_model, res
 from mlxbatch.engine.model.registry import REGISTRY, ModelRegistry
 from mlxbatch.engine.model.worker import DeviceInfo, device_info
 from mlxbatch.engine.request import Request, RequestStatus
-from mlxbatch.engine.sched.planner import Plan, Submission, plan, submission_order
+from mlxbatch.engine.sched.blocks import BLOCK_SIZE, block_hashes
+from mlxbatch.engine.sched.planner import Plan, Submission, common_prefix_len, plan, submission_order
+from mlxbatch.engine.sched.prefix import LIVE_SOURCES
 from mlxbatch.engine.vision.adapter import is_vlm_folder
 
-__all__ = ["REGISTRY", "AsyncEngineCore", "DeviceInfo", "DeviceSpeed", "Engine", "EngineConfig", "EngineCore",
-           "GrammarCompiler", "LoadedModel", "ModelRegistry", "ModelSpec", "Plan", "PromptEncoder", "Request",
-           "RequestStatus", "Submission", "device_info", "encode_prompt", "grammar_text", "is_vlm_folder", "load_model",
-           "measure_device_speed", "plan", "resolve_path", "submission_order"]
+__all__ = ["BLOCK_SIZE", "LIVE_SOURCES", "REGISTRY", "AsyncEngineCore", "DeviceInfo", "DeviceSpeed", "Engine",
+           "EngineConfig", "EngineCore", "GrammarCompiler", "LoadedModel", "ModelRegistry", "ModelSpec", "Plan",
+           "PromptEncoder", "Request", "RequestStatus", "Submission", "block_hashes", "common_prefix_len",
+           "device_info", "encode_prompt", "grammar_text", "is_vlm_folder", "load_model", "measure_device_speed",
+           "plan", "resolve_path", "submission_order"]

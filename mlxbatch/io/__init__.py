@@ -11,11 +11,20 @@ the engine or the job layer. Typical use by the job runner::
     write_report(out_dir, report); mark_success(out_dir)
 """
 
+from mlxbatch.io.card import write_dataset_card
 from mlxbatch.io.checkpoint import CheckpointStore, RecoveryReport, ShardInfo
 from mlxbatch.io.errors import CheckpointError, IncompleteResultsError, InputError, OutputError
 from mlxbatch.io.keys import DuplicateIdTracker, canonical_params, result_key
 from mlxbatch.io.openai_output import OpenAIBatchOutputs, write_openai_batch_output
-from mlxbatch.io.readers import InputFormat, InputSpec, ResolvedInput, count_rows, open_reader, resolve_inputs
+from mlxbatch.io.readers import (
+    InputFormat,
+    InputSpec,
+    ResolvedInput,
+    count_rows,
+    input_schema,
+    open_reader,
+    resolve_inputs,
+)
 from mlxbatch.io.records import InputRow, ResultRecord
 from mlxbatch.io.schema import SHARD_SCHEMA, from_arrow, to_arrow
 from mlxbatch.io.writers import (
@@ -33,6 +42,7 @@ __all__ = [
     "SHARD_SCHEMA", "CheckpointError", "CheckpointStore", "DuplicateIdTracker", "ExpectedRow", "FinalOutputs",
     "IncompleteResultsError", "InputError", "InputFormat", "InputRow", "InputSpec", "OpenAIBatchOutputs",
     "OutputError", "RecoveryReport", "ResolvedInput", "ResultRecord", "ShardInfo", "canonical_params",
-    "clear_success", "count_rows", "finalize", "foreign_files", "from_arrow", "mark_success", "open_reader", "remove_outputs",
-    "resolve_inputs", "result_key", "to_arrow", "write_openai_batch_output", "write_report",
+    "clear_success", "count_rows", "finalize", "foreign_files", "from_arrow", "input_schema", "mark_success",
+    "open_reader", "remove_outputs", "resolve_inputs", "result_key", "to_arrow", "write_dataset_card",
+    "write_openai_batch_output", "write_report",
 ]

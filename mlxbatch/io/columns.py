@@ -1,15 +1,22 @@
 """Expanding the kept input columns (one JSON string per row in the shards) into typed result columns.
 
-Owns the type decision: each column's Arrow type is inferred chunk by chunk and the chunks' types unified
-(int + float -> float, struct fields merged, null -> anything). A column whose values cannot share one type is
-written as JSON text. Names that collide with result columns get an ``input_`` prefix.
+Owns the type decision. A column whose type is known (the input's own Arrow schema, for Parquet and Hugging Face
+inputs; a task column's declared type) keeps that type: its values are revived from their JSON form (ISO
+timestamps, dates and times, base64 bytes, decimal strings, nested lists and structs of them) and written with it,
+so a ``timestamp[us]`` or ``int32`` input comes back as it went in, on every run and after a resume. Other
+columns' types are inferred chunk by chunk and the chunks' types unified (int + float -> float, struct fields
+merged, null -> anything). A column whose values cannot share one type is written as JSON text. Names that
+collide with result columns get an ``input_`` prefix.
 """
 
 from __future__ import annotations
 
+import base64
+import datetime as dt
+import decimal
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +39,7 @@ class InputColumn:
     out_name: str  # the column name in the results file
     type: pa.DataType
     as_json: bool = False  # values did not share one type: written as JSON text
+    declared: bool = False  # the type was given (input schema, task column): values are revived to it
 
 
 def decode_inputs(values: Iterable[str | None]) -> list[dict[str, Any]]:
@@ -60,10 +68,13 @@ def _unify(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
 class ColumnPlanner:
     """Sees the decoded inputs chunk by chunk (first pass) and decides the expanded columns."""
 
-    def __init__(self, keep: Sequence[str] | None, reserved: Iterable[str]) -> None:
+    def __init__(self, keep: Sequence[str] | None, reserved: Iterable[str],
+                 declared: Mapping[str, pa.DataType] | None = None, always: Sequence[str] = ()) -> None:
         self._fixed = keep is not None
         self._names: list[str] = list(dict.fromkeys(keep)) if keep is not None else []
+        self._names += [n for n in always if n not in self._names]  # present even when no row has a value
         self._reserved = set(reserved)
+        self._declared = dict(declared or {})
         self._types: dict[str, pa.DataType] = {}
         self._as_json: set[str] = set()
 
@@ -76,7 +87,7 @@ class ColumnPlanner:
                         known.add(name)
                         self._names.append(name)
         for name in self._names:
-            if name in self._as_json:
+            if name in self._as_json or name in self._declared:
                 continue
             inferred = _infer([row.get(name) for row in rows])
             merged = None if inferred is None else _unify(self._types.get(name, pa.null()), inferred)
@@ -96,6 +107,9 @@ class ColumnPlanner:
             taken.add(out_name)
             if out_name != name:
                 logger.info("input column %r is written as %r (the name is a result column)", name, out_name)
+            if name in self._declared:
+                out.append(InputColumn(name=name, out_name=out_name, type=self._declared[name], declared=True))
+                continue
             as_json = name in self._as_json
             dtype = self._types.get(name, pa.null())
             if as_json or pa.types.is_null(dtype):
@@ -104,8 +118,60 @@ class ColumnPlanner:
         return out
 
 
+def revive(value: Any, dtype: pa.DataType) -> Any:
+    """A value as the shards store it (JSON: ISO dates, base64 bytes, ...) back to the Python value of ``dtype``."""
+    if value is None:
+        return None
+    if (pa.types.is_string(dtype) or pa.types.is_large_string(dtype)) and not isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a value the declared type leaves untyped: JSON text
+    if pa.types.is_dictionary(dtype):
+        return revive(value, dtype.value_type)
+    if isinstance(value, str):
+        if pa.types.is_timestamp(dtype) or pa.types.is_date(dtype) or pa.types.is_time(dtype):
+            kind = dt.datetime if pa.types.is_timestamp(dtype) else dt.date if pa.types.is_date(dtype) else dt.time
+            try:
+                return kind.fromisoformat(value)
+            except ValueError:  # e.g. nanoseconds: let Arrow parse it
+                return pa.array([value]).cast(dtype)[0].as_py()
+        if pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype) or pa.types.is_fixed_size_binary(dtype):
+            return base64.b64decode(value)
+        if pa.types.is_decimal(dtype):
+            return decimal.Decimal(value)
+    if pa.types.is_duration(dtype) and isinstance(value, (int, float)):
+        return dt.timedelta(seconds=value)
+    if (pa.types.is_list(dtype) or pa.types.is_large_list(dtype) or pa.types.is_fixed_size_list(dtype)) \
+            and isinstance(value, list):
+        return [revive(v, dtype.value_type) for v in value]
+    if pa.types.is_struct(dtype) and isinstance(value, dict):
+        return {f.name: revive(value.get(f.name), f.type) for f in dtype}
+    if pa.types.is_map(dtype) and isinstance(value, list):
+        return [(revive(k, dtype.key_type), revive(v, dtype.item_type)) for k, v in value]
+    return value
+
+
+def _declared_array(values: list[Any], column: InputColumn) -> pa.Array:
+    """Values revived to the declared type; a value that does not fit becomes null (with a warning), so the
+    column keeps its type whatever one row holds."""
+    revived = [revive(v, column.type) for v in values]
+    try:
+        return pa.array(revived, type=column.type)
+    except _CONVERT_ERRORS:
+        pass
+    out = []
+    for v in revived:
+        try:
+            out.append(pa.array([v], type=column.type)[0].as_py())
+        except _CONVERT_ERRORS as exc:
+            logger.warning("column %r: a value does not fit type %s; written as null (%s)", column.name,
+                           column.type, exc)
+            out.append(None)
+    return pa.array(out, type=column.type)
+
+
 def build_column(rows: Sequence[dict[str, Any]], column: InputColumn) -> pa.Array:
     values = [row.get(column.name) for row in rows]
+    if column.declared:
+        return _declared_array(values, column)
     if column.as_json:
         return pa.array([None if v is None else json.dumps(v, ensure_ascii=False) for v in values], pa.string())
     try:

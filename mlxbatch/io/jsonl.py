@@ -2,7 +2,9 @@
 
 Owns the per-line rules: blank lines are skipped; invalid UTF-8, invalid JSON, a value that is not an object, or
 (OpenAI batch) a request without ``custom_id`` / ``body`` becomes an error row naming ``file:line``, and reading
-goes on. Memory is bounded by the longest line. Does not own file discovery or format choice (``readers``).
+goes on. OpenAI Batch bodies are read as vLLM's run-batch reads them: text content parts are joined, and
+``response_format`` (or vLLM's ``guided_*``) is the request's structured-output constraint (``openai_constraint``).
+Memory is bounded by the longest line. Does not own file discovery or format choice (``readers``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io.records import InputRow, generated_id, input_row_from_object
+from mlxbatch.types import OutputConstraint
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +104,57 @@ def _openai_problem(obj: dict[str, Any]) -> str | None:
     return None
 
 
+def _text_parts_joined(body: dict[str, Any]) -> dict[str, Any]:
+    """A body whose messages' text content parts (``[{"type": "text", "text": ...}]``) are joined into one string
+    with newlines, as vLLM's run-batch does. Messages with other parts (images) are left as they are."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return body
+    joined = []
+    for m in messages:
+        parts = m.get("content") if isinstance(m, dict) else None
+        if isinstance(parts, list) and parts and all(isinstance(p, dict) and p.get("type") == "text"
+                                                       and isinstance(p.get("text"), str) for p in parts):
+            m = {**m, "content": "\n".join(p["text"] for p in parts)}
+        joined.append(m)
+    return {**body, "messages": joined}
+
+
+def openai_constraint(body: dict[str, Any]) -> OutputConstraint | None:
+    """The structured-output constraint a request body asks for: ``response_format`` (``json_schema`` with its
+    ``schema``, or ``json_object``) or vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice``. Raises
+    InvalidRequestError naming the field for one that cannot be used."""
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return OutputConstraint.json_schema({"type": "object"})
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("body.response_format.json_schema.schema", schema, "expected a JSON schema")
+            return OutputConstraint.json_schema(schema)
+        raise InvalidRequestError("body.response_format", fmt, "expected type text, json_object or json_schema")
+    if body.get("guided_json") is not None:
+        schema = body["guided_json"]
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError("body.guided_json", schema[:60], f"not valid JSON: {exc}") from exc
+        if not isinstance(schema, dict):
+            raise InvalidRequestError("body.guided_json", schema, "expected a JSON schema")
+        return OutputConstraint.json_schema(schema)
+    if body.get("guided_regex") is not None:
+        return OutputConstraint.regex(body["guided_regex"])
+    if body.get("guided_choice") is not None:
+        return OutputConstraint.choice(body["guided_choice"])
+    return None
+
+
 def iter_openai_batch(path: Path, *, columns: tuple[str, ...] | None) -> Iterator[InputRow]:
     """The requests of one OpenAI Batch input file: ``row_id`` is ``custom_id``, ``request`` the ``body``.
 
@@ -122,7 +177,7 @@ def iter_openai_batch(path: Path, *, columns: tuple[str, ...] | None) -> Iterato
         if problem is not None:
             yield _error_row(path, lineno, f"{where}: invalid batch request: {problem}", True, row_id=usable_id)
             continue
-        body: dict[str, Any] = value["body"]
+        body: dict[str, Any] = _text_parts_joined(value["body"])
         url = value.get("url") or (CHAT_URL if "messages" in body else COMPLETIONS_URL)
         flat: dict[str, Any] = {"custom_id": custom_id, "url": url}
         flat.update((k, v) for k, v in body.items() if k not in flat)

@@ -3,8 +3,9 @@
 Owns the two JSONL layouts: ``openai_output.jsonl`` (one line per successful request, a chat.completion or
 text_completion object as the ``response.body``) and ``errors.jsonl`` (one line per failed request with
 ``error: {message, code}``). ``custom_id`` is the results' ``id``; ids derive from the row's result key, so
-a re-run writes identical lines (except ``created``). Per-token logprobs are not written (the results hold token
-ids, not token strings).
+a re-run writes identical lines (except ``created``). A request that asked for logprobs gets them in the API's
+layout (chat: ``logprobs.content[]`` of ``{token, logprob, bytes, top_logprobs}``; completions: ``tokens``,
+``token_logprobs``, ``top_logprobs``, ``text_offset``), from the results' logprobs with their token strings.
 """
 
 from __future__ import annotations
@@ -37,16 +38,42 @@ class OpenAIBatchOutputs:
     error_rows: int
 
 
+def _token(entry: dict[str, Any]) -> str:
+    return entry.get("token") if entry.get("token") is not None else f"<token {entry['token_id']}>"
+
+
+def _chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        tok = _token(e)
+        return {"token": tok, "logprob": e["logprob"], "bytes": list(tok.encode("utf-8"))}
+
+    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e.get("top") or ()]} for e in entries]}
+
+
+def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    tokens = [_token(e) for e in entries]
+    offsets, at = [], 0
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{_token(t): t["logprob"] for t in e.get("top") or ()} for e in entries],
+            "text_offset": offsets}
+
+
 def _response_body(row: dict[str, Any], url: str, created: int) -> dict[str, Any]:
     prompt, completion = row["prompt_tokens"] or 0, row["generated_tokens"] or 0
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     text = row["text"] or ""
+    entries = row.get("logprobs")  # None: the request did not ask for logprobs
     if url == COMPLETIONS_URL:
+        logprobs = _completion_logprobs(entries) if entries is not None else None
         return {"id": f"cmpl-{row['key']}", "object": "text_completion", "created": created, "model": row["model"],
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": row["finish_reason"]}],
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": row["finish_reason"]}],
                 "usage": usage}
     return {"id": f"chatcmpl-{row['key']}", "object": "chat.completion", "created": created, "model": row["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": _chat_logprobs(entries) if entries is not None else None,
                          "finish_reason": row["finish_reason"]}],
             "usage": usage}
 
@@ -69,7 +96,7 @@ def write_openai_batch_output(results_path: str | Path, out_dir: str | Path, *, 
     created = int(time.time()) if created is None else created
     with pq.ParquetFile(results_path) as pf:
         names = pf.schema_arrow.names
-        columns = _COLUMNS + ([url_column] if url_column in names else [])
+        columns = _COLUMNS + [c for c in (url_column, "logprobs") if c in names]
         ok = failed = 0
         with atomic_writer(out / OUTPUT_NAME, text=True) as f_ok, atomic_writer(out / ERRORS_NAME, text=True) as f_err:
             for batch in pf.iter_batches(batch_size=batch_size, columns=columns):

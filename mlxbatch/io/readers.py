@@ -15,10 +15,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+
 from mlxbatch.io.errors import InputError
 from mlxbatch.io.jsonl import count_lines, is_json_array_document, iter_jsonl, iter_openai_batch, sniff_openai_batch
 from mlxbatch.io.records import InputRow
-from mlxbatch.io.tabular import PARQUET_SUFFIXES, count_hf, count_parquet, iter_hf, iter_parquet
+from mlxbatch.io.tabular import (
+    PARQUET_SUFFIXES,
+    arrow_schema,
+    count_hf,
+    count_parquet,
+    iter_hf,
+    iter_hub,
+    iter_parquet,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +42,7 @@ class InputFormat(str, enum.Enum):
     PARQUET = "parquet"
     HF = "hf"
     OPENAI_BATCH = "openai-batch"
+    HUB = "hf-hub"  # a Hugging Face dataset by name (or a local dataset folder), streamed by ``datasets``
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,8 @@ class InputSpec:
     ``id_column`` names the column holding row ids (ignored for openai-batch, whose id is ``custom_id``);
     without it a row's id is ``"<file stem>:<position>"``. ``columns`` limits ``InputRow.fields`` (None: all).
     ``split`` picks the split of a saved ``DatasetDict``. ``batch_size`` rows are converted from Arrow at a time.
+    With format ``hf-hub``, ``path`` is a dataset name (``owner/name``) or a local dataset folder given to
+    ``datasets.load_dataset``, with ``config`` (its subset) and ``split``.
     """
 
     path: str
@@ -49,6 +62,7 @@ class InputSpec:
     columns: tuple[str, ...] | None = None
     split: str | None = None
     batch_size: int = 1024
+    config: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", os.fspath(self.path))
@@ -96,6 +110,8 @@ def _suffixes(fmt: InputFormat) -> tuple[str, ...]:
 
 def resolve_inputs(spec: InputSpec) -> list[ResolvedInput]:
     """The inputs ``spec`` names, in reading order. A folder with a file format set means its files of that kind."""
+    if spec.format is InputFormat.HUB:
+        return [ResolvedInput(Path(spec.path), InputFormat.HUB)]  # a name: datasets finds it (or says why not)
     raw = os.path.expanduser(spec.path)
     if _GLOB_CHARS.intersection(raw):
         paths = [Path(p) for p in sorted(glob.glob(raw, recursive=True))]
@@ -126,6 +142,9 @@ def _iter_one(source: ResolvedInput, spec: InputSpec) -> Iterator[InputRow]:
         return iter_openai_batch(source.path, columns=spec.columns)
     if source.format is InputFormat.PARQUET:
         return iter_parquet(source.path, id_column=spec.id_column, columns=spec.columns, batch_size=spec.batch_size)
+    if source.format is InputFormat.HUB:
+        return iter_hub(str(source.path), id_column=spec.id_column, columns=spec.columns, split=spec.split,
+                        config=spec.config)
     assert source.format is InputFormat.HF, source.format
     return iter_hf(source.path, id_column=spec.id_column, columns=spec.columns, split=spec.split,
                    batch_size=spec.batch_size)
@@ -146,6 +165,20 @@ def open_reader(spec: InputSpec) -> Iterator[InputRow]:
     return rows()
 
 
+def input_schema(spec: InputSpec) -> dict[str, pa.DataType]:
+    """The input's own Arrow type of each column, where the input has one (Parquet files, Hugging Face datasets;
+    JSON has none: its values keep their JSON types anyway). Columns whose types differ between files are left
+    out (their type is inferred from the values)."""
+    types: dict[str, pa.DataType] = {}
+    conflicts: set[str] = set()
+    for source in resolve_inputs(spec):
+        schema = arrow_schema(source.path, source.format.value, spec.split)
+        for f in schema or ():
+            if types.setdefault(f.name, f.type) != f.type:
+                conflicts.add(f.name)
+    return {name: t for name, t in types.items() if name not in conflicts and not pa.types.is_null(t)}
+
+
 def count_rows(spec: InputSpec) -> int | None:
     """A cheap row count for a progress bar (None when not cheap to know).
 
@@ -156,6 +189,8 @@ def count_rows(spec: InputSpec) -> int | None:
     for source in resolve_inputs(spec):
         if source.format is InputFormat.PARQUET:
             total += count_parquet(source.path)
+        elif source.format is InputFormat.HUB:
+            return None
         elif source.format in (InputFormat.JSONL, InputFormat.OPENAI_BATCH):
             total += count_lines(source.path)
         else:

@@ -33,6 +33,14 @@ LOGPROBS_TYPE = pa.list_(pa.struct([
     ("top", pa.list_(TOP_LOGPROB_TYPE)),
 ]))
 
+# results.parquet's logprobs: as in the shards, with each token's text beside its id
+LOGPROBS_TEXT_TYPE = pa.list_(pa.struct([
+    ("token_id", pa.int64()),
+    ("token", pa.string()),
+    ("logprob", pa.float64()),
+    ("top", pa.list_(pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())]))),
+]))
+
 SHARD_SCHEMA = pa.schema(
     [
         pa.field("row_id", pa.string(), nullable=False),

@@ -2,7 +2,8 @@
 
 Owns column projection and the two HF layouts: a folder written by ``save_to_disk`` (opened memory-mapped with
 ``load_from_disk``) and a folder of data files (streamed with ``load_dataset(<builder>, data_files=...,
-streaming=True)``). ``datasets`` is imported lazily and always offline. ``position`` is the 0-based row index
+streaming=True)``), and datasets by name (``iter_hub``: streamed from the Hub unless the user set
+``HF_HUB_OFFLINE``). ``datasets`` is imported lazily; local reads are always offline. ``position`` is the 0-based row index
 within the file / dataset. A missing requested column is an ``InputError`` (a problem of the whole input).
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mlxbatch.io.errors import InputError
@@ -65,14 +67,76 @@ def count_parquet(path: Path) -> int:
         return pf.metadata.num_rows
 
 
+_TRUE = ("1", "true", "yes", "on")
+_OFFLINE_SET_HERE = False  # HF_DATASETS_OFFLINE was set by _datasets(), not by the user
+
+
 def _datasets() -> ModuleType:
     """Import ``datasets`` offline (local data only: never reach the Hub)."""
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    global _OFFLINE_SET_HERE
+    if "HF_DATASETS_OFFLINE" not in os.environ:
+        os.environ["HF_DATASETS_OFFLINE"] = "1"
+        _OFFLINE_SET_HERE = True
     import datasets
 
     datasets.config.HF_HUB_OFFLINE = True  # in case it was imported before the variable was set
     datasets.config.HF_DATASETS_OFFLINE = True
     return datasets
+
+
+def user_offline_setting() -> str | None:
+    """The name of the variable by which the user keeps the Hugging Face libraries offline (None: not set)."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if name == "HF_DATASETS_OFFLINE" and _OFFLINE_SET_HERE:
+            continue
+        if os.environ.get(name, "").strip().lower() in _TRUE:
+            return name
+    return None
+
+
+def _open_hub(name: str, split: str | None, config: str | None) -> Any:
+    """A dataset by name through ``datasets.load_dataset``: streamed from the Hub when it may be reached, from the
+    local cache when the user set the offline variable (a local folder works either way)."""
+    offline = user_offline_setting()
+    import datasets
+
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = offline is not None
+    local = Path(name).exists()
+    try:
+        if offline and not local:  # streaming reads the Hub: offline, only a cached (downloaded) copy can serve
+            return datasets.load_dataset(name, config, split=split or "train")
+        return datasets.load_dataset(name, config, split=split or "train", streaming=True)
+    except Exception as exc:
+        if offline and not local:
+            raise InputError(
+                f"dataset {name!r}: not in the local Hugging Face cache, and {offline} is set, so the Hub is not "
+                f"reached: unset {offline} to stream it from the Hub, or download it where the Hub can be reached "
+                f"and set input.path to its files ({type(exc).__name__}: {str(exc)[:200]})") from exc
+        raise InputError(
+            f"dataset {name!r}: cannot be opened ({type(exc).__name__}: {str(exc)[:300]}). Without access to the "
+            "Hugging Face Hub, set HF_HUB_OFFLINE=1 to read a cached copy, or set input.path to local files") from exc
+    finally:
+        datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+
+
+def iter_hub(name: str, *, id_column: str | None, columns: tuple[str, ...] | None, split: str | None,
+             config: str | None) -> Iterator[InputRow]:
+    """The rows of a dataset by name (``owner/name``) or of a local dataset folder, in its order."""
+    ds = _open_hub(name, split, config)
+    names = list(ds.column_names) if ds.column_names is not None else None
+    read = _projection(names, name, id_column, columns)
+    if read is not None:
+        ds = ds.select_columns(read)
+    stem, position = name.rstrip("/").rsplit("/", 1)[-1], 0
+    try:
+        for obj in ds:
+            yield input_row_from_object(obj, source=name, stem=stem, position=position, id_column=id_column,
+                                        columns=columns, label="row ")
+            position += 1
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(f"dataset {name!r}: reading failed after {position} rows ({exc})") from exc
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -152,6 +216,20 @@ def iter_hf(path: Path, *, id_column: str | None, columns: tuple[str, ...] | Non
         raise
     except Exception as exc:
         raise InputError(f"{path}: reading failed after {position} rows ({exc})") from exc
+
+
+def arrow_schema(path: Path, fmt: str, split: str | None) -> pa.Schema | None:
+    """The Arrow schema of one Parquet file or local HF dataset (None: the format has none, or it is unknown)."""
+    try:
+        if fmt == "parquet":
+            return pq.read_schema(path)
+        if fmt == "hf" and is_saved_dataset(path):
+            return _open_hf(path, split).features.arrow_schema
+        if fmt == "hf" and _data_files(path).builder == "parquet":
+            return pq.read_schema(_data_files(path).files[0])
+    except Exception as exc:  # the schema only refines types: never fail a job over it
+        logger.debug("%s: no input schema (%s)", path, exc)
+    return None
 
 
 def count_hf(path: Path, split: str | None) -> int | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,12 +26,13 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from mlxbatch.io.atomic import TMP_SUFFIX, atomic_write_bytes, atomic_write_json, atomic_writer, fsync_dir
+from mlxbatch.io.card import CARD_NAME, is_own_card
 from mlxbatch.io.checkpoint import MANIFEST_NAME, SHARDS_DIR, CheckpointStore
 from mlxbatch.io.columns import ColumnPlanner, InputColumn, build_column, decode_inputs
 from mlxbatch.io.errors import IncompleteResultsError, OutputError
 from mlxbatch.io.faults import crash, fault_due
 from mlxbatch.io.openai_output import ERRORS_NAME, OUTPUT_NAME
-from mlxbatch.io.schema import LOGPROBS_TYPE, encode_json
+from mlxbatch.io.schema import LOGPROBS_TEXT_TYPE, LOGPROBS_TYPE, encode_json
 from mlxbatch.io.shard_index import MISSING, ShardIndex
 
 logger = logging.getLogger(__name__)
@@ -173,8 +174,20 @@ def _chunks(n: int, size: int) -> Iterator[slice]:
         yield slice(start, min(start + size, n))
 
 
+def _with_token_text(logprobs: pa.ChunkedArray, token_text: Callable[[int], str]) -> pa.Array:
+    """The shards' logprobs (token ids) with each token's string beside its id."""
+    rows = logprobs.to_pylist()
+    for row in rows:
+        for entry in row or ():
+            entry["token"] = token_text(entry["token_id"])
+            for alt in entry["top"] or ():
+                alt["token"] = token_text(alt["token_id"])
+    return pa.array(rows, LOGPROBS_TEXT_TYPE)
+
+
 def _output_table(gathered: pa.Table, sel: _Selection, part: slice, inputs: list[InputColumn],
-                  extras: list[InputColumn], schema: pa.Schema) -> pa.Table:
+                  extras: list[InputColumn], schema: pa.Schema,
+                  token_text: Callable[[int], str] | None = None) -> pa.Table:
     missing = pa.array(sel.positions[part] == MISSING)
     ids = sel.row_ids[part] if sel.row_ids is not None else gathered.column("row_id")
     keys = sel.keys[part] if sel.keys is not None else gathered.column("key")
@@ -185,6 +198,8 @@ def _output_table(gathered: pa.Table, sel: _Selection, part: slice, inputs: list
     extra_rows = decode_inputs(gathered.column("extra").to_pylist()) if extras else []
     for name in schema.names[len(columns):len(schema.names) - len(extras)]:
         columns[name] = gathered.column(name)
+    if token_text is not None and "logprobs" in columns:
+        columns["logprobs"] = _with_token_text(columns["logprobs"], token_text)
     for column in extras:
         columns[column.out_name] = build_column(extra_rows, column)
     columns["error"] = pc.if_else(missing, pa.scalar(MISSING_ERROR), columns["error"])
@@ -195,7 +210,9 @@ def _output_table(gathered: pa.Table, sel: _Selection, part: slice, inputs: list
 def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[ExpectedRow] | None,
              keep_columns: Sequence[str] | None = None, *, row_group_size: int = DEFAULT_ROW_GROUP_SIZE,
              include_logprobs: bool | None = None, allow_missing: bool = False,
-             filename: str = RESULTS_NAME) -> FinalOutputs:
+             filename: str = RESULTS_NAME, input_types: Mapping[str, pa.DataType] | None = None,
+             extra_types: Mapping[str, pa.DataType] | None = None,
+             token_text: Callable[[int], str] | None = None) -> FinalOutputs:
     """Write ``results.parquet``: one row per expected row, in the order given, streamed from the shards.
 
     ``expected`` is the current job's rows in input order as ``ExpectedRow(row_id, key)``; pass a generator
@@ -205,6 +222,9 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
     picks and orders the expanded input columns (None: all kept by the records, in first-seen order).
     Rows without a result raise ``IncompleteResultsError`` before anything is written, unless ``allow_missing``,
     which writes them with ``error_kind == "missing"``. ``include_logprobs`` None: when any record has them.
+    ``input_types`` are the input's own Arrow types by column name (kept as they are); ``extra_types`` declare task
+    columns (e.g. ``parsed``) that are written with that type, even when no row has a value. ``token_text`` adds
+    each logprob's token string next to its id.
     Memory: ~50 bytes per expected row plus one row group; shards (and the expected rows' inputs, spooled to a
     temporary Arrow file) stay memory-mapped. A write that fails raises ``OutputError`` and leaves no file behind.
     """
@@ -212,7 +232,7 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
     spool = _InputsSpool(out / _INPUTS_SPOOL)
     try:
         return _finalize(store, out, expected, keep_columns, row_group_size, include_logprobs, allow_missing,
-                         filename, spool)
+                         filename, spool, input_types=input_types, extra_types=extra_types, token_text=token_text)
     except OSError as exc:
         raise OutputError(f"could not write {out / filename}: {_reason(exc)}. Nothing was left behind and the "
                           "checkpoint is intact: free some space and run the job again") from exc
@@ -222,7 +242,9 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
 
 def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow] | None,
               keep_columns: Sequence[str] | None, row_group_size: int, include_logprobs: bool | None,
-              allow_missing: bool, filename: str, spool: _InputsSpool) -> FinalOutputs:
+              allow_missing: bool, filename: str, spool: _InputsSpool, *,
+              input_types: Mapping[str, pa.DataType] | None, extra_types: Mapping[str, pa.DataType] | None,
+              token_text: Callable[[int], str] | None) -> FinalOutputs:
     index = ShardIndex(list(store.iter_tables()))
     sel = _select(index, expected, spool)
     n = len(sel.positions)
@@ -232,9 +254,9 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
         ids = sel.row_ids.take(pa.array(where)).to_pylist() if sel.row_ids is not None else []
         raise IncompleteResultsError(missing_rows, ids)
 
-    planner = ColumnPlanner(keep_columns, RESULT_COLUMNS)
-    has_extra = index.column_has_values("extra")
-    extra_planner = ColumnPlanner(None, RESULT_COLUMNS)
+    planner = ColumnPlanner(keep_columns, RESULT_COLUMNS, input_types)
+    has_extra = index.column_has_values("extra") or bool(extra_types)
+    extra_planner = ColumnPlanner(None, RESULT_COLUMNS, extra_types, always=list(extra_types or ()))
     for part in _chunks(n, row_group_size):  # first pass: the expanded columns' names and types
         got = index.gather(sel.positions[part], ["inputs", "extra"] if has_extra else ["inputs"])
         planner.observe(_inputs_of(got, sel, part))
@@ -245,6 +267,8 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
     extras = [c for c in extra_planner.columns() if c.name not in {i.out_name for i in inputs}] if has_extra else []
     has_logprobs = index.column_has_values("logprobs") if include_logprobs is None else include_logprobs
     tail = [f for f in _TAIL if (f.name != "logprobs" or has_logprobs) and f.name != "extra"]
+    if token_text is not None:
+        tail = [pa.field("logprobs", LOGPROBS_TEXT_TYPE) if f.name == "logprobs" else f for f in tail]
     schema = pa.schema(_HEAD + [pa.field(c.out_name, c.type) for c in inputs] + tail
                        + [pa.field(c.out_name, c.type) for c in extras])
     needed = ["row_id", "key", "inputs"] + [f.name for f in tail] + (["extra"] if extras else [])
@@ -253,7 +277,8 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
     path = out / filename
     with atomic_writer(path) as f, pq.ParquetWriter(f, schema, compression="zstd") as writer:
         for part in _chunks(n, row_group_size):
-            table = _output_table(index.gather(sel.positions[part], needed), sel, part, inputs, extras, schema)
+            table = _output_table(index.gather(sel.positions[part], needed), sel, part, inputs, extras, schema,
+                                  token_text)
             error_rows += table.num_rows - table.column("error").null_count
             writer.write_table(table, row_group_size=row_group_size)
             if fault_due("mid-results", 1):
@@ -301,7 +326,8 @@ def foreign_files(out_dir: str | Path) -> list[str]:
     out = Path(out_dir)
     if not out.is_dir():
         return []
-    return sorted(p.name for p in out.iterdir() if p.name not in _OWN_NAMES and not p.name.endswith(TMP_SUFFIX))
+    return sorted(p.name for p in out.iterdir() if p.name not in _OWN_NAMES and not p.name.endswith(TMP_SUFFIX)
+                  and not (p.name == CARD_NAME and is_own_card(p)))
 
 
 def remove_outputs(out_dir: str | Path) -> None:
@@ -309,6 +335,8 @@ def remove_outputs(out_dir: str | Path) -> None:
     out = Path(out_dir)
     for name in OUTPUT_FILES:
         (out / name).unlink(missing_ok=True)
+    if is_own_card(out / CARD_NAME):  # the user's README.md stays
+        (out / CARD_NAME).unlink()
     for tmp in out.glob("*" + TMP_SUFFIX):
         if tmp.is_dir():
             shutil.rmtree(tmp)

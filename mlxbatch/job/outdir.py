@@ -24,7 +24,7 @@ JOB_META = "job"
 
 def _identity(spec: JobSpec) -> dict[str, Any]:
     job = spec.source if spec.source.startswith("<") else str(Path(spec.source).resolve())
-    return {"job": job, "input": spec.input.path}
+    return {"job": job, "input": spec.input.path or spec.input.dataset}
 
 
 def _owner_problem(saved: Any, spec: JobSpec) -> str | None:

@@ -1,45 +1,73 @@
-"""``mlxbatch plan``: a dry run that tokenizes a job's prompts and plans it, without loading model weights.
+"""``mlxbatch plan``: a dry run that prepares, tokenizes and plans a job's rows exactly as ``run`` will.
 
-Owns the plan report: rows, prompt tokens, the distinct-trie-token floor (the least prefill any order can do),
-the expected prefill saving, and the peak KV the plan retains for shared prefixes. Prompts are rendered one by one
-and tokenized in large batches through the fast tokenizer, exactly as the engine would tokenize them (text prompts
-with the tokenizer's special tokens, chat renders without). Rows are kept as compact ``array('i')`` token sequences
-(4 bytes a token); jobs larger than ``window`` rows are planned window by window while the input is read, so
-memory holds one window, whatever the job's size.
+Owns the plan report and the prediction of the run's prefill tokens (what report.json counts as
+``prefix_reuse.prefill_tokens_computed``):
+- rows are cut into the job's windows (``plan.window``) by input position, as the run's feed cuts them, and a
+  window's text rows are planned along their token trie: the floor is the trie's node count (``distinct_tokens``);
+  as in the engine, a row starts from the longest prefix one of the last ``LIVE_SOURCES`` rows submitted holds
+  (to the token: within a window the row before it in trie order, across windows the last rows of the one before)
+  or from whole blocks of the prefix cache, which outlives a window;
+- ``task: score`` rows prefill their context once and each candidate after it; every candidate but the first
+  recomputes the context's last token (its logits predict the candidate's first token);
+- rows with images are not planned by the run (pictures are decoded only when a row runs): they reuse whole
+  16-token blocks of the prefix cache, keyed by the images' content, and are predicted so, from their real
+  token ids (with the model loaded, the processor expands each image to its placeholder tokens);
+- ``plan.enabled: false`` (longest first, LRU cache) is predicted with the same reuse rules in that order, and
+  ``engine.prefix_cache: false`` as no reuse.
+Rows are kept as compact ``array('i')`` token sequences (4 bytes a token); memory holds one window.
+The ETA comes from ``job.calibrate``: a short real run of the model on this machine (a FLOPs estimate without
+weights).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from array import array
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.engine import PromptEncoder, is_vlm_folder, plan, resolve_path
-from mlxbatch.io import InputFormat, InputSpec, open_reader, resolve_inputs
-from mlxbatch.job.prepare import RowPreparer
+from mlxbatch.engine import (
+    BLOCK_SIZE,
+    LIVE_SOURCES,
+    PromptEncoder,
+    block_hashes,
+    common_prefix_len,
+    is_vlm_folder,
+    plan,
+)
+from mlxbatch.io import InputFormat, open_reader, resolve_inputs
+from mlxbatch.job.calibrate import Eta, estimate, measured_eta
+from mlxbatch.job.model_ref import local_model_dir
+from mlxbatch.job.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.spec import JobSpec
+from mlxbatch.job.validate import input_spec
 
-DEFAULT_WINDOW = 100_000
-TOKENIZE_BATCH = 4096
+__all__ = ["Eta", "PlanReport", "as_dict", "plan_job"]
 
 
 @dataclass(frozen=True)
 class PlanReport:
     rows: int
-    planned_rows: int
+    planned_rows: int  # text rows planned along the trie
     skipped_rows: int  # rows that cannot run (input or render errors, prompts the tokenizer rejects)
-    prompt_tokens: int
-    distinct_tokens: int
-    saving: float
+    prompt_tokens: int  # every runnable row's prompt (score rows: context and candidates)
+    distinct_tokens: int  # the planned rows' trie floor, window by window
+    prefill_tokens: int  # what the run is predicted to compute (report.json: prefill_tokens_computed)
+    saving: float  # 1 - prefill_tokens / prompt_tokens
     peak_retained_tokens: int
     kv_bytes_per_token: int
     windowed: bool
     window: int
     seconds: float
     eta: Eta | None = None
+    enabled: bool = True
+    image_rows: int = 0  # not planned by the run: block-cache reuse only
+    score_rows: int = 0
+    notes: tuple[str, ...] = ()
 
     @property
     def peak_retained_bytes(self) -> int:
@@ -47,138 +75,220 @@ class PlanReport:
 
     def summary(self) -> str:
         return "\n".join([
-            f"rows: {self.rows} ({self.planned_rows} planned, {self.skipped_rows} would be error rows)",
+            f"rows: {self.rows} ({self.planned_rows} planned, {self.image_rows} with images, {self.score_rows} "
+            f"scored, {self.skipped_rows} would be error rows)",
             f"prompt tokens: {self.prompt_tokens}",
-            f"distinct trie tokens (prefill floor): {self.distinct_tokens}",
-            f"expected prefill saving: {self.saving:.1%} (prefill {self.distinct_tokens} instead of "
-            f"{self.prompt_tokens} tokens)",
+            f"distinct trie tokens (prefill floor): {self.distinct_tokens} (the planned rows, window by window)",
+            f"expected prefill saving: {self.saving:.1%} (predicted prefill: {self.prefill_tokens} of "
+            f"{self.prompt_tokens} prompt tokens, as report.json will count them)",
             f"peak shared-prefix KV retained: {self.peak_retained_tokens} tokens "
             f"({self.peak_retained_bytes / 2**20:.1f} MiB at {self.kv_bytes_per_token} bytes/token, float32)",
-            f"planned {'in windows of ' + str(self.window) + ' rows' if self.windowed else 'whole'} "
+            f"planned {'in windows of ' + str(self.window) + ' rows' if self.windowed else 'whole'}"
+            f"{'' if self.enabled else ' (plan.enabled: false: longest first, LRU prefix cache)'} "
             f"in {self.seconds:.1f} s",
-        ] + ([self.eta.summary()] if self.eta is not None else []))
-
-
-@dataclass(frozen=True)
-class Eta:
-    """A rough run time from FLOPs and bytes: the plan's prefill floor and every row at ``max_tokens``."""
-
-    prefill_s: float
-    decode_s: float
-    matmul_gflops: float
-    bandwidth_gbs: float
-
-    @property
-    def total_s(self) -> float:
-        return self.prefill_s + self.decode_s
-
-    def summary(self) -> str:
-        return (f"ETA: ~{self.total_s / 60:.1f} min (prefill {self.prefill_s:.0f} s, decode <= {self.decode_s:.0f} s) "
-                f"on this device ({self.matmul_gflops:.0f} GFLOP/s matmul, {self.bandwidth_gbs:.0f} GB/s measured); "
-                "an estimate: every row generating max_tokens, attention and host time not counted")
-
-
-def _config(model_dir: Path) -> dict[str, Any]:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return cfg.get("text_config", cfg)
-
-
-def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int) -> Eta | None:
-    """FLOPs of the plan's prefill floor and of decoding every row to ``max_tokens`` at ``max_num_seqs`` rows a
-    step, over this device's measured matmul speed and memory bandwidth (decode steps are bound by the larger of
-    reading every weight and the batch's FLOPs). No weights are loaded: sizes come from config.json."""
-    import mlx.core as mx
-
-    from mlxbatch.engine import measure_device_speed as measure
-
-    c = _config(model_dir)
-    try:
-        h, layers, inter = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["intermediate_size"])
-        heads = int(c["num_attention_heads"])
-        head_dim = int(c.get("head_dim") or h // heads)
-        kv = int(c.get("num_key_value_heads") or heads) * head_dim
-        vocab = int(c["vocab_size"])
-    except (KeyError, TypeError, ValueError):
-        return None  # an architecture whose config this estimate does not know
-    body = layers * (2 * h * heads * head_dim + 2 * h * kv + 3 * h * inter)
-    head = vocab * h
-    on_gpu = mx.default_device() == mx.gpu
-    dtype = "bfloat16" if on_gpu else "float32"
-    speed = measure(h, inter, dtype)
-    weight_bytes = (body + head) * (2 if on_gpu else 4)
-    p = spec.sampling.params
-    new_tokens = 0 if spec.task.kind == "score" else rows * p.max_tokens * p.n
-    C = spec.engine.max_num_seqs
-    step = max(weight_bytes / speed.bandwidth, 2 * (body + head) * C / speed.matmul_flops)
-    prefill = (2 * body * floor_tokens + 2 * head * rows) / speed.matmul_flops
-    return Eta(prefill, -(-new_tokens // C) * step, speed.matmul_flops / 1e9, speed.bandwidth / 1e9)
+        ] + ([self.eta.summary()] if self.eta is not None else []) + [f"note: {n}" for n in self.notes])
 
 
 def _kv_bytes_per_token(model_dir: Path) -> int:
-    cfg = _config(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
     heads = int(cfg.get("num_attention_heads", 1))
     head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // max(1, heads))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     return 2 * int(cfg.get("num_hidden_layers", 0)) * kv_heads * head_dim * 4
 
 
-def plan_job(spec: JobSpec, window: int = DEFAULT_WINDOW, with_eta: bool = True) -> PlanReport:
+class _BlockCache:
+    """The prefix cache as the engine keeps it for unplanned rows: whole blocks, chained hashes, never evicted."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def cached(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> int:
+        """Leading tokens whose whole blocks are cached (never the last token: its logits are needed)."""
+        chain = block_hashes(list(tokens), BLOCK_SIZE, media)
+        usable = min((len(tokens) - 1) // BLOCK_SIZE, len(chain))
+        hits = 0
+        while hits < usable and chain[hits] in self.seen:
+            hits += 1
+        return hits * BLOCK_SIZE
+
+    def store(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> None:
+        self.seen.update(block_hashes(list(tokens), BLOCK_SIZE, media))
+
+    def prefill(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> int:
+        """Tokens computed for ``tokens`` (then cached)."""
+        computed = len(tokens) - self.cached(tokens, media)
+        self.store(tokens, media)
+        return computed
+
+
+@dataclass
+class _Tally:
+    rows: int = 0
+    skipped: int = 0
+    planned: int = 0
+    images: int = 0
+    scored: int = 0
+    windows: int = 0
+    prompt: int = 0
+    distinct: int = 0
+    prefill: int = 0
+    peak: int = 0
+    sample: list[list[int]] = field(default_factory=list)  # the first rows' token ids, to calibrate the ETA
+
+
+class _Planner:
+    """Plans one window of prepared rows at a time, as the run's feed does."""
+
+    def __init__(self, spec: JobSpec, tok: Any, loaded: Any) -> None:
+        self.spec, self.tok, self.loaded = spec, tok, loaded
+        self.encoder = PromptEncoder(tok)
+        self.cache = _BlockCache()
+        self.recent: collections.deque[Sequence[int]] = collections.deque(maxlen=LIVE_SOURCES)
+        self.t = _Tally()
+        self.sample_size = spec.engine.max_num_seqs
+
+    def window(self, preps: list[PreparedRow]) -> None:
+        t, spec = self.t, self.spec
+        text = [p for p in preps if not p.images]
+        encoded = self.encoder.encode_many([p.prompt for p in text])  # type: ignore[misc]
+        seqs: list[array[int]] = []
+        extra = 0  # score rows: candidate tokens, and the context's last token again for each later candidate
+        more_prompt = 0  # score rows: every candidate's sequence is context + candidate
+        for prep, ids in zip(text, encoded):
+            if isinstance(ids, str):
+                t.skipped += 1
+                continue
+            seqs.append(array("i", ids))
+            if len(t.sample) < self.sample_size:
+                t.sample.append(list(ids))
+            if prep.candidates is not None:
+                t.scored += 1
+                lens = [len(self.tok.encode(c, add_special_tokens=False)) for c in prep.candidates]
+                more_prompt += sum(lens) + len(ids) * (len(lens) - 1)
+                extra += lens[0] + sum(1 + n for n in lens[1:])
+        if seqs:
+            p = plan(seqs)
+            t.windows += 1
+            t.planned += len(seqs)
+            t.prompt += p.total_tokens + more_prompt
+            t.distinct += p.distinct_tokens
+            t.peak = max(t.peak, p.peak_retained_tokens())
+            if not spec.engine.prefix_cache:
+                t.prefill += p.total_tokens + more_prompt
+            elif spec.plan.enabled:
+                t.prefill += sum(self._reuse(seqs[r.index]) for r in p.rows) + extra
+            else:  # longest first (the same reuse rules, in the run's order)
+                t.prefill += sum(self._reuse(s) for s in sorted(seqs, key=lambda s: -len(s))) + extra
+        for prep in (p for p in preps if p.images):
+            t.images += 1
+            ids, media, encoded_prompt = self._image_tokens(prep)
+            t.prompt += len(ids) * spec.sampling.params.n  # each sample of an image row prefills on its own
+            for _ in range(spec.sampling.params.n):
+                t.prefill += self.cache.prefill(ids, media) if spec.engine.prefix_cache else len(ids)
+            if encoded_prompt is not None and len(t.sample) < self.sample_size:
+                t.sample.append(encoded_prompt)
+
+    def _reuse(self, seq: Sequence[int]) -> int:
+        """Tokens ``seq`` computes, submitted now: it starts from the longest prefix a recently submitted row holds
+        (to the token; in trie order the row before shares the most) or the cache's whole blocks."""
+        reuse = max([self.cache.cached(seq)] + [common_prefix_len(seq, s) for s in self.recent])
+        self.recent.append(seq)
+        self.cache.store(seq)
+        return len(seq) - min(reuse, len(seq) - 1)
+
+    def predict(self, prompts: list[Any]) -> int:
+        """The prefill predicted for ``prompts`` (token ids or encoded image prompts) run alone, as one window."""
+        text = [p for p in prompts if isinstance(p, list)]
+        cache = _BlockCache()
+        images = sum(cache.prefill(p.token_ids, p.mm.media) for p in prompts if not isinstance(p, list))
+        return (plan(text).distinct_tokens if text else 0) + images
+
+    def _image_tokens(self, prep: PreparedRow) -> tuple[list[int], tuple[tuple[int, str], ...], Any]:
+        """An image row's token ids and image positions as the engine encodes it (placeholders expanded; needs the
+        model's processor) with the encoded prompt, or its text tokens alone when the model is not loaded."""
+        if self.loaded is not None and self.loaded.vlm is not None:
+            from mlxbatch.io.images import load_image
+
+            try:
+                mm = self.loaded.vlm.encode(prep.prompt, [load_image(r) for r in prep.images])
+                return list(mm.token_ids), mm.mm.media, mm
+            except Exception:  # an image that does not decode: an error row in the run, counted by its text
+                pass
+        ids = self.encoder.encode_many([prep.prompt])[0]  # type: ignore[list-item]
+        return ([] if isinstance(ids, str) else list(ids)), (), None
+
+
+def plan_job(spec: JobSpec, window: int | None = None, with_eta: bool = True, calibrate: bool = True) -> PlanReport:
+    """Plan ``spec`` as ``run`` will (its plan.window unless ``window`` is given). ``calibrate`` loads the model and
+    times a short real run for the ETA (and expands image rows' placeholders); off, or without weights, the ETA is
+    a FLOPs estimate."""
+    import itertools
+
     from mlx_lm.utils import load_tokenizer  # tokenizer files only: no weights are read
 
     t0 = time.perf_counter()
-    model_dir = Path(resolve_path(spec.model.path))
-    tok = load_tokenizer(model_dir)
-    ispec = InputSpec(spec.input.path, format=spec.input.format, id_column=spec.input.id_column, split=spec.input.split)
+    window = window or spec.plan.window
+    model_dir = local_model_dir(spec.model.path)
+    loaded = _load(spec, model_dir) if calibrate and with_eta else None
+    tok = loaded.tokenizer if loaded is not None else load_tokenizer(model_dir)
+    ispec = input_spec(spec)
     openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(ispec))
-    preparer = RowPreparer(spec, "plan", openai, takes_images=is_vlm_folder(model_dir))
-    seqs: list[array[int]] = []
-    rows = skipped = planned = windows = total = distinct = peak = 0
+    # as the run prepares them: image paths opened only for a vision-language model, prompts bounded by the context
+    preparer = RowPreparer(spec, "plan", openai, takes_images=is_vlm_folder(model_dir),
+                           context_length=loaded.context_length if loaded is not None else None)
+    planner = _Planner(spec, tok, loaded)
+    rows = open_reader(ispec)
+    if spec.input.limit is not None:
+        rows = itertools.islice(rows, spec.input.limit)
+    notes: list[str] = []
+    t_prep = time.perf_counter()
+    while True:
+        chunk = list(itertools.islice(rows, window))  # the run's windows: consecutive input rows, errors included
+        if not chunk:
+            break
+        planner.t.rows += len(chunk)
+        preps = [preparer.prepare(r) for r in chunk]
+        runnable = [p for p in preps if p.error is None and p.prompt is not None]
+        planner.t.skipped += len(preps) - len(runnable)
+        planner.window(runnable)
+    t = planner.t
+    prep_s = time.perf_counter() - t_prep
+    if t.images and (loaded is None or loaded.vlm is None):
+        notes.append("image rows are counted by their text tokens: the model was not loaded (its processor expands "
+                     "each image into placeholder tokens); plan with --calibrate and the model's weights")
+    eta = None
+    if with_eta:
+        p = spec.sampling.params
+        gen_rows = 0 if spec.task.kind == "score" else t.planned + t.images
+        host_s = 2 * prep_s  # the run prepares and tokenizes every row, then prepares it again for the results
+        eta = measured_eta(spec, loaded, t.sample, t.prefill, gen_rows, host_s, planner.predict) \
+            if loaded is not None else None
+        if eta is None:
+            eta = estimate(spec, model_dir, t.planned + t.images, t.prefill, gen_rows * p.max_tokens * p.n)
+    saving = 1 - t.prefill / t.prompt if t.prompt else 0.0
+    return PlanReport(t.rows, t.planned, t.skipped, t.prompt, t.distinct, t.prefill, saving, t.peak,
+                      _kv_bytes_per_token(model_dir), t.windows > 1, window, time.perf_counter() - t0, eta,
+                      spec.plan.enabled, t.images, t.scored, tuple(notes))
 
-    def plan_window(n: int) -> None:
-        """Plan the first ``n`` pending rows as one window and drop them: memory stays one window deep."""
-        nonlocal planned, windows, total, distinct, peak
-        p = plan(seqs[:n])
-        del seqs[:n]
-        planned, windows = planned + n, windows + 1
-        total, distinct = total + p.total_tokens, distinct + p.distinct_tokens
-        peak = max(peak, p.peak_retained_tokens())
 
-    batch: list[Any] = []  # prompts waiting to be tokenized together
-    encoder = PromptEncoder(tok)
+def _load(spec: JobSpec, model_dir: Path) -> Any:
+    """The model through the engine's loader (None when its weights are not here: a tokenizer-only folder)."""
+    from mlxbatch.engine import ModelSpec, load_model
+    from mlxbatch.errors import MlxbatchError
 
-    def flush() -> None:
-        nonlocal skipped
-        for ids in encoder.encode_many(batch):
-            if isinstance(ids, str):  # the engine would reject it: an error row, not part of the plan
-                skipped += 1
-            else:
-                seqs.append(array("i", ids))
-        batch.clear()
-
-    for row in open_reader(ispec):
-        rows += 1
-        prep = preparer.prepare(row)
-        if prep.error is not None or prep.prompt is None:
-            skipped += 1
-            continue
-        batch.append(prep.prompt)
-        if len(batch) >= TOKENIZE_BATCH:
-            flush()
-            while len(seqs) >= window:
-                plan_window(window)
-    flush()
-    while seqs:
-        plan_window(min(window, len(seqs)))
-    saving = 1 - distinct / total if total else 0.0
-    seconds = time.perf_counter() - t0
-    eta = estimate(spec, model_dir, planned, distinct) if with_eta else None
-    return PlanReport(rows, planned, skipped, total, distinct, saving, peak, _kv_bytes_per_token(model_dir),
-                      windows > 1, window, seconds, eta)
+    if not any(model_dir.glob("*.safetensors")):
+        return None
+    try:
+        return load_model(ModelSpec(str(model_dir), spec.model.dtype, spec.model.adapter, spec.model.trust_remote_code))
+    except MlxbatchError:
+        return None
 
 
 def as_dict(r: PlanReport) -> dict[str, Any]:
-    out = {**{k: getattr(r, k) for k in r.__dataclass_fields__}, "peak_retained_bytes": r.peak_retained_bytes}
+    out = {**{k: getattr(r, k) for k in r.__dataclass_fields__ if k != "eta"},
+           "peak_retained_bytes": r.peak_retained_bytes, "notes": list(r.notes)}
     if r.eta is not None:
-        out["eta"] = {**{k: round(getattr(r.eta, k), 4) for k in r.eta.__dataclass_fields__},
-                      "total_s": round(r.eta.total_s, 4)}
+        out["eta"] = r.eta.as_dict()
     return out

@@ -16,6 +16,7 @@ from typing import Any
 
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io import DuplicateIdTracker, InputRow, canonical_params, result_key
+from mlxbatch.io.jsonl import openai_constraint
 from mlxbatch.job.media import ImageError, row_images
 from mlxbatch.job.prompts import DEFAULT_MAX_CHARS, PromptRenderer, PromptTooLongError, RenderError
 from mlxbatch.job.spec import JobSpec, constraint_from
@@ -57,6 +58,9 @@ def _openai_params(body: dict[str, Any]) -> dict[str, Any]:
         out["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
     if body.get("logprobs"):
         out["logprobs"] = int(body.get("top_logprobs") or 0)
+    constraint = openai_constraint(body)  # response_format / guided_*: InvalidRequestError -> a params row error
+    if constraint is not None:
+        out["constraint"] = constraint
     return out
 
 

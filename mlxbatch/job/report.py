@@ -1,4 +1,14 @@
-"""Run statistics and the run report (JSON): counts, tokens, speed, errors by kind, engine profile."""
+"""Run statistics and the run report (report.json).
+
+Owns what the report says and where each figure comes from:
+- **On disk, all runs.** ``rows`` (output / ok / errors), ``errors_by_kind``, ``tokens`` and ``accuracy`` are
+  read from the final results.parquet, so they describe the results as they are, whichever runs made them (a
+  resume that redid nothing still reports the 26 error rows an earlier run wrote).
+- **This run.** ``this_run``: rows finished and resumed, its errors, tokens, speed and wall time.
+- **The last run that did work.** Speed, the engine profile, ``prefix_reuse`` and ``plan`` come from the last run
+  that finished rows (``run_figures_from`` says which): re-running a completed job keeps the real run's figures
+  instead of writing zeros over them.
+"""
 
 from __future__ import annotations
 
@@ -15,15 +25,50 @@ import pyarrow.parquet as pq
 from mlxbatch.io import ResultRecord
 from mlxbatch.job.spec import JobSpec
 
+_RUN_FIGURES = ("generated_tokens_per_s", "prompt_tokens_per_s", "rows_per_s", "wall_s", "prefix_reuse", "plan",
+                "vision_cache", "engine")
+
 
 def accuracy(results: Path) -> dict[str, Any] | None:
-    """Correct / answered over the final results' ``correct`` column (None when the job scores no answers)."""
+    """Correct / answered over the final results' ``correct`` column (None when the job checks no answers)."""
     if "correct" not in pq.read_schema(results).names:
         return None
     col = pq.read_table(results, columns=["correct"]).column("correct")
     answered = len(col) - col.null_count
     right = pc.sum(col.cast("int64")).as_py() or 0
     return {"answered": answered, "correct": right, "accuracy": round(right / answered, 4) if answered else None}
+
+
+@dataclass(frozen=True)
+class DiskSummary:
+    """What results.parquet holds, whichever runs wrote its rows."""
+
+    rows: int
+    errors: int
+    errors_by_kind: dict[str, int]
+    prompt_tokens: int
+    generated_tokens: int
+    accuracy: dict[str, Any] | None
+
+    @property
+    def ok(self) -> int:
+        return self.rows - self.errors
+
+
+def summarize_results(results: Path) -> DiskSummary:
+    """Counts over the final results file, streamed by row group."""
+    kinds: collections.Counter[str] = collections.Counter()
+    rows = errors = prompt = generated = 0
+    with pq.ParquetFile(results) as pf:
+        for batch in pf.iter_batches(columns=["error", "error_kind", "prompt_tokens", "generated_tokens"]):
+            rows += batch.num_rows
+            failed = pc.is_valid(batch.column("error"))
+            errors += pc.sum(failed.cast("int64")).as_py() or 0
+            for kind in pc.filter(batch.column("error_kind"), failed).to_pylist():
+                kinds[kind or "error"] += 1
+            prompt += pc.sum(batch.column("prompt_tokens")).as_py() or 0
+            generated += pc.sum(batch.column("generated_tokens")).as_py() or 0
+    return DiskSummary(rows, errors, dict(kinds.most_common()), prompt, generated, accuracy(results))
 
 
 @dataclass
@@ -40,7 +85,8 @@ class RunStats:
     errors_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
     engine: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
-    accuracy: dict[str, Any] | None = None  # task score with an answer column: over every row of the results
+    accuracy: dict[str, Any] | None = None  # over every row of the results (all runs)
+    disk: DiskSummary | None = None  # the final results file, once written
 
     def add(self, record: ResultRecord) -> None:
         self.finished += 1
@@ -58,28 +104,71 @@ class RunStats:
     def tokens_per_second(self) -> float:
         return self.generated_tokens / max(self.wall_s, 1e-9)
 
-    def report(self, spec: JobSpec, loaded: Any) -> dict[str, Any]:
-        wall = self.wall_s
+    def prefix_reuse(self) -> dict[str, Any]:
+        """This run's prefill against the plan's floor (the least prefill any order of these rows can do)."""
         prof = self.engine.get("profile", {})
+        computed = prof.get("prefill_tokens", 0)
+        floor = self.plan.get("prefill_floor_tokens", self.plan.get("distinct_tokens", 0))
+        return {"prefill_tokens_computed": computed, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": (self.engine.get("prefix_cache") or {}).get("tokens_reused", 0),
+                "floor_tokens": floor, "floor_ratio": round(computed / floor, 4) if floor else None}
+
+    def _this_run(self, wall: float, finished_at: str) -> dict[str, Any]:
+        return {"finished": self.finished, "resumed": self.skipped, "ok": self.finished - self.errors,
+                "errors": self.errors, "errors_by_kind": dict(self.errors_by_kind.most_common()),
+                "tokens": {"prompt": self.prompt_tokens, "generated": self.generated_tokens},
+                "generated_tokens_per_s": round(self.generated_tokens / max(wall, 1e-9), 2),
+                "prompt_tokens_per_s": round(self.prompt_tokens / max(wall, 1e-9), 2),
+                "rows_per_s": round(self.finished / max(wall, 1e-9), 3), "wall_s": round(wall, 3),
+                "finished_at": finished_at}
+
+    def report(self, spec: JobSpec, loaded: Any, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The report of this run; ``previous`` is the folder's earlier report.json (its run figures are kept when
+        this run finished no rows)."""
+        wall = self.wall_s
+        finished_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        this = self._this_run(wall, finished_at)
+        figures: dict[str, Any] = {**{k: this[k] for k in _RUN_FIGURES if k in this},
+                                   "prefix_reuse": self.prefix_reuse(), "plan": self.plan,
+                                   "vision_cache": self.engine.get("vision_cache"), "engine": self.engine}
+        work_run, figures_from = this, "this run"
+        earlier = _work_run_of(previous)
+        if self.finished == 0 and earlier is not None:  # nothing ran: keep the figures of the run that did work
+            work_run = earlier
+            figures = {k: previous[k] for k in _RUN_FIGURES if previous and k in previous}  # type: ignore[index]
+            figures_from = f"an earlier run (finished at {work_run.get('finished_at', '?')})"
+        disk = self.disk
+        rows = {"output": disk.rows if disk else self.final_rows, "ok": disk.ok if disk else self.finished - self.errors,
+                "errors": disk.errors if disk else self.errors, "finished_this_run": self.finished,
+                "resumed": self.skipped}
         return {
             "job": spec.source,
             "output": str(spec.output),
             "model": {"path": spec.model.path, "identity": loaded.identity, "dtype": loaded.dtype},
             "device": self.engine.get("device"),
             "host": platform.node(),
-            "rows": {"output": self.final_rows, "finished_this_run": self.finished, "resumed": self.skipped,
-                     "ok": self.finished - self.errors, "errors": self.errors},
-            "errors_by_kind": dict(self.errors_by_kind),
-            "tokens": {"prompt": self.prompt_tokens, "generated": self.generated_tokens},
-            "generated_tokens_per_s": round(self.generated_tokens / max(wall, 1e-9), 2),
-            "rows_per_s": round(self.finished / max(wall, 1e-9), 3),
-            "prefix_reuse": {"prefill_tokens_computed": prof.get("prefill_tokens", 0),
-                             "prompt_tokens": self.prompt_tokens,
-                             "cached_tokens": (self.engine.get("prefix_cache") or {}).get("tokens_reused", 0)},
-            "plan": self.plan,
+            "rows": rows,
+            "errors_by_kind": disk.errors_by_kind if disk else dict(self.errors_by_kind),
+            "tokens": {"prompt": disk.prompt_tokens, "generated": disk.generated_tokens} if disk
+            else {"prompt": self.prompt_tokens, "generated": self.generated_tokens},
             **({"accuracy": self.accuracy} if self.accuracy is not None else {}),
-            "vision_cache": self.engine.get("vision_cache"),  # vision-language models: hits, encoder time saved
-            "engine": self.engine,
-            "wall_s": round(wall, 3),
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "this_run": this,
+            "last_work_run": work_run,
+            "run_figures_from": figures_from,
+            **figures,
+            "finished_at": finished_at,
         }
+
+
+def _work_run_of(previous: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``this_run`` figures of the last run that finished rows, from an earlier report (None: none did)."""
+    if not previous:
+        return None
+    if isinstance(previous.get("last_work_run"), dict):
+        return previous["last_work_run"] if previous["last_work_run"].get("finished") else None
+    rows = previous.get("rows") or {}
+    if rows.get("finished_this_run"):  # a report written before this_run existed
+        return {"finished": rows["finished_this_run"], "resumed": rows.get("resumed", 0),
+                "generated_tokens_per_s": previous.get("generated_tokens_per_s"), "wall_s": previous.get("wall_s"),
+                "finished_at": previous.get("finished_at")}
+    return None

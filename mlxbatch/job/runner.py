@@ -13,33 +13,38 @@ clear error, keeping what finished.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
-
-from tqdm import tqdm
 
 from mlxbatch.config import EngineConfig
 from mlxbatch.engine import REGISTRY, EngineCore, ModelSpec
 from mlxbatch.errors import InvalidRequestError, MlxbatchError
 from mlxbatch.io import (
+    CheckpointError,
     CheckpointStore,
     ExpectedRow,
     InputFormat,
-    InputSpec,
+    InputRow,
     ResultRecord,
     clear_success,
     count_rows,
     finalize,
+    input_schema,
     mark_success,
     open_reader,
     resolve_inputs,
+    write_dataset_card,
     write_openai_batch_output,
     write_report,
 )
@@ -48,9 +53,12 @@ from mlxbatch.job.feed import Failed, Resumed, RowFeed
 from mlxbatch.job.media import ImageError
 from mlxbatch.job.outdir import claim_output, prepare_output
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
-from mlxbatch.job.report import RunStats, accuracy
+from mlxbatch.job.progress import Progress
+from mlxbatch.job.report import RunStats, summarize_results
 from mlxbatch.job.spec import JobSpec
-from mlxbatch.job.tasks import record_for, submit
+from mlxbatch.job.status import JOB_SPEC_META
+from mlxbatch.job.tasks import output_columns, prompt_text, record_for, submit
+from mlxbatch.job.validate import input_spec
 from mlxbatch.types import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -66,6 +74,10 @@ class JobFailed(MlxbatchError):
     """Too many rows failed (``max_error_rate``); what finished is checkpointed."""
 
 
+class OutputInUse(MlxbatchError):
+    """Another run holds the output folder."""
+
+
 @dataclass(frozen=True)
 class RunResult:
     out_dir: str
@@ -73,36 +85,67 @@ class RunResult:
 
 
 class JobRunner:
-    def __init__(self, spec: JobSpec, progress: bool | None = None) -> None:
+    """One run of a job. ``exit_on_second_signal`` (the command line): a second Ctrl-C leaves at once; off (notebooks,
+    ``run_job``), it stops what is in flight, checkpoints what finished and raises JobInterrupted, so the process
+    lives on. Off the main thread no signal handler is installed: call ``request_stop`` to stop."""
+
+    def __init__(self, spec: JobSpec, progress: bool | None = None, exit_on_second_signal: bool = True) -> None:
         self.spec = spec
         self.progress = sys.stderr.isatty() if progress is None else progress
+        self.exit_on_second_signal = exit_on_second_signal
         self._stop_signal: int | None = None
+        self._tokenizer: Any = None
 
     # -- signals -------------------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if self._stop_signal is not None:
-            os._exit(128 + signum)  # second signal: leave now; shards are atomic, nothing is corrupted
+            if self.exit_on_second_signal:
+                os._exit(128 + signum)  # second signal: leave now; shards are atomic, nothing is corrupted
+            raise KeyboardInterrupt  # in a notebook: stop now, keep the kernel (finished rows are flushed)
         self._stop_signal = signum
         log.warning("signal %d: finishing the current shard, then stopping (again to exit at once)", signum)
 
-    def _input_spec(self) -> InputSpec:
-        i = self.spec.input
-        return InputSpec(i.path, format=i.format, id_column=i.id_column, split=i.split)
+    def request_stop(self) -> None:
+        """Stop as a first Ctrl-C would: finished rows are checkpointed, then ``run`` raises JobInterrupted."""
+        self._stop_signal = signal.SIGINT
+
+    def _install_signals(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}  # signal handlers can only be set on the main thread
+        return {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _rows(self) -> Iterator[InputRow]:
+        rows = open_reader(input_spec(self.spec))
+        limit = self.spec.input.limit
+        return itertools.islice(rows, limit) if limit is not None else rows
+
+    def _open_store(self) -> CheckpointStore:
+        """The output folder's checkpoint, locked for this run, opened before the model loads."""
+        try:
+            return CheckpointStore(self.spec.output)
+        except CheckpointError as exc:
+            if isinstance(exc.__cause__, BlockingIOError):
+                raise OutputInUse(f"{exc} (e.g. --output DIR)") from exc
+            raise
 
     # -- run -------------------------------------------------------------------------------------------
     def run(self) -> RunResult:
         spec = self.spec
-        is_openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(self._input_spec()))
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        is_openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(input_spec(spec)))
+        old = self._install_signals()
         model_spec = ModelSpec(spec.model.path, spec.model.dtype, spec.model.adapter, spec.model.trust_remote_code)
         user = f"job:{spec.output}"
+        progress = Progress(self.progress, None)
         try:
             prepare_output(spec)
-            with CheckpointStore(spec.output) as store:  # locked first: a refused run changes nothing in the folder
+            with self._open_store() as store:  # locked first: a refused run changes nothing in the folder
                 claim_output(spec, store)
                 clear_success(spec.output)
+                previous = _previous_report(spec.output)
+                progress.loading(spec.model.path)
                 loaded = REGISTRY.acquire(model_spec, user)
                 try:
+                    self._save_job_meta(store, loaded)
                     stats = self._generate(store, loaded, is_openai)
                     for _ in range(REDO_PASSES):  # shards that no longer match their checksum: redo their rows
                         if not store.verify():
@@ -111,15 +154,18 @@ class JobRunner:
                         self._generate(store, loaded, is_openai, stats)
                     preparer = RowPreparer(spec, loaded.identity, is_openai, loaded.vlm is not None,
                                            loaded.context_length)
-                    final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns)
+                    final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns,
+                                     **output_columns(spec, loaded.tokenizer, self._input_schema()))
                     stats.final_rows = final.rows
-                    stats.accuracy = accuracy(final.results_path)
                 finally:
                     REGISTRY.release(model_spec, user)
                 if is_openai:
                     write_openai_batch_output(final.results_path, spec.output)
-                report = stats.report(spec, loaded)
+                stats.disk = summarize_results(final.results_path)
+                stats.accuracy = stats.disk.accuracy
+                report = stats.report(spec, loaded, previous)
                 write_report(spec.output, report)
+                write_dataset_card(spec.output)
                 limit = ErrorRate(spec.max_error_rate)
                 if limit.exceeded_at_end(final.rows, final.error_rows):
                     raise JobFailed(limit.message(final.rows, final.error_rows, str(spec.output))
@@ -132,15 +178,32 @@ class JobRunner:
 
     def _expected(self, preparer: RowPreparer) -> Iterator[ExpectedRow]:
         """The current rows in input order, with their current input columns (the results show those)."""
-        for row in open_reader(self._input_spec()):
+        for row in self._rows():
             prep = preparer.prepare(row)
             yield ExpectedRow(prep.row_id, prep.key, prep.inputs)
+
+    def _input_schema(self) -> Any:
+        return input_schema(input_spec(self.spec))
+
+    def _save_job_meta(self, store: CheckpointStore, loaded: Any) -> None:
+        """The job as this run parsed it (command-line changes included) and what of the model its keys depend on
+        (identity, whether it takes images, its context), so ``mlxbatch status OUT`` can tell current records from
+        stale ones without the command line or the model. (The folder's owner, ``job.outdir``'s record, is kept
+        apart.)"""
+        spec = self.spec
+        raw = json.loads(json.dumps(spec.raw or {}, default=str))
+        meta = {"source": spec.source, "base_dir": str(spec.base_dir or Path.cwd()), "raw": raw,
+                "model_identity": loaded.identity, "takes_images": loaded.vlm is not None,
+                "context_length": loaded.context_length}
+        if store.get_meta(JOB_SPEC_META) != meta:
+            store.set_meta(JOB_SPEC_META, meta)
 
     def _generate(self, store: CheckpointStore, loaded: Any, is_openai: bool,
                   redo_of: RunStats | None = None) -> RunStats:
         """Run every row whose current key is not checkpointed. ``redo_of``: a second pass adding to those stats
         (its resumed rows were counted by the first)."""
         spec = self.spec
+        self._tokenizer = loaded.tokenizer
         e = spec.engine
         core = EngineCore(loaded, EngineConfig(max_num_seqs=e.max_num_seqs,
                                                max_num_batched_tokens=e.max_num_batched_tokens,
@@ -149,16 +212,22 @@ class JobRunner:
                                                prefix_cache=e.prefix_cache, seed=spec.seed))
         preparer = RowPreparer(spec, loaded.identity, is_openai, loaded.vlm is not None, loaded.context_length)
         done = store.done_keys()
-        stats = redo_of or RunStats(total=count_rows(self._input_spec()), resumed_shards=len(store.shards))
+        if redo_of is None:
+            total = count_rows(input_spec(spec))
+            if spec.input.limit is not None:
+                total = spec.input.limit if total is None else min(total, spec.input.limit)
+            stats = RunStats(total=total, resumed_shards=len(store.shards))
+        else:
+            stats = redo_of
         errors = ErrorRate(spec.max_error_rate)
-        bar = tqdm(total=stats.total, disable=not self.progress or redo_of is not None, unit="row",
-                   dynamic_ncols=True)
+        bar = Progress(self.progress and redo_of is None, stats.total)
+        bar.start()
         pending: dict[str, PreparedRow] = {}
         order: dict[str, int] = {}  # key -> input position of the rows in flight
         buffer: list[ResultRecord] = []
-        last_flush = last_log = time.monotonic()
+        last_flush = time.monotonic()
         self._save_plan_params(store)
-        feed = RowFeed(open_reader(self._input_spec()), preparer, loaded.tokenizer, done,
+        feed = RowFeed(self._rows(), preparer, loaded.tokenizer, done,
                        window=self.spec.plan.window, planned=self.spec.plan.enabled, done_errors=store.error_keys())
         max_inflight = 4 * e.max_num_seqs
 
@@ -173,7 +242,7 @@ class JobRunner:
             buffer.append(record)
             stats.add(record)
             errors.finished(index, record.error is not None)
-            bar.update(1)
+            bar.finished()
 
         try:
             while True:
@@ -202,7 +271,7 @@ class JobRunner:
                         order[prep.key] = item.index
                     if redo_of is None:
                         stats.skipped += feed.skipped - skipped
-                    bar.update(feed.skipped - skipped)
+                    bar.skipped(feed.skipped - skipped)
                 if pending and self._stop_signal is None:
                     for delta in core.step():
                         if delta.output is not None and delta.request_id in pending:
@@ -211,12 +280,7 @@ class JobRunner:
                 now = time.monotonic()
                 if len(buffer) >= spec.checkpoint.every_rows or now - last_flush >= spec.checkpoint.every_seconds:
                     flush()
-                if self.progress:
-                    bar.set_postfix(tok_s=f"{stats.tokens_per_second:.0f}", errors=stats.errors, refresh=False)
-                elif now - last_log >= 30:
-                    last_log = now
-                    log.info("%d/%s rows, %.0f tok/s, %d errors", stats.finished + stats.skipped,
-                             stats.total if stats.total is not None else "?", stats.tokens_per_second, stats.errors)
+                bar.show(stats, len(pending), core)
                 if errors.exceeded():
                     flush()
                     raise JobFailed(f"{errors.message(errors.rows, errors.errors, str(spec.output))}. Errors by kind "
@@ -230,7 +294,14 @@ class JobRunner:
                 if feed.finished and not pending:
                     flush()
                     break
+        except KeyboardInterrupt:  # a second interrupt without exit_on_second_signal: stop now, keep what finished
+            for key in list(pending):
+                core.abort(key)
+            flush()
+            raise JobInterrupted(f"interrupted; {stats.finished} rows checkpointed in {spec.output}. Run the same "
+                                 "command to resume.") from None
         finally:
+            bar.show(stats, len(pending), core, force=True)
             bar.close()
             if redo_of is None:
                 stats.engine = core.stats()
@@ -254,7 +325,17 @@ class JobRunner:
                 error: str | None = None, error_kind: str | None = None) -> ResultRecord:
         params = prep.params_json
         model = f"{self.spec.model.path}@{model_identity}"
+        prompt = prompt_text(self.spec, prep, self._tokenizer) if self.spec.task.keep_prompt else None
         if out is None:
             return ResultRecord.failed(prep.row_id, prep.key, error or "unknown error", error_kind or "error",
-                                       inputs=prep.inputs, model=model, params=params)
-        return record_for(prep, out, model)
+                                       inputs=prep.inputs, model=model, params=params,
+                                       extra={"rendered_prompt": prompt} if prompt is not None else {})
+        return record_for(prep, out, model, self.spec.task, prompt)
+
+
+def _previous_report(out_dir: Path) -> dict[str, Any] | None:
+    """The folder's report.json from an earlier run (None when there is none or it does not read)."""
+    try:
+        return json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

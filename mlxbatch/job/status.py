@@ -1,61 +1,164 @@
-"""``mlxbatch status``: how far a run got and what failed, read from its output folder.
+"""``mlxbatch status``: how far a job got and what failed, read from its output folder.
+
+Owns counting *current* records: those whose result key the job asks for now. After a parameter change the
+shards still hold the old records (stale: they are never written out); counting them would report 32 rows of a
+16-row job. The job is the job file given (``status job.yaml``: against the file as it is now), or the job the
+last run recorded in the folder's manifest, command-line changes included (``status OUT``). Keys are recomputed
+by preparing every input row, as the run does (no model is loaded; the model identity is the one the last run
+recorded). A folder without a recorded job falls back to the newest record of each row id.
 
 Strictly read-only and lock-free, so it works while a run is writing the folder: it reads the shard files
 directly and skips (and reports) any that do not open as a complete Arrow file; repairing is left to the
-next run. Loads no model.
+next run.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from mlxbatch.errors import MlxbatchError
+from mlxbatch.io import InputFormat, open_reader, resolve_inputs
+from mlxbatch.job.prepare import RowPreparer
+from mlxbatch.job.spec import JobSpec, load_job, parse_job
+from mlxbatch.job.validate import input_spec
+
+JOB_SPEC_META = "job_spec"  # manifest metadata the runner writes: the job as the last run parsed it
 
 
-def _read_shard(path: Path) -> pa.Table | None:
+
+@dataclass(frozen=True)
+class _Record:
+    row_id: str
+    key: str
+    error: str | None
+    error_kind: str | None
+    model: str | None
+
+
+def _read_shard(path: Path) -> list[_Record] | None:
     try:
         with pa.memory_map(str(path)) as source:
-            return pa.ipc.open_file(source).read_all().select(["error", "error_kind"])
+            table = pa.ipc.open_file(source).read_all().select(["row_id", "key", "error", "error_kind", "model"])
     except (pa.ArrowInvalid, OSError, KeyError):
         return None
+    cols = [table.column(n).to_pylist() for n in ("row_id", "key", "error", "error_kind", "model")]
+    return [_Record(*values) for values in zip(*cols)]
 
 
-def read_status(out_dir: Path) -> dict[str, Any]:
+def _manifest_meta(out_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out_dir / "manifest.json").read_text(encoding="utf-8")).get("meta") or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _recorded_job(meta: dict[str, Any]) -> JobSpec | None:
+    """The job the last run used (as it parsed it), or None when the folder does not record one."""
+    job = meta.get(JOB_SPEC_META)
+    if not isinstance(job, dict) or not isinstance(job.get("raw"), dict):
+        return None
+    try:
+        return parse_job(job["raw"], source=str(job.get("source", "<job>")), base_dir=Path(job["base_dir"]))
+    except (MlxbatchError, KeyError, TypeError):
+        return None  # the job's files moved or no longer parse: count by row id
+
+
+def _expected_keys(spec: JobSpec, identity: str, recorded: dict[str, Any]) -> list[str]:
+    """The current keys, prepared as the last run prepared them (its model's image support and context, as it
+    recorded them: they decide an image row's key and a prompt-too-long row's)."""
+    ispec = input_spec(spec)
+    openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(ispec))
+    context = recorded.get("context_length")
+    preparer = RowPreparer(spec, identity, openai, takes_images=bool(recorded.get("takes_images")),
+                           context_length=context if isinstance(context, int) else None)
+    rows = open_reader(ispec)
+    if spec.input.limit is not None:
+        rows = itertools.islice(rows, spec.input.limit)
+    return [preparer.prepare(row).key for row in rows]
+
+
+def read_status(target: Path) -> dict[str, Any]:
+    """The status of an output folder, or of the output folder of a job file (counted against that file)."""
+    spec: JobSpec | None = None
+    if target.is_file():
+        spec = load_job(target)
+        out_dir, against = spec.output, f"the job file {target}"
+    else:
+        out_dir = target
     shards_dir = out_dir / "shards"
-    if not (out_dir / "manifest.json").exists() and not shards_dir.exists():
-        raise MlxbatchError(f"{out_dir}: no mlxbatch run here (no manifest.json)")
-    kinds: collections.Counter[str] = collections.Counter()
-    examples: dict[str, str] = {}
-    rows, shards, unreadable = 0, 0, []
+    meta = _manifest_meta(out_dir)
+    if spec is None:
+        if not (out_dir / "manifest.json").exists() and not shards_dir.exists():
+            raise MlxbatchError(f"{out_dir}: no mlxbatch run here (no manifest.json)")
+        spec = _recorded_job(meta)
+        against = f"the job of the last run ({spec.source})" if spec is not None else "the newest record of each row"
+    records: list[_Record] = []
+    shards, unreadable = 0, []
     for path in sorted(shards_dir.glob("shard-*.arrow")) if shards_dir.exists() else []:
-        table = _read_shard(path)
-        if table is None:
+        got = _read_shard(path)
+        if got is None:
             unreadable.append(path.name)
             continue
         shards += 1
-        rows += table.num_rows
-        for err, kind in zip(table.column("error").to_pylist(), table.column("error_kind").to_pylist()):
-            if err is not None:
-                kinds[kind or "error"] += 1
-                examples.setdefault(kind or "error", err)
+        records += got
+    by_key: dict[str, _Record] = {}
+    for r in records:
+        by_key.setdefault(r.key, r)  # a key written twice: its first record (as the run reads it)
+    total: int | None = None
+    if spec is not None:
+        recorded = meta.get(JOB_SPEC_META) if isinstance(meta.get(JOB_SPEC_META), dict) else {}
+        identity = recorded.get("model_identity") or next(
+            (r.model.rsplit("@", 1)[-1] for r in reversed(records) if r.model), "")
+        expected = _expected_keys(spec, identity, recorded)
+        total = len(expected)
+        current = [by_key[k] for k in dict.fromkeys(expected) if k in by_key]
+    else:
+        newest: dict[str, _Record] = {}
+        for r in records:
+            newest[r.row_id] = r
+        current = list(newest.values())
+    return _summary(out_dir, current, len(by_key) - len(current), total, shards, unreadable, against)
+
+
+def _summary(out_dir: Path, current: list[_Record], stale: int, total: int | None, shards: int,
+             unreadable: list[str], against: str) -> dict[str, Any]:
+    kinds: collections.Counter[str] = collections.Counter()
+    examples: dict[str, str] = {}
+    for r in current:
+        if r.error is not None:
+            kinds[r.error_kind or "error"] += 1
+            examples.setdefault(r.error_kind or "error", r.error)
     report_path = out_dir / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    try:
+        report = json.loads(report_path.read_text()) if report_path.exists() else None
+    except ValueError:
+        report = None
     complete = (out_dir / "_SUCCESS").exists()
-    errors = sum(kinds.values())
+    errors, done = sum(kinds.values()), len(current)
+    percent = round(100 * done / total, 1) if total else None
     lines = [f"{out_dir}: {'complete' if complete else 'incomplete (running, or run the job again to resume)'}",
-             f"  checkpointed rows: {rows} in {shards} shard(s); errors: {errors}"]
+             f"  rows done: {done}" + (f" of {total} ({percent}%)" if total is not None else "")
+             + f"; errors: {errors}; counted against {against}"]
     lines += [f"    {k}: {n}  e.g. {examples[k][:160]}" for k, n in kinds.most_common()]
+    if stale:
+        lines.append(f"  stale records (earlier keys: changed parameters, prompts or model) not counted: {stale}")
+    lines.append(f"  shards: {shards}")
     if unreadable:
         lines.append(f"  shards that do not open (cut short by a crash; the next run redoes their rows): "
                      f"{', '.join(unreadable)}")
     if report and complete:
-        lines.append(f"  report: {report['rows']['output']} rows, {report['generated_tokens_per_s']} tok/s, "
-                     f"{report['wall_s']} s")
-    return {"complete": complete, "checkpointed_rows": rows, "shards": shards, "errors": errors,
-            "errors_by_kind": dict(kinds), "unreadable_shards": unreadable, "report": report,
-            "summary": "\n".join(lines)}
+        work = report.get("last_work_run") or {}
+        lines.append(f"  last run that did work: {work.get('finished', report['rows'].get('finished_this_run'))} "
+                     f"rows, {report.get('generated_tokens_per_s')} tok/s, {report.get('wall_s')} s "
+                     f"(finished at {work.get('finished_at', report.get('finished_at'))})")
+    return {"complete": complete, "rows_done": done, "total_rows": total, "percent": percent,
+            "checkpointed_rows": done, "stale_records": stale, "shards": shards, "errors": errors,
+            "errors_by_kind": dict(kinds), "unreadable_shards": unreadable, "counted_against": against,
+            "report": report, "summary": "\n".join(lines)}

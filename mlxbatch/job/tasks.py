@@ -1,11 +1,13 @@
 """What a row asks of the engine, and what the engine's output becomes in the results.
 
 Owns the two task kinds of a job. ``generate``: text, with ``n`` samples as a list column and, under an output
-constraint, a check that the text really matches (JSON parsed into a ``parsed`` column); a row whose output
-still does not parse (cut by ``max_tokens``) is an error row of kind ``truncated`` or ``unparsed`` that keeps
-its text. ``score``: the log-likelihood of each candidate continuation (``scores``: sums, ``token_logprobs``,
-``greedy``), the best candidate as ``text`` and its index as ``choice``, and ``correct`` when the row names
-its answer.
+constraint, a check that the text really matches (the match in a ``parsed`` column: the JSON value, a struct
+typed from the schema, or the text of a choice / regex); a row whose output still does not match (cut by
+``max_tokens``) is an error row of kind ``truncated`` or ``unparsed`` that keeps its text; with ``output.gold``,
+``correct`` compares the text with the row's gold answer. ``score``: the log-likelihood of each candidate
+continuation (``scores``: sums, ``token_logprobs``, ``greedy``), the best candidate as ``text`` and its index as
+``choice``, and ``correct`` when the row names its answer. Also the result columns' declared types
+(``output_columns``) and the prompt text a row's model saw (``output.keep_prompt``).
 """
 
 from __future__ import annotations
@@ -14,12 +16,17 @@ import json
 import re
 from typing import Any
 
+import pyarrow as pa
+
 from mlxbatch.engine import EngineCore
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io import ResultRecord
 from mlxbatch.job.media import encode_row
 from mlxbatch.job.prepare import PreparedRow
+from mlxbatch.job.spec import JobSpec, TaskSection
 from mlxbatch.types import FinishReason, OutputConstraint, RequestOutput
+
+_MAX_DEPTH = 16
 
 
 def submit(core: EngineCore, prep: PreparedRow, token_ids: list[int] | None, cache_tokens: int | None) -> None:
@@ -62,17 +69,24 @@ def _correct(answer: Any, candidates: tuple[str, ...], choice: int) -> bool | No
     return str(answer) in (candidates[choice], candidates[choice].strip())
 
 
-def record_for(prep: PreparedRow, out: RequestOutput, model: str) -> ResultRecord:
-    """The result record of a finished row."""
+def _gold_correct(text: str, gold: Any) -> bool | None:
+    if gold is None:
+        return None
+    return text.strip().casefold() == str(gold).strip().casefold()
+
+
+def record_for(prep: PreparedRow, out: RequestOutput, model: str, task: TaskSection | None = None,
+               prompt: str | None = None) -> ResultRecord:
+    """The result record of a finished row (``prompt``: the text the model saw, kept with output.keep_prompt)."""
     t = out.timings
     common = dict(row_id=prep.row_id, key=prep.key, inputs=prep.inputs, prompt_tokens=out.prompt_tokens,
                   latency_s=t.total, ttft_s=t.time_to_first_token, model=model, params=prep.params_json)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {} if prompt is None else {"rendered_prompt": prompt}
     if prep.candidates is not None:
         sums = [c.cumulative_logprob or 0.0 for c in out.completions]
         choice = max(range(len(sums)), key=sums.__getitem__)
-        extra = {"scores": sums, "token_logprobs": [[lp.logprob for lp in c.logprobs or ()] for c in out.completions],
-                 "greedy": [bool(c.greedy) for c in out.completions], "choice": choice}
+        extra |= {"scores": sums, "token_logprobs": [[lp.logprob for lp in c.logprobs or ()] for c in out.completions],
+                  "greedy": [bool(c.greedy) for c in out.completions], "choice": choice}
         correct = _correct(prep.answer, prep.candidates, choice)
         if correct is not None:
             extra["correct"] = correct
@@ -83,8 +97,93 @@ def record_for(prep: PreparedRow, out: RequestOutput, model: str) -> ResultRecor
     constraint = prep.params.constraint
     if constraint is not None:
         parsed, error, kind = _check(out.text, constraint, out.finish_reason, prep.params.max_tokens)
-        if constraint.kind == "json_schema" and parsed is not None:
-            extra["parsed"] = parsed
+        if error is None:
+            extra["parsed"] = parsed if constraint.kind == "json_schema" else out.text
+    if task is not None and task.gold_column is not None:
+        correct = _gold_correct(out.text, prep.inputs.get(task.gold_column))
+        if correct is not None:
+            extra["correct"] = correct and error is None
     return ResultRecord(**common, text=out.text, finish_reason=out.finish_reason.value if out.finish_reason else None,
                         generated_tokens=out.generated_tokens, logprobs=out.logprobs, error=error, error_kind=kind,
                         extra=extra)
+
+
+def prompt_text(spec: JobSpec, prep: PreparedRow, tokenizer: Any) -> str | None:
+    """The prompt as the model saw it: a text prompt as is, chat messages through the model's chat template."""
+    if prep.prompt is None:
+        return None
+    if isinstance(prep.prompt, str):
+        return prep.prompt
+    try:
+        return str(tokenizer.apply_chat_template(list(prep.prompt), add_generation_prompt=True, tokenize=False))
+    except Exception:  # the row failed on its template already; keep the messages readable
+        return json.dumps(prep.prompt, ensure_ascii=False)
+
+
+def schema_type(schema: Any, root: dict[str, Any] | None = None, depth: int = 0) -> pa.DataType:
+    """The Arrow type of a JSON schema's instances: objects with properties -> structs, arrays -> lists, scalars
+    -> their type; anything that cannot be one type (free objects, mixed unions) -> JSON text (string)."""
+    root = root if root is not None else schema
+    if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+        return pa.string()
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        node: Any = root
+        for part in ref[2:].split("/"):
+            node = node.get(part) if isinstance(node, dict) else None
+        return schema_type(node, root, depth + 1)
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else \
+        [schema["const"]] if "const" in schema else None
+    if values:
+        kinds = {type(v) for v in values if v is not None}
+        scalar = {str: pa.string(), bool: pa.bool_(), int: pa.int64(), float: pa.float64()}
+        if kinds <= {int, float} and float in kinds:
+            return pa.float64()
+        return scalar.get(kinds.pop(), pa.string()) if len(kinds) == 1 else pa.string()
+    options = schema.get("anyOf") or schema.get("oneOf")
+    kinds = schema.get("type")
+    if isinstance(options, list) or isinstance(kinds, list):
+        alts = [schema_type(o, root, depth + 1) for o in options] if isinstance(options, list) else \
+            [schema_type({**schema, "type": k}, root, depth + 1) for k in kinds if k != "null"]
+        alts = [a for i, a in enumerate(alts) if a not in alts[:i] and not (
+            isinstance(options, list) and options[i] == {"type": "null"})]
+        return alts[0] if len(alts) == 1 else pa.string()
+    if kinds == "object" or (kinds is None and "properties" in schema):
+        props = schema.get("properties")
+        if not isinstance(props, dict) or not props:
+            return pa.string()
+        return pa.struct([(name, schema_type(sub, root, depth + 1)) for name, sub in props.items()])
+    if kinds == "array":
+        return pa.list_(schema_type(schema.get("items", {}), root, depth + 1))
+    return {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(),
+            "boolean": pa.bool_()}.get(kinds, pa.string())
+
+
+def output_columns(spec: JobSpec, tokenizer: Any, input_types: dict[str, pa.DataType]) -> dict[str, Any]:
+    """finalize's column declarations for this job: the input's own types, ``parsed`` typed from the constraint
+    (present whenever a constraint is), ``correct`` with a gold column, token strings next to logprob ids."""
+    task = spec.task
+    extra: dict[str, pa.DataType] = {}
+    if task.kind == "generate" and (task.constraint is not None or task.constraint_column is not None):
+        c = task.constraint
+        per_row = task.constraint_column is not None
+        extra["parsed"] = schema_type(json.loads(str(c.value))) if c is not None and c.kind == "json_schema" \
+            and not per_row else pa.string()
+    if task.gold_column is not None or task.answer_column is not None:
+        extra["correct"] = pa.bool_()
+    if task.keep_prompt:
+        extra["rendered_prompt"] = pa.string()
+    return {"input_types": input_types, "extra_types": extra, "token_text": token_text_of(tokenizer)}
+
+
+def token_text_of(tokenizer: Any) -> Any:
+    """id -> the token's text (as the model's tokenizer decodes it alone), cached."""
+    cache: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        found = cache.get(token_id)
+        if found is None:
+            found = cache[token_id] = tokenizer.decode([token_id])
+        return found
+
+    return text

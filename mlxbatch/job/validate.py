@@ -1,21 +1,28 @@
-"""Validation that needs the input: every template field must be provided by some row, and rows must render.
+"""Validation that needs more than the job file: the model reference, the input, the output folder, the
+constraint's tokenizer.
 
-Owns the pre-flight check of ``mlxbatch validate`` and ``mlxbatch run``: the job file's structure (``spec``),
-the input files (they resolve and open), the output folder (``outdir``: not a file, not another job's), and the
-templates against a sample of rows: fields no row provides, an id column no row has, and rows that do not render
-(a null or missing field, a division by zero, a template limit): a problem when no sampled row renders, a logged
-warning (with the count and the first reason) when some do not. Loads no model.
+Owns the pre-flight check of ``mlxbatch validate`` and ``mlxbatch run``: the job file's structure (``spec``), the
+model (a known alias, a folder with config.json, a hub id that can be had: ``job.model_ref``), the input files
+(they resolve and open), the output folder (``outdir``: not a file, not another job's), the templates against a
+sample of rows (fields no row provides, fields some rows lack, an id column no row has, and rows that do not
+render: a null or missing field, a division by zero, a template limit), and the output constraint compiled
+against the model's tokenizer with ``max_tokens`` long enough for its shortest output. Loads no weights. Problems
+make the job invalid (``JobSpecError``): among them a sample in which no row renders; warnings (some rows will
+fail, with the count and the first reason) are returned to be shown.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlxbatch.io import InputFormat, InputRow, InputSpec, open_reader, resolve_inputs
 from mlxbatch.io.errors import InputError
+from mlxbatch.job.model_ref import model_problem
 from mlxbatch.job.outdir import output_problems
+from mlxbatch.job.overrides import JobOverrides
 from mlxbatch.job.prompts import PromptRenderer, RenderError
 from mlxbatch.job.spec import JobSpec, JobSpecError, load_job
 
@@ -24,64 +31,131 @@ log = logging.getLogger(__name__)
 SAMPLE_ROWS = 200
 
 
-def validate_job(path: str | Path) -> JobSpec:
-    spec = load_job(path)
+@dataclass(frozen=True)
+class Validation:
+    spec: JobSpec
+    warnings: tuple[str, ...] = ()
+
+
+def input_spec(spec: JobSpec) -> InputSpec:
+    """The io layer's InputSpec of a job (files, or a dataset by name)."""
+    i = spec.input
+    if i.dataset is not None:
+        return InputSpec(i.dataset, format=InputFormat.HUB, id_column=i.id_column, split=i.split, config=i.config)
+    return InputSpec(i.path, format=i.format, id_column=i.id_column, split=i.split)
+
+
+def validate_job(path: str | Path, overrides: JobOverrides | None = None) -> JobSpec:
+    """The checked JobSpec of a job file (warnings are logged); raises JobSpecError listing every problem."""
+    result = check_spec(load_job(path, overrides))
+    for warning in result.warnings:
+        log.warning("%s", warning)
+    return result.spec
+
+
+def check_spec(spec: JobSpec) -> Validation:
     problems: list[tuple[str, str]] = []
+    warnings: list[str] = []
+    reason = model_problem(spec.model.path)
+    if reason is not None:
+        problems.append(("model.path", reason))
     try:
         renderer = PromptRenderer(spec.prompt)
     except RenderError as exc:
-        raise JobSpecError(spec.source, [("prompt", str(exc))]) from exc
-    ispec = InputSpec(spec.input.path, format=spec.input.format, id_column=spec.input.id_column,
-                      split=spec.input.split)
+        raise JobSpecError(spec.source, problems + [("prompt", str(exc))]) from exc
+    where = "input.dataset" if spec.input.dataset is not None else "input.path"
+    ispec = input_spec(spec)
     try:
         sources = resolve_inputs(ispec)
-        rows = list(itertools.islice(open_reader(ispec), SAMPLE_ROWS))
+        rows = list(itertools.islice(open_reader(ispec), min(SAMPLE_ROWS, spec.input.limit or SAMPLE_ROWS)))
     except InputError as exc:
-        raise JobSpecError(spec.source, [("input.path", str(exc))]) from exc
+        raise JobSpecError(spec.source, problems + [(where, str(exc))]) from exc
     if not sources:
-        problems.append(("input.path", "matches no files"))
+        problems.append((where, "matches no files"))
     openai = any(s.format is InputFormat.OPENAI_BATCH for s in sources)
     good = [r for r in rows if r.ok]
     if good and not openai:
         seen = set().union(*(r.fields for r in good))
-        for name in sorted(renderer.fields() - seen):
-            problems.append(("prompt", f"template field {name!r} is in none of the first {len(good)} rows "
-                                       f"(columns: {', '.join(sorted(seen))})"))
+        field_problems, field_warnings = _template_fields(spec, renderer, good, seen)
+        problems += field_problems
+        warnings += field_warnings
         for col in spec.sampling.overrides.values():
             if col not in seen:
                 problems.append(("sampling.overrides", f"column {col!r} is in none of the first {len(good)} rows"))
         for col in spec.input.columns or ():
             if col not in seen:
                 problems.append(("input.columns", f"column {col!r} is in none of the first {len(good)} rows"))
-        if not problems:
-            problems += _render_problems(spec, renderer, good)
-    problems += _id_problems(spec, rows, openai)
+        for key, col in (("output.gold", spec.task.gold_column), ("score.answer", spec.task.answer_column)):
+            if col is not None and col not in seen:
+                problems.append((key, f"column {col!r} is in none of the first {len(good)} rows"))
+        if not field_problems:  # a field no row gives fails every row: no need to say so twice
+            render_problems, render_warnings = _render_problems(spec, renderer, good)
+            problems += render_problems
+            warnings += render_warnings
+    id_problems, id_warnings = _id_problems(spec, rows, openai)
+    problems += id_problems
+    warnings += id_warnings
     problems += output_problems(spec)
-    problems += _constraint_problems(spec)
+    if reason is None:
+        problems += _constraint_problems(spec)
     if problems:
         raise JobSpecError(spec.source, problems)
-    return spec
+    return Validation(spec, tuple(warnings))
 
 
-def _id_problems(spec: JobSpec, rows: list[InputRow], openai: bool) -> list[tuple[str, str]]:
-    """An id column that no sampled row has (every row would fail), or that some rows lack (a warning)."""
+def _template_fields(spec: JobSpec, renderer: PromptRenderer, good: list[InputRow],
+                     seen: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Template fields no sampled row gives (a problem), and fields some rows lack (a warning with the count: those
+    rows will be error rows of kind render, counted by ``max_error_rate``). A row counts as lacking a field only
+    when it does not render: a template that handles the missing value (``default``, ``is defined``) is fine."""
+    problems: list[tuple[str, str]] = []
+    warnings: list[str] = []
+    fields = renderer.fields()
+    for name in sorted(fields - seen):
+        problems.append(("prompt", f"template field {name!r} is in none of the first {len(good)} rows "
+                                   f"(columns: {', '.join(sorted(seen))})"))
+    lacking: dict[str, list[str]] = {name: [] for name in sorted(fields & seen)}
+    for row in good:
+        absent = [n for n in lacking if row.fields.get(n) is None]
+        if not absent:
+            continue
+        try:
+            renderer.render(row.fields, row.request)
+        except RenderError:
+            for name in absent:
+                lacking[name].append(row.row_id)
+    for name, ids in lacking.items():
+        if not ids:
+            continue
+        share = " (more than max_error_rate: the run would stop)" if len(ids) > spec.max_error_rate * len(good) else ""
+        warnings.append(f"{spec.source}: prompt: template field {name!r} is missing (or null) in {len(ids)} of the "
+                        f"first {len(good)} rows, which will be error rows of kind render{share} (e.g. "
+                        f"{', '.join(ids[:3])}); fill it, or handle it in the template ({{{{ {name} | default('') }}}})")
+    return problems, warnings
+
+
+def _id_problems(spec: JobSpec, rows: list[InputRow],
+                 openai: bool) -> tuple[list[tuple[str, str]], list[str]]:
+    """An id column that no sampled row has (a problem: every row would fail), or that some rows lack (a warning)."""
     column = spec.input.id_column
     readable = [r for r in rows if r.fields]
     if not column or openai or not readable:
-        return []
+        return [], []
     lacking = sum(1 for r in readable if r.fields.get(column) is None)
     if lacking == len(readable):
         columns = sorted(set().union(*(r.fields for r in readable)))
         return [("input.id_column", f"column {column!r} is in none of the first {len(readable)} rows "
-                                    f"(columns: {', '.join(columns)})")]
+                                     f"(columns: {', '.join(columns)})")], []
     if lacking:
-        log.warning("input.id_column: %d of the first %d rows have no %r (they will be error rows)", lacking,
-                    len(readable), column)
-    return []
+        return [], [f"{spec.source}: input.id_column: {lacking} of the first {len(readable)} rows have no {column!r} "
+                    "(they will be error rows)"]
+    return [], []
 
 
-def _render_problems(spec: JobSpec, renderer: PromptRenderer, rows: list[InputRow]) -> list[tuple[str, str]]:
-    """Render the sampled rows as the run will; report how many fail and the first reason."""
+def _render_problems(spec: JobSpec, renderer: PromptRenderer,
+                     rows: list[InputRow]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Render the sampled rows as the run will: a problem when none renders, else a warning with how many fail
+    and the first reason."""
     failed = 0
     first = ""
     for row in rows:
@@ -91,18 +165,18 @@ def _render_problems(spec: JobSpec, renderer: PromptRenderer, rows: list[InputRo
             failed += 1
             first = first or f"{row.source}:{row.position} (id {row.row_id!r}): {exc}"
     if not failed:
-        return []
+        return [], []
     summary = f"{failed} of the first {len(rows)} rows do not render, e.g. {first}"
     if failed == len(rows):
-        return [("prompt", summary)]
-    log.warning("prompt: %s (they will be error rows%s)", summary,
-                f"; more than max_error_rate={spec.max_error_rate}: the run will stop"
-                if failed > spec.max_error_rate * len(rows) else "")
-    return []
+        return [("prompt", summary)], []
+    stop = f"; more than max_error_rate={spec.max_error_rate}: the run will stop" \
+        if failed > spec.max_error_rate * len(rows) else ""
+    return [], [f"{spec.source}: prompt: {summary} (they will be error rows{stop})"]
 
 
 def _constraint_problems(spec: JobSpec) -> list[tuple[str, str]]:
-    """The job's output constraint compiled against the model's tokenizer (tokenizer files only, no weights)."""
+    """The job's output constraint compiled against the model's tokenizer (tokenizer files only, no weights), and
+    ``max_tokens`` against the shortest output it allows."""
     c = spec.task.constraint
     if c is None:
         return []
@@ -110,15 +184,28 @@ def _constraint_problems(spec: JobSpec) -> list[tuple[str, str]]:
 
     from mlx_lm.utils import load_tokenizer
 
-    from mlxbatch.engine import GrammarCompiler, resolve_path
+    from mlxbatch.engine import GrammarCompiler
     from mlxbatch.errors import MlxbatchError
+    from mlxbatch.job.model_ref import local_model_dir
+    from mlxbatch.job.shortest import shortest_output
 
     try:
-        path = Path(resolve_path(spec.model.path))
+        path = local_model_dir(spec.model.path)
         tok = load_tokenizer(path, {"trust_remote_code": spec.model.trust_remote_code})
         cfg = json.loads((path / "config.json").read_text())
     except (MlxbatchError, OSError, ValueError):
-        return []  # not a local model (a hub id): the run checks the constraint when the model is loaded
+        return []  # not a local model (an uncached hub id): the run checks the constraint when the model is loaded
     vocab = int(cfg.get("text_config", cfg).get("vocab_size") or len(tok._tokenizer))
-    reason = GrammarCompiler(tok, vocab, tok.eos_token_ids).check(c)
-    return [] if reason is None else [(f"output.{c.kind}", reason)]
+    compiler = GrammarCompiler(tok, vocab, tok.eos_token_ids)
+    reason = compiler.check(c)
+    if reason is not None:
+        return [(f"output.{c.kind}", reason)]
+    if "max_tokens" in spec.sampling.overrides:
+        return []  # rows set their own
+    shortest = shortest_output(c, tok, compiler)
+    max_tokens = spec.sampling.params.max_tokens
+    if shortest is not None and shortest.tokens > max_tokens:
+        return [("sampling.max_tokens", f"{max_tokens} is too small for any output output.{c.kind} allows: the "
+                                        f"shortest, {shortest.text[:120]}, takes {shortest.tokens} tokens (every "
+                                        f"row would be cut: errors of kind truncated)")]
+    return []

@@ -159,3 +159,32 @@ def test_report_and_success_marker(tmp_path: Path) -> None:
     assert marker.name == "_SUCCESS" and marker.read_bytes() == b""
     assert clear_success(tmp_path) and not marker.exists()
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_dataset_card_is_mlxbatchs_own_and_a_readme_of_the_users_is_not(tmp_path: Path) -> None:
+    from mlxbatch.io import foreign_files, remove_outputs, write_dataset_card
+
+    assert write_dataset_card(tmp_path) == tmp_path / "README.md"
+    assert foreign_files(tmp_path) == []  # the card mlxbatch wrote is one of its outputs
+    remove_outputs(tmp_path)  # overwrite removes it with the other outputs
+    assert not (tmp_path / "README.md").exists()
+    (tmp_path / "README.md").write_text("my notes\n")
+    assert foreign_files(tmp_path) == ["README.md"]
+    assert write_dataset_card(tmp_path) is None
+    remove_outputs(tmp_path)
+    assert (tmp_path / "README.md").read_text() == "my notes\n"
+
+
+def test_a_card_that_cannot_be_written_is_an_output_error(tmp_path: Path, monkeypatch) -> None:
+    import errno
+    import os
+
+    import mlxbatch.io.card as card
+    from mlxbatch.io import OutputError, write_dataset_card
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(card, "atomic_write_bytes", full)
+    with pytest.raises(OutputError, match="could not write .*README.md: No space left on device"):
+        write_dataset_card(tmp_path)

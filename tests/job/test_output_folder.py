@@ -66,6 +66,29 @@ def test_the_same_job_under_a_new_file_name_resumes(tmp_path, tiny_model_path):
     assert run(renamed).report["rows"]["resumed"] == 6
 
 
+def test_a_folder_belongs_to_the_dataset_a_job_reads_by_name(tmp_path, tiny_model_path):
+    import yaml
+
+    out = tmp_path / "out"
+    jobs = {}
+    for name, n in (("a", 5), ("b", 3)):
+        (tmp_path / name).mkdir()
+        (tmp_path / f"ds-{name}").mkdir()
+        write_jsonl(tmp_path / f"ds-{name}" / "part-0.jsonl", texts(n))
+        job = write_job(tmp_path / name, tiny_model_path, tmp_path / "unused", out)
+        raw = yaml.safe_load(job.read_text())
+        raw["input"] = {"dataset": str(tmp_path / f"ds-{name}"), "id_column": "id"}
+        job.write_text(yaml.safe_dump(raw))
+        jobs[name] = job
+    run(jobs["a"])
+    renamed = jobs["a"].rename(jobs["a"].with_name("renamed.yaml"))  # the same job (same dataset): it resumes
+    assert run(renamed).report["rows"]["resumed"] == 5
+    renamed.unlink()  # gone: a job reading another dataset is still another job
+    with pytest.raises(JobSpecError, match="another job"):
+        run(jobs["b"])
+    assert len(results(out)) == 5
+
+
 def test_a_folder_of_other_files_is_refused_unless_overwrite(tmp_path, tiny_model_path):
     data = write_jsonl(tmp_path / "in.jsonl", texts(3))
     (tmp_path / "out").mkdir()

@@ -100,7 +100,7 @@ def test_messages_name_the_key_as_written(tmp_path, tiny_model_path):
     assert "sampling.stop: expected a list of strings, got int" in res.output
     assert "not iterable" not in res.output
     assert "sampling.temperature: must be >= 0" in res.output and "sampling.top_p: must be in (0, 1]" in res.output
-    assert "sampling.constraint: set output.choice" in res.output
+    assert "sampling.constraint: set an output constraint with output.choice" in res.output
 
 
 def test_an_id_column_no_row_has_is_refused(tmp_path, tiny_model_path):
@@ -130,3 +130,110 @@ def test_rows_that_would_not_render_are_reported(tmp_path, tiny_model_path, capl
     with caplog.at_level("WARNING"):
         validate_job(tmp_path / "job.yaml")
     assert "1 of the first 6 rows do not render" in caplog.text and "in.jsonl:5" in caplog.text
+
+
+def test_a_mistyped_alias_gets_the_close_match(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(5))
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out")
+    raw = yaml.safe_load(job.read_text())
+    raw["model"] = "smolm2"
+    job.write_text(yaml.safe_dump(raw))
+    res = _validate(job)
+    assert res.exit_code == 2 and "model.path" in res.output and "did you mean 'smollm2'?" in res.output
+
+
+def test_an_uncached_hub_id_while_offline_names_the_setting(tmp_path, tiny_model_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    data = write_jsonl(tmp_path / "in.jsonl", texts(5))
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out")
+    raw = yaml.safe_load(job.read_text())
+    raw["model"] = "someone/not-downloaded"
+    job.write_text(yaml.safe_dump(raw))
+    res = _validate(job)
+    assert res.exit_code == 2 and "not in the local cache" in res.output and "HF_HUB_OFFLINE" in res.output
+
+
+def test_a_field_some_rows_lack_is_counted(tmp_path, tiny_model_path):
+    rows = texts(31)
+    for r in rows[::7]:
+        del r["text"]  # 5 of 31
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    res = _validate(write_job(tmp_path, tiny_model_path, data, tmp_path / "out", max_error_rate=0.5))
+    assert res.exit_code == 0, res.output
+    assert "template field 'text' is missing (or null) in 5 of the first 31 rows" in res.output
+    assert "row-0000, row-0007, row-0014" in res.output
+    # a template that handles the missing field is fine
+    res = _validate(write_job(tmp_path, tiny_model_path, data, tmp_path / "out",
+                              prompt={"template": "Say: {{ text | default('nothing') }}"}))
+    assert res.exit_code == 0 and "missing" not in res.output
+
+
+def test_every_sampling_problem_at_once_and_the_constraint_key(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(5))
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out",
+                    sampling={"temperature": -1, "top_p": 2, "max_tokens": 0, "n": "two",
+                              "constraint": {"choice": ["a", "b"]}})
+    res = _validate(job)
+    assert res.exit_code == 2
+    for needle in ["sampling.temperature: must be >= 0", "sampling.top_p: must be in (0, 1]",
+                   "sampling.max_tokens: must be >= 1", "sampling.n: must be an integer",
+                   "sampling.constraint: set an output constraint with output.choice"]:
+        assert needle in res.output, (needle, res.output)
+    assert "5 problem(s)" in res.output
+
+
+def test_max_tokens_too_small_for_the_shortest_output(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(5))
+    schema = {"type": "object", "properties": {"label": {"enum": ["positive", "negative"]},
+                                               "score": {"type": "integer", "minimum": 0}},
+              "required": ["label", "score"]}
+    res = _validate(write_job(tmp_path, tiny_model_path, data, tmp_path / "out", sampling={"max_tokens": 4},
+                              output={"path": str(tmp_path / "out"), "json_schema": schema}))
+    assert res.exit_code == 2 and "sampling.max_tokens: 4 is too small" in res.output
+    assert '{"label":"positive","score":0}' in res.output
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxbatch.engine import GrammarCompiler
+    from mlxbatch.job.shortest import shortest_output
+    from mlxbatch.types import OutputConstraint
+
+    tok = load_tokenizer(tiny_model_path)
+    shortest = shortest_output(OutputConstraint.json_schema(schema), tok,
+                               GrammarCompiler(tok, len(tok._tokenizer), tok.eos_token_ids))
+    res = _validate(write_job(tmp_path, tiny_model_path, data, tmp_path / "out",
+                              sampling={"max_tokens": shortest.tokens},
+                              output={"path": str(tmp_path / "out"), "json_schema": schema}))
+    assert res.exit_code == 0, res.output
+    res = _validate(write_job(tmp_path, tiny_model_path, data, tmp_path / "out", sampling={"max_tokens": 1},
+                              output={"path": str(tmp_path / "out"), "choice": ["extraordinary", "b"]}))
+    assert res.exit_code == 0, res.output  # the choice "b" fits in one token
+
+
+def test_usage_errors_and_invalid_jobs_have_their_own_exit_codes(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(5))
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", sampling={"temperature": -1})
+    assert CliRunner().invoke(main, ["run", str(job), "--no-such-option"]).exit_code == 64
+    assert CliRunner().invoke(main, ["run", str(job), "--limit", "many"]).exit_code == 64
+    assert CliRunner().invoke(main, ["nonsense"]).exit_code == 64
+    assert CliRunner().invoke(main, ["run", str(job)]).exit_code == 2
+
+
+def test_a_locked_output_folder_fails_before_the_model_loads(tmp_path, tiny_model_path):
+    import shutil
+
+    from mlxbatch.io import CheckpointStore
+
+    no_weights = tmp_path / "tokenizer-only"  # loading it would fail: the lock must be found first
+    no_weights.mkdir()
+    for f in tiny_model_path.iterdir():
+        if f.suffix in (".json", ".jinja"):
+            shutil.copy(f, no_weights / f.name)
+    data = write_jsonl(tmp_path / "in.jsonl", texts(5))
+    job = write_job(tmp_path, no_weights, data, tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    with CheckpointStore(tmp_path / "out"):  # another run holds the folder
+        res = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
+    assert res.exit_code == 1
+    assert "is in use by another mlxbatch run" in res.output and "--output" in res.output
+    assert "CheckpointStore" not in res.output and "could not be loaded" not in res.output

@@ -135,3 +135,23 @@ def test_image_row_for_a_text_only_model_is_a_row_error_and_nothing_is_opened(tm
         assert f"rows.jsonl:{[r['id'] for r in rows].index(rid) + 1}:" in err  # names the row (file:line)
     for rid in ("text", "no-images"):
         assert res[rid]["error"] is None and res[rid]["generated_tokens"] == 4
+
+
+def test_status_counts_image_rows_as_the_run_keyed_them(tmp_path, tiny_vlm_path):
+    from click.testing import CliRunner
+
+    from mlxbatch.cli import main
+
+    image_folder(tmp_path)
+    rows = [{"id": "a", "images": "pics/p1.png", "question": "What is it?"},
+            {"id": "b", "images": ["pics/p2.png", "pics/p3.png"], "question": "Compare them."},
+            {"id": "text", "question": "Name a fruit."}]
+    data = write_jsonl(tmp_path / "data" / "rows.jsonl", rows)
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_vlm_path, data, out, prompt=ASK, sampling={"max_tokens": 3})
+    run(job)
+    for target in (out, job):  # the image rows' keys hold their images' digests: status must key them so too
+        res = CliRunner().invoke(main, ["status", str(target), "--json"])
+        assert res.exit_code == 0, res.output
+        st = json.loads(res.output)
+        assert (st["rows_done"], st["total_rows"], st["errors"], st["stale_records"]) == (3, 3, 0, 0), st

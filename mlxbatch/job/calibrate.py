@@ -1,0 +1,190 @@
+"""The ETA of ``mlxbatch plan``: measured on this machine with the job's own model, settings and first rows.
+
+Owns the calibration. The model is loaded through the engine's public API and an ``EngineCore`` is built with the
+job's engine settings (its start-up is timed: the run pays it too). Then two short real phases on the job's first
+rows (as many as run at once):
+1. **prefill**: the first rows (as many as run at once, up to ``PREFILL_PROBE_TOKENS`` predicted prefill tokens)
+   with one token each: seconds per *predicted* prefill token, so the rate holds what the engine really does for
+   such rows (prefix copies, any recomputed partial blocks), whatever the plan's prediction leaves out;
+2. **length**: the same rows again with the job's sampling (its constraint too), ``max_tokens`` capped at
+   ``DECODE_PROBE_TOKENS``: how many tokens a row generates (rows the cap cut are counted at the job's
+   ``max_tokens``, an upper bound);
+3. **step**: as many short rows as the run keeps running at once, a few greedy tokens each: seconds per decode
+   step at the run's batch size.
+ETA = start-up + predicted prefill tokens x seconds per token + generated tokens / rows at once x seconds per step
++ host time (preparing and tokenizing every row twice: the run's feed and its final pass; timed by the plan).
+Without weights (a tokenizer-only folder) ``estimate`` gives the older FLOPs figure: the plan's prefill and every
+row at ``max_tokens`` over this device's measured matmul speed and memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxbatch.job.spec import JobSpec
+
+DECODE_PROBE_TOKENS = 24  # generated tokens per row at most while measuring how long rows are
+PREFILL_PROBE_TOKENS = 1024  # predicted prefill tokens of the first rows timed for prefill, at most
+STEP_PROBE_PROMPT, STEP_PROBE_TOKENS = 8, 6  # the short rows that time a decode step at the run's batch size
+
+
+@dataclass(frozen=True)
+class Eta:
+    prefill_s: float
+    decode_s: float
+    method: str = "flops"  # measured (a real run of the model here) | flops (no weights: an estimate from sizes)
+    startup_s: float = 0.0
+    host_s: float = 0.0
+    matmul_gflops: float | None = None
+    bandwidth_gbs: float | None = None
+    prefill_s_per_token: float | None = None
+    decode_s_per_step: float | None = None
+    tokens_per_row: float | None = None  # generated tokens per row (measured on the first rows)
+
+    @property
+    def total_s(self) -> float:
+        return self.startup_s + self.prefill_s + self.decode_s + self.host_s
+
+    def summary(self) -> str:
+        if self.method == "measured":
+            return (f"ETA: ~{self.total_s / 60:.1f} min ({self.total_s:.0f} s: start {self.startup_s:.0f} s, prefill "
+                    f"{self.prefill_s:.0f} s, decode {self.decode_s:.0f} s, host {self.host_s:.0f} s), measured on "
+                    f"this machine: {1 / max(self.prefill_s_per_token or 1e-9, 1e-9):.0f} prefill tok/s, "
+                    f"{self.decode_s_per_step or 0:.3f} s a decode step, ~{self.tokens_per_row or 0:.1f} tokens a row")
+        return (f"ETA: ~{self.total_s / 60:.1f} min (prefill {self.prefill_s:.0f} s, decode <= {self.decode_s:.0f} s) "
+                f"on this device ({self.matmul_gflops or 0:.0f} GFLOP/s matmul, {self.bandwidth_gbs or 0:.0f} GB/s "
+                "measured); an estimate from FLOPs, not measured (--no-calibrate, or no weights here): every row "
+                "generating max_tokens, attention and host time not counted")
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
+        return {**out, "total_s": round(self.total_s, 4)}
+
+
+def _engine(spec: JobSpec, loaded: Any) -> Any:
+    from mlxbatch.config import EngineConfig
+    from mlxbatch.engine import EngineCore
+
+    e = spec.engine
+    return EngineCore(loaded, EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                                           prefill_chunk_size=e.prefill_chunk_size,
+                                           kv_memory_fraction=e.kv_memory_fraction, prefix_cache=e.prefix_cache,
+                                           seed=spec.seed))
+
+
+@dataclass(frozen=True)
+class _Probe:
+    wall_s: float
+    prefill_tokens: int  # computed by the engine
+    decode_step_s: float | None  # the median step that computed no prefill
+    outputs: list[Any]
+
+
+def _run(core: Any, prompts: list[Any], params: Any) -> _Probe:
+    """Run ``prompts`` to the end, timing each engine step."""
+    before = core.stats()["profile"]["prefill_tokens"]
+    t0 = time.perf_counter()
+    for p in prompts:
+        core.add_request(p, params)
+    outs, decode_steps, done = [], [], before
+    while core.has_unfinished:
+        t1 = time.perf_counter()
+        outs += [d.output for d in core.step() if d.output is not None]
+        dt = time.perf_counter() - t1
+        now = core.stats()["profile"]["prefill_tokens"]
+        if now == done:
+            decode_steps.append(dt)
+        done = now
+    decode_steps.sort()
+    return _Probe(time.perf_counter() - t0, done - before,
+                  decode_steps[len(decode_steps) // 2] if decode_steps else None, outs)
+
+
+def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: int, gen_rows: int,
+                 host_s: float, predicted: Callable[[list[Any]], int]) -> Eta | None:
+    """The ETA from short real runs of the job's first rows ``sample`` (token ids or encoded prompts).
+    ``predicted(rows)`` is the plan's prefill prediction for those rows alone: prefill is timed per *predicted*
+    token, so whatever the engine recomputes beyond the prediction (or copies to reuse) is in the rate."""
+    from mlxbatch.types import FinishReason, SamplingParams
+
+    if not sample:
+        return None
+    probe = sample[:1]  # the first rows, as many as run at once, up to PREFILL_PROBE_TOKENS predicted tokens
+    for p in sample[1:]:
+        if predicted(probe + [p]) > PREFILL_PROBE_TOKENS:
+            break
+        probe.append(p)
+    t0 = time.perf_counter()
+    core = _engine(spec, loaded)
+    startup = time.perf_counter() - t0
+    try:
+        _run(core, [sample[0]], SamplingParams(temperature=0, max_tokens=2))  # warm-up: first kernels, buffers
+        core.shutdown()
+        core = _engine(spec, loaded)  # a fresh prefix cache: the probe computes what the run would
+        first = _run(core, probe, SamplingParams(temperature=0, max_tokens=1))
+        per_token = first.wall_s / max(predicted(probe), 1)
+        params = spec.sampling.params
+        decode_s = step = per_row = 0.0
+        if gen_rows:
+            # how long rows are: the probe rows again (their prompts cached now) with the job's own sampling
+            capped = dataclasses.replace(params, max_tokens=min(params.max_tokens, DECODE_PROBE_TOKENS),
+                                         min_tokens=min(params.min_tokens, DECODE_PROBE_TOKENS))
+            if capped.seed is None and not capped.greedy:
+                capped = dataclasses.replace(capped, seed=spec.seed)
+            cut = capped.max_tokens < params.max_tokens
+            lengths = [params.max_tokens * params.n if cut and o.finish_reason is FinishReason.LENGTH
+                       else o.generated_tokens for o in _run(core, probe, capped).outputs]
+            per_row = sum(lengths) / len(lengths)
+            # a decode step at the run's batch size: as many short rows as run at once
+            at_once = max(1, min(spec.engine.max_num_seqs, gen_rows * params.n))
+            short = [list(range(7 + i, 7 + i + STEP_PROBE_PROMPT)) for i in range(at_once)]
+            timed = _run(core, short, SamplingParams(temperature=0, max_tokens=STEP_PROBE_TOKENS, ignore_eos=True))
+            step = timed.decode_step_s or 0.0
+            # continuous batching packs rows: all tokens over the rows at once, plus the last wave's longest rows
+            steps = math.ceil(gen_rows * per_row / at_once) + max(lengths) - per_row
+            decode_s = steps * step
+    finally:
+        core.shutdown()
+    return Eta(per_token * prefill_tokens, decode_s, "measured", startup, host_s, prefill_s_per_token=per_token,
+               decode_s_per_step=step, tokens_per_row=per_row)
+
+
+def _config(model_dir: Path) -> dict[str, Any]:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
+def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int, new_tokens: int) -> Eta | None:
+    """FLOPs of the predicted prefill and of decoding ``new_tokens`` at ``max_num_seqs`` rows a step, over this
+    device's measured matmul speed and memory bandwidth (decode steps are bound by the larger of reading every
+    weight and the batch's FLOPs). No weights are loaded: sizes come from config.json."""
+    import mlx.core as mx
+
+    from mlxbatch.engine import measure_device_speed as measure
+
+    c = _config(model_dir)
+    try:
+        h, layers, inter = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["intermediate_size"])
+        heads = int(c["num_attention_heads"])
+        head_dim = int(c.get("head_dim") or h // heads)
+        kv = int(c.get("num_key_value_heads") or heads) * head_dim
+        vocab = int(c["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return None  # an architecture whose config this estimate does not know
+    body = layers * (2 * h * heads * head_dim + 2 * h * kv + 3 * h * inter)
+    head = vocab * h
+    on_gpu = mx.default_device() == mx.gpu
+    speed = measure(h, inter, "bfloat16" if on_gpu else "float32")
+    weight_bytes = (body + head) * (2 if on_gpu else 4)
+    C = spec.engine.max_num_seqs
+    step = max(weight_bytes / speed.bandwidth, 2 * (body + head) * C / speed.matmul_flops)
+    prefill = (2 * body * floor_tokens + 2 * head * rows) / speed.matmul_flops
+    return Eta(prefill, -(-new_tokens // C) * step, "flops", matmul_gflops=speed.matmul_flops / 1e9,
+               bandwidth_gbs=speed.bandwidth / 1e9)

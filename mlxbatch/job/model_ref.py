@@ -1,0 +1,85 @@
+"""A job's ``model:`` without its weights: which local folder holds its config and tokenizer, or why none does.
+
+Owns the checks ``validate`` makes before any model loads (an alias that is almost a known one, a folder without
+``config.json``, a hub id that is not in the local Hugging Face cache while ``HF_HUB_OFFLINE`` is set) and the
+folder ``plan`` reads the tokenizer and config.json from (a hub id: its cached snapshot). Nothing here reads or
+downloads weights.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+from mlxbatch.errors import ModelLoadError
+
+# the aliases engine.loader.resolve_path knows (it builds or fetches their folders)
+ALIASES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct", "tiny-random-vlm")
+_TRUE = ("1", "true", "yes", "on")
+
+
+def hub_offline() -> bool:
+    """True when the user has set HF_HUB_OFFLINE (the Hugging Face libraries will not reach the Hub)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+
+
+def cached_snapshot(repo_id: str) -> Path | None:
+    """The local snapshot folder of a hub model (None when it is not in the cache). Never downloads."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True, cache_dir=_hub_cache()))
+    except Exception:  # not cached, or not a valid repo id
+        return None
+    return path if (path / "config.json").exists() else None
+
+
+def is_hub_id(ref: str) -> bool:
+    return ref.count("/") == 1 and not ref.startswith((".", "/", "~")) and not Path(ref).expanduser().exists()
+
+
+def model_problem(ref: str) -> str | None:
+    """Why ``ref`` (an alias, a folder or a hub id) cannot be loaded, found without loading anything; None if it can
+    (as far as can be known offline: an uncached hub id is fine while the Hub may be reached)."""
+    if ref.lower() in ALIASES:
+        return None
+    path = Path(ref).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").exists():
+            return f"{ref}: not a model folder (no config.json)"
+        return None
+    if is_hub_id(ref):
+        if cached_snapshot(ref) is None and hub_offline():
+            return (f"{ref!r} is a Hugging Face hub id that is not in the local cache ({_hub_cache()}), and "
+                    "HF_HUB_OFFLINE is set, so it cannot be downloaded: unset HF_HUB_OFFLINE to download it, or "
+                    "set model to a local folder")
+        return None
+    close = difflib.get_close_matches(ref.lower(), ALIASES, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else f" (aliases: {', '.join(ALIASES[:1] + ALIASES[3:])})"
+    return f"{ref!r} is no folder, no hub id (owner/name) and no alias{hint}"
+
+
+def local_model_dir(ref: str) -> Path:
+    """The folder holding ``ref``'s config.json and tokenizer files (aliases are built or fetched as for a run; a
+    hub id must be in the local cache). Raises ModelLoadError saying why not."""
+    from mlxbatch.engine import resolve_path
+
+    problem = model_problem(ref)
+    if problem is not None:
+        raise ModelLoadError(f"model: {problem}")
+    if is_hub_id(ref):
+        path = cached_snapshot(ref)
+        if path is None:
+            raise ModelLoadError(
+                f"model: {ref!r} is not in the local Hugging Face cache ({_hub_cache()}); `mlxbatch plan` reads no "
+                "weights and downloads nothing: run the job once (or `huggingface-cli download` it) first, or point "
+                "model at a local folder")
+        return path
+    return Path(resolve_path(ref))

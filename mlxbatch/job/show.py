@@ -1,0 +1,87 @@
+"""``mlxbatch show``: a look at a job's results: a few rows and a summary.
+
+Owns what a user checks first after a run: for a few rows, the prompt (when ``output.keep_prompt`` kept it), the
+output and the error; then the rows' finish reasons, error kinds, the distribution of labels (the ``parsed``
+values of choice / regex outputs, or the chosen candidate of a score task) and the accuracy against a gold
+column. Reads results.parquet only (streamed by row group); loads no model.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mlxbatch.errors import MlxbatchError
+
+TOP_LABELS = 12
+_WIDTH = 400
+
+
+def _cut(value: Any, width: int = _WIDTH) -> str:
+    text = str(value)
+    return text if len(text) <= width else text[:width] + f"... ({len(text)} characters)"
+
+
+def results_path(target: Path) -> Path:
+    """results.parquet of an output folder, or of the output folder a job file names."""
+    if target.is_file() and target.suffix in (".yaml", ".yml"):
+        from mlxbatch.job.spec import load_job
+
+        target = load_job(target).output
+    path = target / "results.parquet" if target.is_dir() else target
+    if not path.exists():
+        raise MlxbatchError(f"{path}: no results yet (a run writes them when every row is done; "
+                            "`mlxbatch status` shows how far it got)")
+    return path
+
+
+def show(target: Path, n: int = 5) -> str:
+    path = results_path(target)
+    pf = pq.ParquetFile(path)
+    names = pf.schema_arrow.names
+    label_col = "parsed" if "parsed" in names and pa.types.is_string(pf.schema_arrow.field("parsed").type) else \
+        "text" if "choice" in names else None
+    wanted = [c for c in ("id", "rendered_prompt", "text", "finish_reason", "error", "error_kind", "correct",
+                          label_col) if c is not None and c in names]
+    rows = finish = 0
+    finishes: collections.Counter[str] = collections.Counter()
+    kinds: collections.Counter[str] = collections.Counter()
+    labels: collections.Counter[str] = collections.Counter()
+    right = answered = 0
+    lines: list[str] = []
+    for batch in pf.iter_batches(columns=list(dict.fromkeys(wanted))):
+        for r in batch.to_pylist():
+            rows += 1
+            finishes[r.get("finish_reason") or "?"] += 1
+            if r.get("error") is not None:
+                kinds[r.get("error_kind") or "error"] += 1
+            elif label_col is not None and r.get(label_col) is not None:
+                labels[str(r[label_col])] += 1
+            if r.get("correct") is not None:
+                answered += 1
+                right += bool(r["correct"])
+            if rows <= n:
+                lines.append(f"--- {r['id']}")
+                if r.get("rendered_prompt") is not None:
+                    lines.append(f"prompt: {_cut(r['rendered_prompt'])}")
+                lines.append(f"output: {_cut(r.get('text'))!s}  [{r.get('finish_reason')}]")
+                if r.get("error") is not None:
+                    lines.append(f"error ({r.get('error_kind')}): {_cut(r['error'], 240)}")
+    finish = sum(finishes.values())
+    lines.append(f"=== {path}: {rows} rows")
+    lines.append("finish reasons: " + ", ".join(f"{k} {v}" for k, v in finishes.most_common()) if finish else
+                 "finish reasons: -")
+    lines.append("errors: " + (", ".join(f"{k} {v}" for k, v in kinds.most_common()) if kinds else "none"))
+    if labels:
+        top = labels.most_common(TOP_LABELS)
+        rest = sum(labels.values()) - sum(v for _, v in top)
+        lines.append("labels: " + ", ".join(f"{k!r} {v}" for k, v in top) + (f", others {rest}" if rest else ""))
+    if answered:
+        lines.append(f"accuracy: {right / answered:.1%} ({right} of {answered} rows with an answer)")
+    if "rendered_prompt" not in names:
+        lines.append("(prompts are not kept: set output.keep_prompt: true to store what the model saw)")
+    return "\n".join(lines)

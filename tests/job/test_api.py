@@ -1,0 +1,83 @@
+"""The in-process API (``mlxbatch.run_job``): from a thread, from a mapping, interrupted twice without exiting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+from jobkit import texts, write_job, write_jsonl
+
+import mlxbatch
+
+
+def test_run_job_off_the_main_thread_with_overrides(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(10))
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out")
+    got: dict = {}
+
+    def work():
+        try:
+            got["result"] = mlxbatch.run_job(job, limit=4, output=tmp_path / "trial", sampling={"max_tokens": 2})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            got["error"] = exc
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(timeout=300)
+    assert "error" not in got, repr(got.get("error"))
+    result = got["result"]
+    assert result.out_dir == (tmp_path / "trial").resolve() and result.report["rows"]["output"] == 4
+    table = result.table()
+    assert table.num_rows == 4 and max(table.column("generated_tokens").to_pylist()) <= 2
+    assert list(result.to_pandas()["id"]) == [f"row-{i:04d}" for i in range(4)]
+
+
+def test_run_job_from_a_mapping_and_its_errors(tmp_path, tiny_model_path, monkeypatch):
+    from mlxbatch.job.spec import JobSpecError
+
+    write_jsonl(tmp_path / "in.jsonl", texts(3))
+    monkeypatch.chdir(tmp_path)
+    job = {"model": str(tiny_model_path), "input": {"path": "in.jsonl", "id_column": "id"},
+           "prompt": "Say {{ text }}", "sampling": {"max_tokens": 2}, "output": "out"}
+    result = mlxbatch.run_job(job)
+    assert result.results_path == tmp_path / "out" / "results.parquet" and result.table().num_rows == 3
+    with pytest.raises(JobSpecError, match="sampling.top_p"):
+        mlxbatch.run_job(job, sampling={"top_p": 5})
+
+
+def test_a_second_interrupt_stops_the_run_but_not_the_process(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(400))
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", sampling={"max_tokens": 48},
+                    checkpoint={"every_rows": 8, "every_seconds": 600})
+    script = textwrap.dedent(f"""
+        import os, signal, sys, threading, time, json
+        from pathlib import Path
+        import mlxbatch
+        from mlxbatch.job.runner import JobInterrupted
+        out = Path({str(tmp_path / "out")!r})
+        def interrupt():
+            while not list((out / "shards").glob("shard-*.arrow")):  # rows are being written: the run is going
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=interrupt, daemon=True).start()
+        try:
+            mlxbatch.run_job({str(job)!r})
+        except JobInterrupted as exc:
+            print("interrupted:", exc)
+        print("alive")
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "interrupted:" in res.stdout and "alive" in res.stdout
+    from mlxbatch.io import CheckpointStore
+
+    with CheckpointStore(tmp_path / "out") as store:  # what finished is checkpointed, and a resume completes
+        kept = store.num_records
+    assert 0 < kept < 400
+    assert mlxbatch.run_job(job).report["rows"]["resumed"] == kept

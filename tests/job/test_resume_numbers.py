@@ -1,0 +1,112 @@
+"""Numbers that stay true after a resume: report.json, ``mlxbatch status`` and the progress bar."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+from click.testing import CliRunner
+from jobkit import texts, write_job, write_jsonl
+
+from mlxbatch.cli import main
+from mlxbatch.job.runner import JobRunner
+from mlxbatch.job.validate import validate_job
+
+
+def run(job, progress=False):
+    return JobRunner(validate_job(job), progress=progress).run()
+
+
+def test_report_describes_the_results_on_disk_and_keeps_the_working_runs_figures(tmp_path, tiny_model_path):
+    rows = texts(20)
+    for r in rows[::4]:
+        del r["text"]  # 5 render errors
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", max_error_rate=1.0)
+    first = run(job).report
+    assert first["rows"]["errors"] == 5 and first["this_run"]["finished"] == 20
+    assert first["generated_tokens_per_s"] > 0 and first["engine"]["profile"]["prefill_tokens"] > 0
+    again = run(job).report  # nothing left to do
+    table = pq.read_table(tmp_path / "out" / "results.parquet")
+    on_disk = [k for k in table.column("error_kind").to_pylist() if k is not None]
+    assert again["rows"]["output"] == 20 and again["rows"]["errors"] == len(on_disk) == 5
+    assert again["rows"]["ok"] == 15 and again["errors_by_kind"] == {"render": 5}
+    assert again["tokens"]["generated"] == sum(table.column("generated_tokens").to_pylist()) > 0
+    assert again["this_run"]["finished"] == 0 and again["this_run"]["resumed"] == 20
+    assert again["this_run"]["errors"] == 0 and again["this_run"]["generated_tokens_per_s"] == 0
+    # the real run's speed, tokens and profile survive a run that had nothing to do
+    assert again["generated_tokens_per_s"] == first["generated_tokens_per_s"]
+    assert again["engine"]["profile"] == first["engine"]["profile"]
+    assert again["last_work_run"] == first["this_run"] and "earlier run" in again["run_figures_from"]
+    assert json.loads((tmp_path / "out" / "report.json").read_text()) == again
+    res = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "20 rows, 5 errors (0 run now, 20 resumed)" in res.output
+    status = json.loads(CliRunner().invoke(main, ["status", str(tmp_path / "out"), "--json"]).output)
+    assert status["report"]["generated_tokens_per_s"] == first["generated_tokens_per_s"]
+
+
+def test_status_counts_current_records_against_the_job(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(16))
+    out = tmp_path / "out"
+    run(write_job(tmp_path, tiny_model_path, data, out, sampling={"max_tokens": 4}))
+    job = write_job(tmp_path, tiny_model_path, data, out, sampling={"max_tokens": 3})
+    run(job)  # every key changed: the shards hold 32 records, 16 of them stale
+
+    def status(target):
+        res = CliRunner().invoke(main, ["status", str(target), "--json"])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output)
+
+    for target in (out, job):  # the output folder (the last run's job) or the job file
+        st = status(target)
+        assert (st["rows_done"], st["total_rows"], st["percent"], st["stale_records"]) == (16, 16, 100.0, 16)
+    text = CliRunner().invoke(main, ["status", str(job)]).output
+    assert "rows done: 16 of 16 (100.0%)" in text and "stale records" in text
+    write_job(tmp_path, tiny_model_path, data, out, sampling={"max_tokens": 2})  # changed, not run yet
+    assert status(job)["rows_done"] == 0 and status(job)["percent"] == 0.0  # against the file as it is now
+    assert status(out)["rows_done"] == 16  # against what the last run ran
+
+
+def test_status_keys_a_prompt_too_long_for_the_model_as_the_run_did(tmp_path, tiny_model_path):
+    rows = texts(4)
+    rows[2]["text"] = "word " * 60_000  # 300,000 characters: past the tiny model's bound (4096 tokens x 64)
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_path, data, out, max_error_rate=1.0)
+    assert run(job).report["errors_by_kind"] == {"request": 1}
+    for target in (out, job):  # the refused row's key names the model's context: status must know it
+        res = CliRunner().invoke(main, ["status", str(target), "--json"])
+        assert res.exit_code == 0, res.output
+        st = json.loads(res.output)
+        assert (st["rows_done"], st["total_rows"], st["errors"], st["stale_records"]) == (4, 4, 1, 0), st
+
+
+def test_progress_counts_only_rows_run_now(tmp_path, tiny_model_path, capfd, caplog, monkeypatch):
+    rows = texts(24)
+    for r in rows:
+        r["budget"] = 6
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", sampling={"overrides": {"max_tokens": "budget"}})
+    run(job)
+    for r in rows[:3]:
+        r["budget"] = 2
+    write_jsonl(data, rows)
+    capfd.readouterr()
+    run(job, progress=True)
+    err = capfd.readouterr().err
+    assert "loading model" in err and err.index("loading model") < err.index("3/3")
+    final = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "3/3" in final and "resumed=21" in final and "24/24" not in err, final
+    assert "in_flight=" in final and "in_tok_s=" in final and "cached=" in final
+    # without a terminal, the same figures go to the log
+    from mlxbatch.job import progress
+
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    for r in rows[3:5]:
+        r["budget"] = 3
+    write_jsonl(data, rows)
+    with caplog.at_level("INFO", logger="mlxbatch.job.progress"):
+        run(job)
+    lines = [r.getMessage() for r in caplog.records if "rows this run" in r.getMessage()]
+    assert lines and lines[-1].startswith("2/2 rows this run") and "resumed 22" in lines[-1], lines

@@ -1,0 +1,87 @@
+"""What a user reaches for: trial runs and tweaks from the command line, `show`, kept prompts, accuracy."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+from click.testing import CliRunner
+from jobkit import texts, write_job, write_jsonl
+
+from mlxbatch.cli import main
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_limit_set_and_output_change_a_run_without_editing_the_file(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(30))
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out")
+    trial = tmp_path / "trial"
+    res = invoke("run", job, "--no-progress", "--limit", 5, "--set", "sampling.max_tokens=3",
+                 "--set", "sampling.stop=[zz]", "--output", trial)
+    assert res.exit_code == 0, res.output
+    table = pq.read_table(trial / "results.parquet").to_pylist()
+    assert [r["id"] for r in table] == [f"row-{i:04d}" for i in range(5)]
+    assert all(r["generated_tokens"] <= 3 for r in table) and all('"stop":["zz"]' in r["params"] for r in table)
+    assert not (tmp_path / "out").exists()  # the job's own output folder is untouched
+    # values are typed and checked by the job parser: errors name the key path
+    res = invoke("run", job, "--set", "sampling.temperature=hot", "--set", "sampling.temprature=1",
+                 "--set", "plan.window=0")
+    assert res.exit_code == 2
+    for needle in ("sampling.temperature: must be a finite number", "sampling.temprature: unknown key",
+                   "plan.window: must be > 0"):
+        assert needle in res.output, (needle, res.output)
+    assert "--set: expected key.path=value" in invoke("validate", job, "--set", "nonsense").output
+    # a shorthand section is expanded: output is a plain path in this job file
+    res = invoke("validate", job, "--set", "output.choice=[a, b]")
+    assert res.exit_code == 0, res.output
+
+
+def test_show_prints_rows_and_a_summary_with_kept_prompts_and_accuracy(tmp_path, tiny_model_path):
+    rows = texts(12)
+    for i, r in enumerate(rows):
+        r["gold"] = "yes" if i % 2 else "no"
+    rows[4].pop("text")  # one render error
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", max_error_rate=0.5,
+                    input={"path": str(data), "id_column": "id", "columns": ["text"]},
+                    prompt={"template": None, "system": "Answer yes or no.",
+                            "messages": [{"role": "user", "content": "{{ text }}"}]},
+                    output={"path": str(tmp_path / "out"), "choice": ["yes", "no"], "gold": "gold",
+                            "keep_prompt": True})
+    res = invoke("run", job, "--no-progress")
+    assert res.exit_code == 0, res.output
+    table = pq.read_table(tmp_path / "out" / "results.parquet")
+    out = table.to_pylist()
+    assert "gold" in table.column_names  # the gold column is kept even though input.columns leaves it out
+    assert table.schema.field("parsed").type == "string" and table.schema.field("correct").type == "bool"
+    ok = [r for r in out if r["error"] is None]
+    assert all(r["parsed"] == r["text"] and r["text"] in ("yes", "no") for r in ok)
+    assert all(r["correct"] == (r["text"] == r["gold"]) for r in ok)
+    prompt = out[0]["rendered_prompt"]
+    assert "Answer yes or no." in prompt and rows[0]["text"] in prompt and prompt.rstrip().endswith("assistant")
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    right = sum(r["correct"] for r in ok)
+    assert report["accuracy"] == {"answered": 11, "correct": right, "accuracy": round(right / 11, 4)}
+    assert f"accuracy {right / 11:.1%} ({right}/11)" in res.output
+    shown = invoke("show", tmp_path / "out", "--n", 2).output
+    assert shown.count("--- row-") == 2 and "prompt: " in shown and "output: " in shown
+    labels = {v: sum(r["text"] == v for r in ok) for v in ("yes", "no")}
+    assert "labels: " in shown and all(f"'{k}' {v}" in shown for k, v in labels.items() if v)
+    assert "errors: render 1" in shown and "finish reasons: " in shown and "accuracy: " in shown
+    assert invoke("show", job, "-n", 0).output.count("--- row-") == 0  # the job file works too
+
+
+def test_score_jobs_print_their_speed_and_accuracy(tmp_path, tiny_model_path):
+    rows = [{"id": f"q{i}", "question": f"Is {i} even?", "answer": " yes" if i % 2 == 0 else " no"}
+            for i in range(8)]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", prompt={"template": "{{ question }}"},
+                    task="score", score={"candidates": [" yes", " no"], "answer": "answer"})
+    res = invoke("run", job, "--no-progress")
+    assert res.exit_code == 0, res.output
+    assert "0.0 tok/s" not in res.output and "rows/s" in res.output and "prompt tok/s" in res.output
+    acc = json.loads((tmp_path / "out" / "report.json").read_text())["accuracy"]
+    assert acc["answered"] == 8 and f"accuracy {acc['accuracy']:.1%}" in res.output
