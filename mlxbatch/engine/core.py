@@ -202,13 +202,14 @@ class EngineCore:
             raise InvalidRequestError(what, f"token id {max(ids)}", f"outside the vocabulary (size {vocab})")
 
     def add_score_request(self, context: Prompt, continuations: Sequence[str | Sequence[int]],
-                          request_id: str | None = None) -> str:
+                          request_id: str | None = None, cache_tokens: int | None = None) -> str:
         """Queue the scoring of each continuation after ``context``: log-probability per token, their sum and
         whether each token is the greedy choice (the output's completions, in order; nothing is generated).
 
         Context and continuations are tokenized separately (a continuation's leading space stays its own), so
         every candidate is scored on the same context tokens. The candidates share the context's KV through the
-        prefix cache: the first computes it, the others wait for its blocks and reuse them.
+        prefix cache: the first computes it, the others wait for its blocks and reuse them. ``cache_tokens``: the
+        plan's retention of the context (what the next row's context shares with it), as for ``add_request``.
         """
         if self._closed:
             raise EngineClosedError("the engine has shut down")
@@ -231,7 +232,7 @@ class EngineCore:
                 request_id=f"{request_id}#{i}", group_id=request_id, index=i, prompt_token_ids=ctx_ids + ids,
                 params=_SCORE_PARAMS, seed=0, eos_token_ids=self._eos, max_context=self.loaded.context_length,
                 text=TextTracker(tok, (), False, False, self._hidden_ids, self._vocab_size),
-                score_from=len(ctx_ids)))
+                score_from=len(ctx_ids), cache_tokens=cache_tokens))
         self._groups[request_id] = _Group(request_id, seqs, False)
         for s in seqs:
             self._seqs[s.request_id] = s

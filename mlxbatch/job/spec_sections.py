@@ -68,7 +68,7 @@ class EngineSection:  # the defaults are EngineConfig's (one definition)
     max_num_seqs: int = EngineConfig.max_num_seqs
     max_num_batched_tokens: int | None = EngineConfig.max_num_batched_tokens  # None: the device's default
     prefill_chunk_size: int = EngineConfig.prefill_chunk_size
-    kv_memory_fraction: float = EngineConfig.kv_memory_fraction
+    kv_memory_fraction: float | None = EngineConfig.kv_memory_fraction  # None: the device's default share
     prefix_cache: bool = EngineConfig.prefix_cache
 
 
@@ -357,13 +357,13 @@ def parse_checkpoint(c: Checker, raw: dict[str, Any]) -> CheckpointSection:
 def parse_engine(c: Checker, raw: dict[str, Any]) -> EngineSection:
     """``engine``: the engine's settings (EngineConfig's defaults)."""
     e = c.section(raw, "engine")
-    kinds = {"float": float, "bool": bool}
+    kinds = {"float": float, "float | None": float, "bool": bool}
     engine = EngineSection(*(c.typed(e, "engine", f.name, kinds.get(str(f.type), int), f.default)
                              for f in dataclasses.fields(EngineSection)))
     for f in dataclasses.fields(EngineSection):
         if getattr(engine, f.name) is not None and str(f.type) != "bool":
             c.positive(f"engine.{f.name}", getattr(engine, f.name))
-    if not 0 < engine.kv_memory_fraction <= 1:
+    if engine.kv_memory_fraction is not None and not 0 < engine.kv_memory_fraction <= 1:
         c.bad("engine.kv_memory_fraction", f"must be in (0, 1], got {engine.kv_memory_fraction}")
     return engine
 

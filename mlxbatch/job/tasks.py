@@ -40,7 +40,7 @@ def submit(core: EngineCore, prep: PreparedRow, token_ids: list[int] | None, cac
         return
     assert token_ids is not None
     if prep.candidates is not None:
-        core.add_score_request(token_ids, prep.candidates, request_id=prep.key)
+        core.add_score_request(token_ids, prep.candidates, request_id=prep.key, cache_tokens=cache_tokens)
     else:
         core.add_request(token_ids, prep.params, request_id=prep.key, cache_tokens=cache_tokens)
 

@@ -12,7 +12,7 @@ decision about them, on the scheduler's side of the step (pure Python: the runne
   wait a step or two, so the shared prefix is computed once.
 - **Keeping** (``plan_stores`` / ``commit``): a prefill that ends this step offers the blocks of its first
   ``cache_tokens`` prompt tokens (the plan's retention; ``None`` without a plan offers all), and a partial block up
-  to exactly ``cache_tokens`` (for a scoring sequence: up to its context's end); their cache blocks are
+  to exactly ``cache_tokens`` (for a scoring sequence: its context but the last token); their cache blocks are
   allocated when the step is scheduled and registered when it succeeded. Then newly admitted planned sequences'
   blocks past their ``cache_tokens`` are evicted: no later sequence shares them. Without a plan, or while blocks are
   still referenced, eviction is the pool's LRU.
@@ -202,18 +202,24 @@ class PrefixIndex:
             planned.update(new)
             stores.append(BlockStore(r.request_id, known, tuple(ids), tuple(new)))
         for r in finishing:
-            partial = self._partial_store(r, planned)
-            if partial is not None:
-                stores.append(partial)
+            for point in self._partial_points(r):
+                partial = self._partial_store(r, point, planned)
+                if partial is not None:
+                    stores.append(partial)
         return tuple(stores)
 
-    def _partial_store(self, r: Request, planned: set[int]) -> BlockStore | None:
-        """The partial block of ``r``'s prompt up to the point later sequences share exactly: the plan's
-        ``cache_tokens`` (or a scoring sequence's context end), when it ends mid-block."""
+    def _partial_points(self, r: Request) -> set[int]:
+        """Where later sequences share exactly ``r``'s prompt, when that ends mid-block: the plan's ``cache_tokens``,
+        and a scoring sequence's context but its last token (its siblings compute that one: it predicts their first
+        candidate token)."""
+        points = {r.cache_tokens} if r.cache_tokens else set()
+        if r.score_from:
+            points.add(r.score_from - 1)
+        return {p for p in points if p % self.block_size and p <= r.num_prompt_tokens}
+
+    def _partial_store(self, r: Request, point: int, planned: set[int]) -> BlockStore | None:
+        """A partial block of ``r``'s prompt ending at ``point`` (registered by ``commit``), unless already cached."""
         B = self.block_size
-        point = r.cache_tokens if r.cache_tokens is not None else r.score_from
-        if not point or point % B == 0 or point > r.num_prompt_tokens:
-            return None
         k = point // B
         chain = self._chain(r)
         h = partial_hash(chain[k - 1] if k else None, r.prompt_token_ids[k * B : point])
@@ -255,13 +261,13 @@ class PrefixIndex:
         """Evict the cached blocks of ``r``'s chain past its first ``cache_tokens`` tokens (dead: the plan says no
         later sequence shares them). Referenced blocks stay."""
         usable = max(0, (r.num_prompt_tokens - 1) // self.block_size)
-        for h in self._chain(r)[:usable][(r.cache_tokens or 0) // self.block_size:]:
+        for h in self._chain(r)[:usable][self._stored_tokens(r) // self.block_size:]:
             bid = self.pool.cached_id(h)
             if bid is None:
                 break
             self.plan_evictions += self.pool.evict(bid)
         seen = self._partials_seen.pop(r.request_id, None)
-        if seen is not None and seen[1] != (r.cache_tokens or 0):  # later rows share more, or less, than it holds
+        if seen is not None and seen[1] not in self._partial_points(r):  # later rows share more, or less
             bid = self.pool.cached_id(seen[0])
             if bid is not None:
                 self.plan_evictions += self.pool.evict(bid)
@@ -277,9 +283,13 @@ class PrefixIndex:
 
     @staticmethod
     def _stored_tokens(request: Request) -> int:
-        """Prompt tokens whose full blocks this sequence offers the cache once its prefill is done."""
+        """Prompt tokens whose full blocks this sequence offers the cache once its prefill is done (and keeps past
+        its admission): the plan's retention, and for a scoring sequence its context too (its siblings need it)."""
         n = request.num_prompt_tokens
-        return n if request.cache_tokens is None else min(n, request.cache_tokens)
+        if request.cache_tokens is None:
+            return n
+        keep = request.cache_tokens if request.score_from is None else max(request.cache_tokens, request.score_from - 1)
+        return min(n, keep)
 
     def _done_computing(self, rid: str) -> None:
         hashes = self._computing.pop(rid, None)
