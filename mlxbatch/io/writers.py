@@ -37,7 +37,8 @@ MISSING_ERROR = "no result: the row was not processed"
 _EXPECTED_CHUNK = 65_536
 
 # Result columns after ``id``, ``key`` and the input columns; logprobs only when some row has them. The records'
-# ``extra`` JSON (task results: n > 1 samples, parsed JSON, scores) becomes one typed column per key, at the end.
+# ``extra`` JSON (task results: n > 1 samples, parsed JSON, scores) becomes one typed column per key, at the end
+# (keys starting with "_" stay in the shards only).
 _HEAD = [pa.field("id", pa.string()), pa.field("key", pa.string())]
 _TAIL = [
     pa.field("text", pa.string()), pa.field("finish_reason", pa.string()),
@@ -158,8 +159,9 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
     for part in _chunks(n, row_group_size):  # first pass: the expanded columns' names and types
         got = index.gather(sel.positions[part], ["inputs", "extra"] if has_extra else ["inputs"])
         planner.observe(decode_inputs(got.column("inputs").to_pylist()))
-        if has_extra:
-            extra_planner.observe(decode_inputs(got.column("extra").to_pylist()))
+        if has_extra:  # keys starting with "_" are checkpoint bookkeeping (e.g. the engine actor): not output
+            extra_planner.observe([{k: v for k, v in d.items() if not k.startswith("_")}
+                                   for d in decode_inputs(got.column("extra").to_pylist())])
     inputs = planner.columns()
     # task results (n > 1 samples, parsed JSON, scores, ...) become typed columns at the end, named by their key
     extras = [c for c in extra_planner.columns() if c.name not in {i.out_name for i in inputs}] if has_extra else []

@@ -22,10 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from mlxbatch.config import EngineConfig
-from mlxbatch.engine import EngineCore, ModelSpec
-from mlxbatch.engine.registry import REGISTRY
-from mlxbatch.errors import InvalidRequestError, MlxbatchError
+from mlxbatch.errors import MlxbatchError
 from mlxbatch.io import (
     CheckpointStore,
     ExpectedRow,
@@ -41,12 +38,12 @@ from mlxbatch.io import (
     write_openai_batch_output,
     write_report,
 )
-from mlxbatch.job.feed import Failed, RowFeed
-from mlxbatch.job.media import ImageError
+from mlxbatch.job.executor import Executor, ExecutorError, open_executor
+from mlxbatch.job.feed import RowFeed
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.report import RunStats, accuracy
 from mlxbatch.job.spec import JobSpec
-from mlxbatch.job.tasks import record_for, submit
+from mlxbatch.job.tasks import record_for
 from mlxbatch.types import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -88,24 +85,19 @@ class JobRunner:
         spec = self.spec
         is_openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(self._input_spec()))
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        model_spec = ModelSpec(spec.model.path, spec.model.dtype, spec.model.adapter, spec.model.trust_remote_code)
-        user = f"job:{spec.output}"
         try:
             spec.output.mkdir(parents=True, exist_ok=True)
             clear_success(spec.output)
-            loaded = REGISTRY.acquire(model_spec, user)
-            try:
-                with CheckpointStore(spec.output) as store:
-                    stats = self._generate(store, loaded, is_openai)
-                    preparer = RowPreparer(spec, loaded.identity, is_openai)
-                    final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns)
-                    stats.final_rows = final.rows
-                    stats.accuracy = accuracy(final.results_path)
-            finally:
-                REGISTRY.release(model_spec, user)
+            with CheckpointStore(spec.output) as store, open_executor(spec) as executor:
+                model = executor.model
+                stats = self._generate(store, executor, is_openai)
+                preparer = RowPreparer(spec, model.identity, is_openai)
+                final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns)
+                stats.final_rows = final.rows
+                stats.accuracy = accuracy(final.results_path)
             if is_openai:
                 write_openai_batch_output(final.results_path, spec.output)
-            report = stats.report(spec, loaded)
+            report = stats.report(spec, model)
             write_report(spec.output, report)
             mark_success(spec.output)
             return RunResult(str(spec.output), report)
@@ -118,25 +110,18 @@ class JobRunner:
             prep = preparer.prepare(row)
             yield ExpectedRow(prep.row_id, prep.key)
 
-    def _generate(self, store: CheckpointStore, loaded: Any, is_openai: bool) -> RunStats:
+    def _generate(self, store: CheckpointStore, executor: Executor, is_openai: bool) -> RunStats:
         spec = self.spec
-        e = spec.engine
-        core = EngineCore(loaded, EngineConfig(max_num_seqs=e.max_num_seqs,
-                                               max_num_batched_tokens=e.max_num_batched_tokens,
-                                               prefill_chunk_size=e.prefill_chunk_size,
-                                               kv_memory_fraction=e.kv_memory_fraction,
-                                               prefix_cache=e.prefix_cache, seed=spec.seed))
-        preparer = RowPreparer(spec, loaded.identity, is_openai)
+        identity = executor.model.identity
+        preparer = RowPreparer(spec, identity, is_openai)
         done = store.done_keys()
         stats = RunStats(total=count_rows(self._input_spec()), resumed_shards=len(store.shards))
         bar = tqdm(total=stats.total, disable=not self.progress, unit="row", dynamic_ncols=True)
-        pending: dict[str, PreparedRow] = {}
         buffer: list[ResultRecord] = []
         last_flush = last_log = time.monotonic()
         self._save_plan_params(store)
-        feed = RowFeed(open_reader(self._input_spec()), preparer, loaded.tokenizer, done,
+        feed = RowFeed(open_reader(self._input_spec()), preparer, executor.model.tokenizer, done,
                        window=self.spec.plan.window, planned=self.spec.plan.enabled)
-        max_inflight = 4 * e.max_num_seqs
 
         def flush() -> None:
             nonlocal last_flush
@@ -152,29 +137,15 @@ class JobRunner:
 
         try:
             while True:
-                if len(pending) <= max_inflight // 2 and not feed.finished and self._stop_signal is None:
+                if not feed.finished and self._stop_signal is None:
                     skipped = feed.skipped
-                    for item in feed.take(max_inflight - len(pending)):
-                        if isinstance(item, Failed):
-                            finish(self._record(item.prep, None, loaded.identity, item.error, item.kind))
-                            continue
-                        prep = item.prep
-                        try:
-                            submit(core, prep, item.token_ids, item.cache_tokens)
-                        except InvalidRequestError as exc:
-                            kind = "constraint" if exc.field == "constraint" else "request"
-                            finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", kind))
-                            continue
-                        except ImageError as exc:
-                            finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "image"))
-                            continue
-                        pending[prep.key] = prep
+                    for item in executor.take(feed):  # rows go to the engine(s); rows that cannot run come back
+                        finish(self._record(item.prep, None, identity, item.error, item.kind))
                     stats.skipped += feed.skipped - skipped
                     bar.update(feed.skipped - skipped)
-                if pending and self._stop_signal is None:
-                    for delta in core.step():
-                        if delta.output is not None and delta.request_id in pending:
-                            finish(self._record(pending.pop(delta.request_id), delta.output, loaded.identity))
+                if executor.busy and self._stop_signal is None:
+                    for f in executor.poll():
+                        finish(self._record(f.prep, f.output, identity, f.error, f.error_kind, f.worker))
                 now = time.monotonic()
                 if len(buffer) >= spec.checkpoint.every_rows or now - last_flush >= spec.checkpoint.every_seconds:
                     flush()
@@ -190,19 +161,21 @@ class JobRunner:
                                     f"{spec.max_error_rate}; finished rows are checkpointed in {spec.output}. "
                                     f"Errors by kind: {dict(stats.errors_by_kind)}")
                 if self._stop_signal is not None:
-                    for key in list(pending):
-                        core.abort(key)
+                    executor.abort()
                     flush()
                     raise JobInterrupted(f"stopped by signal {self._stop_signal}; {stats.finished} rows "
                                          f"checkpointed in {spec.output}. Run the same command to resume.")
-                if feed.finished and not pending:
+                if feed.finished and not executor.busy:
                     flush()
                     break
+        except ExecutorError:
+            flush()  # what finished before the engines were lost is kept
+            raise
         finally:
             bar.close()
-            stats.engine = core.stats()
+            stats.engine = executor.stats()
             stats.plan = feed.stats.as_dict()
-            core.shutdown()
+            executor.shutdown()
         return stats
 
     def _save_plan_params(self, store: CheckpointStore) -> None:
@@ -218,10 +191,14 @@ class JobRunner:
                 self.spec.plan, window=int(saved["window"]), enabled=bool(saved["enabled"])))
 
     def _record(self, prep: PreparedRow, out: RequestOutput | None, model_identity: str,
-                error: str | None = None, error_kind: str | None = None) -> ResultRecord:
+                error: str | None = None, error_kind: str | None = None, worker: str | None = None) -> ResultRecord:
         params = prep.params_json
         model = f"{self.spec.model.path}@{model_identity}"
         if out is None:
-            return ResultRecord.failed(prep.row_id, prep.key, error or "unknown error", error_kind or "error",
-                                       inputs=prep.inputs, model=model, params=params)
-        return record_for(prep, out, model)
+            record = ResultRecord.failed(prep.row_id, prep.key, error or "unknown error", error_kind or "error",
+                                         inputs=prep.inputs, model=model, params=params)
+        else:
+            record = record_for(prep, out, model)
+        if worker is not None:  # which engine actor ran it: kept in the shards, never in results.parquet
+            record = dataclasses.replace(record, extra={**record.extra, "_worker": worker})
+        return record

@@ -83,6 +83,21 @@ class PlanSection:
 
 
 @dataclass(frozen=True)
+class ExecutorSection:
+    """Where rows run: ``local`` (this process, one engine) or ``ray`` (engine actors on a Ray cluster)."""
+
+    kind: str = "local"  # local | ray (``mlxbatch run --ray`` sets ray, ``--local`` sets local)
+    address: str | None = None  # ray: the cluster (None: $RAY_ADDRESS, else a local cluster on this machine)
+    actors: int | None = None  # ray: engine actors (None: as many as the cluster's resources fit)
+    num_cpus: float = 1.0  # ray: logical CPUs per actor
+    num_gpus: float = 0.0  # ray: GPUs per actor (1 on CUDA machines: one device per actor)
+    resources: dict[str, float] = field(default_factory=dict)  # ray: custom resources per actor, e.g. {mac: 1}
+    max_restarts: int | None = None  # ray: replacement actors started after deaths, in all (None: one per actor)
+    partition: str = "prefix"  # ray: prefix (rows sharing a prefix on one actor) | random (for comparison)
+    start_timeout_s: float = 300.0  # ray: how long to wait for the actors to load the model
+
+
+@dataclass(frozen=True)
 class TaskSection:
     """What each row asks for: generated text (optionally constrained) or scores of candidate continuations."""
 
@@ -108,10 +123,11 @@ class JobSpec:
     max_error_rate: float = 0.1
     plan: PlanSection = PlanSection()
     task: TaskSection = TaskSection()
+    executor: ExecutorSection = ExecutorSection()
 
 
 _TOP = {"model", "input", "prompt", "sampling", "output", "checkpoint", "engine", "seed", "max_error_rate", "plan", "task",
-        "score"}
+        "score", "executor"}
 _SECTIONS: dict[str, set[str]] = {
     "model": {"path", "dtype", "adapter", "trust_remote_code"},
     "input": {"path", "format", "id_column", "columns", "split"},
@@ -121,6 +137,7 @@ _SECTIONS: dict[str, set[str]] = {
     "checkpoint": {"every_rows", "every_seconds"},
     "engine": {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_memory_fraction", "prefix_cache"},
     "plan": {"enabled", "window"},
+    "executor": {f.name for f in dataclasses.fields(ExecutorSection)},
 }
 _FORMATS = {"auto", "jsonl", "parquet", "hf", "openai-batch"}
 
@@ -270,11 +287,12 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     max_error_rate = c.typed(raw, "<top>", "max_error_rate", float, 0.1)
     if not 0 <= max_error_rate <= 1:
         c.bad("max_error_rate", f"must be in [0, 1], got {max_error_rate}")
+    executor = _executor(c, raw)
     c.problems = [(k.replace("<top>.", ""), r) for k, r in c.problems]
     if c.problems:
         raise JobSpecError(source, c.problems)
     return JobSpec(source, model, inp, prompt, sampling, _resolve(base, out_path), checkpoint, engine, seed,
-                   max_error_rate, plan, task)
+                   max_error_rate, plan, task, executor)
 
 
 def _sampling(c: _Checker, raw: dict[str, Any]) -> SamplingSection:
@@ -302,6 +320,42 @@ def _sampling(c: _Checker, raw: dict[str, Any]) -> SamplingSection:
         c.bad(f"sampling.{field_name}" if field_name else "sampling", getattr(exc, "reason", str(exc)))
         params = SamplingParams(temperature=0.0)
     return SamplingSection(params, dict(overrides))
+
+
+def _executor(c: _Checker, raw: dict[str, Any]) -> ExecutorSection:
+    x = c.section(raw, "executor")
+    d = ExecutorSection()
+    kind = c.typed(x, "executor", "kind", str, d.kind)
+    if kind not in ("local", "ray"):
+        c.bad("executor.kind", f"expected local or ray, got {kind!r}")
+    partition = c.typed(x, "executor", "partition", str, d.partition)
+    if partition not in ("prefix", "random"):
+        c.bad("executor.partition", f"expected prefix or random, got {partition!r}")
+    resources = c.typed(x, "executor", "resources", dict, {})
+    for name, amount in resources.items():
+        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
+            c.bad(f"executor.resources.{name}", f"expected a resource name and an amount >= 0, got {amount!r}")
+    section = ExecutorSection(
+        kind, c.typed(x, "executor", "address", str, None), c.typed(x, "executor", "actors", int, None),
+        c.typed(x, "executor", "num_cpus", float, d.num_cpus), c.typed(x, "executor", "num_gpus", float, d.num_gpus),
+        dict(resources), c.typed(x, "executor", "max_restarts", int, None), partition,
+        c.typed(x, "executor", "start_timeout_s", float, d.start_timeout_s))
+    if section.actors is not None:
+        c.positive("executor.actors", section.actors)
+    for name in ("num_cpus", "num_gpus", "max_restarts"):
+        value = getattr(section, name)
+        if value is not None and value < 0:
+            c.bad(f"executor.{name}", f"must be >= 0, got {value}")
+    c.positive("executor.start_timeout_s", section.start_timeout_s)
+    return section
+
+
+def with_executor(spec: JobSpec, kind: str | None, address: str | None = None) -> JobSpec:
+    """``spec`` with the command line's choice of executor (``--ray [ADDRESS]`` / ``--local``) applied."""
+    x = spec.executor
+    if kind is None and address is None:
+        return spec
+    return dataclasses.replace(spec, executor=dataclasses.replace(x, kind=kind or x.kind, address=address or x.address))
 
 
 def constraint_from(value: Any, where: str) -> OutputConstraint:
