@@ -17,21 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
-import signal
 import socket
 import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import RayError
 
-from mlxbatch.engine.loader import resolve_path
 from mlxbatch.engine.planner import common_prefix_len
 from mlxbatch.job.engine_stats import merge_engine_stats
 from mlxbatch.job.executor import ExecutorError, Finished, ModelInfo, tokenizer_fingerprint
@@ -39,6 +35,7 @@ from mlxbatch.job.feed import Failed, RowFeed, Submit
 from mlxbatch.job.partition import prefix_units, random_units, row_cost, split_for_steal
 from mlxbatch.job.progress import clear_progress, write_progress
 from mlxbatch.job.ray_actor import ActorInfo, Advance, EngineActor
+from mlxbatch.job.ray_cluster import connected, driver_tokenizer, fitting_actors, kill
 from mlxbatch.job.spec import JobSpec
 from mlxbatch.job.tasks import RowTask
 
@@ -89,7 +86,7 @@ class RayExecutor:
     def __init__(self, spec: JobSpec, tokenizer: Any, address: str | None) -> None:
         self.spec, self.tokenizer, self.address = spec, tokenizer, address
         x = spec.executor
-        self.n_actors = x.actors or _fitting_actors(x.num_cpus, x.num_gpus, x.resources)
+        self.n_actors = x.actors or fitting_actors(x.num_cpus, x.num_gpus, x.resources)
         self.restarts_left = self.n_actors if x.max_restarts is None else x.max_restarts
         self.limit = 4 * spec.engine.max_num_seqs
         self.slots: list[Slot] = []
@@ -101,7 +98,7 @@ class RayExecutor:
         self.model: ModelInfo | None = None
         for _ in range(self.n_actors):
             self._start()
-        self._await_first(x.start_timeout_s)
+        self._await_ready(x.start_timeout_s)
 
     # -- actors -----------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -115,7 +112,7 @@ class RayExecutor:
         slot.call = handle.info.remote()
         self.slots.append(slot)
 
-    def _await_first(self, timeout_s: float) -> None:
+    def _await_ready(self, timeout_s: float) -> None:
         """Wait until every actor loaded the model (or the timeout: then go on with those that did)."""
         deadline = time.monotonic() + timeout_s
         while any(s.state == "starting" for s in self.slots) and time.monotonic() < deadline:
@@ -151,7 +148,7 @@ class RayExecutor:
         requeued = len(rows) + sum(len(u) for u in slot.units)
         slot.in_flight.clear()
         slot.units.clear()
-        _kill(slot.handle)
+        kill(slot.handle)
         log.warning("engine actor %s lost (%s); its %d unfinished rows go to the other actors", slot.name, why,
                     requeued)
         if replace and self.restarts_left > 0:
@@ -243,7 +240,9 @@ class RayExecutor:
     def poll(self, wait_s: float = POLL_WAIT_S) -> list[Finished]:
         calls = {s.call: s for s in self.slots if s.call is not None}
         finished: list[Finished] = []
-        if calls:
+        if not calls:
+            time.sleep(wait_s)  # nothing out: rows wait for an actor to free up or start
+        else:
             ready, rest = ray.wait(list(calls), num_returns=1, timeout=wait_s)
             if ready and rest:
                 ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
@@ -283,7 +282,7 @@ class RayExecutor:
     def abort(self) -> None:
         for slot in self.slots:
             if slot.state != "dead":
-                _kill(slot.handle)
+                kill(slot.handle)
                 slot.state, slot.call = "dead", None
 
     # -- reporting --------------------------------------------------------------------------------
@@ -308,57 +307,12 @@ class RayExecutor:
         self.abort()
 
 
-def _kill(handle: Any) -> None:
-    try:
-        ray.kill(handle, no_restart=True)
-    except (RayError, ValueError):  # already gone
-        pass
-
-
-def _fitting_actors(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> int:
-    """As many actors as the cluster's resources hold (at least one)."""
-    total = ray.cluster_resources()
-    wanted = {"CPU": num_cpus, "GPU": num_gpus, **resources}
-    fits = [int(total.get(name, 0) // amount) for name, amount in wanted.items() if amount > 0]
-    return max(1, min(fits, default=1))
-
-
-def driver_tokenizer(spec: JobSpec) -> Any:
-    """The model's tokenizer without its weights: the driver tokenizes and plans, the actors run the model."""
-    from mlx_lm.utils import load_tokenizer
-
-    m = spec.model
-    return load_tokenizer(Path(resolve_path(m.path)) if Path(resolve_path(m.path)).exists() else m.path,
-                          {"trust_remote_code": True} if m.trust_remote_code else None)
-
-
-@contextmanager
-def _connected(address: str | None, actors: int | None, num_cpus: float) -> Iterator[str]:
-    """Ray, connected (a local cluster when no address is given and $RAY_ADDRESS is unset); shut down after only
-    when this block connected. Ray's own SIGTERM handler is undone: the run loop's handlers stay in charge."""
-    if ray.is_initialized():
-        yield ray.get_runtime_context().gcs_address
-        return
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "namespace": "mlxbatch"}
-    if address is None and not os.environ.get("RAY_ADDRESS"):
-        need = math.ceil((actors or 1) * num_cpus)
-        kwargs.update(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False)
-    ray.init(address=address, **kwargs)
-    for s, h in handlers.items():
-        signal.signal(s, h)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-
-
 @contextmanager
 def open_ray_executor(spec: JobSpec) -> Iterator[RayExecutor]:
     x = spec.executor
     clear_progress(spec.output)
     tokenizer = driver_tokenizer(spec)
-    with _connected(x.address, x.actors, x.num_cpus) as address:
+    with connected(x.address, x.actors, x.num_cpus) as address:
         executor = RayExecutor(spec, tokenizer, address)
         ok = False
         try:

@@ -2,7 +2,7 @@
 
 Strictly read-only and lock-free, so it works while a run is writing the folder: it reads the shard files
 directly and skips (and reports) any that do not open as a complete Arrow file; repairing is left to the
-next run. Loads no model.
+next run. A distributed run's progress file adds a line per engine actor. Loads no model.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import pyarrow as pa
 
 from mlxbatch.errors import MlxbatchError
+from mlxbatch.job.progress import progress_lines, read_progress
 
 
 def _read_shard(path: Path) -> pa.Table | None:
@@ -53,9 +54,12 @@ def read_status(out_dir: Path) -> dict[str, Any]:
     if unreadable:
         lines.append(f"  shards that do not open (cut short by a crash; the next run redoes their rows): "
                      f"{', '.join(unreadable)}")
+    progress = read_progress(out_dir)  # a distributed run: per engine actor
+    if progress is not None and not complete:
+        lines += progress_lines(progress)
     if report and complete:
         lines.append(f"  report: {report['rows']['output']} rows, {report['generated_tokens_per_s']} tok/s, "
                      f"{report['wall_s']} s")
     return {"complete": complete, "checkpointed_rows": rows, "shards": shards, "errors": errors,
-            "errors_by_kind": dict(kinds), "unreadable_shards": unreadable, "report": report,
+            "errors_by_kind": dict(kinds), "unreadable_shards": unreadable, "report": report, "progress": progress,
             "summary": "\n".join(lines)}
