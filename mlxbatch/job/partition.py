@@ -4,7 +4,7 @@ Owns the rule that decides which rows must stay together when several engines sh
 submission order a row's retention (``cache_tokens``) is what it shares with the row after it, and it is > 0 only
 when they share a prefix worth keeping: such runs of rows are prefix groups. A group is one unit, so each of its
 shared prefixes is computed once, on one engine. A group larger than a share (the window's rows over the engines)
-is cut into share-sized units at its weakest links (the smallest sharing between neighbours near each cut), so that
+is cut into units of at most a share at its weakest links (the smallest sharing between neighbours near each cut), so that
 balance never waits on one engine; each cut costs one recomputation of what the two sides share. Units are handed
 out largest first (longest processing time first), so a window ends on small units. ``random`` partitions deal the
 rows by a hash of their key instead (for comparison: groups are spread over every engine).
@@ -59,22 +59,14 @@ def weakest_cut(links: Sequence[int], lo: int, hi: int, target: int) -> int:
 
 
 def split_group(links: Sequence[int], start: int, end: int, share: int) -> list[tuple[int, int]]:
-    """Cut rows ``start:end`` into pieces of about ``share`` rows at their weakest links (whole when it fits)."""
-    size = end - start
-    parts = -(-size // max(1, share))
-    if parts <= 1:
-        return [(start, end)]
-    slack = max(1, share // 4)
-    cuts, prev = [], start
-    for k in range(1, parts):
-        target = start + round(k * size / parts)
-        lo, hi = max(prev + 1, target - slack), min(end - 1, target + slack)
-        if lo > hi:
-            continue
-        prev = weakest_cut(links, lo, hi, target)
-        cuts.append(prev)
-    bounds = [start, *cuts, end]
-    return list(zip(bounds[:-1], bounds[1:]))
+    """Cut rows ``start:end`` into pieces of at most ``share`` rows (whole when it fits), each cut at the weakest
+    link among the last quarter of a share's rows."""
+    share = max(1, share)
+    bounds = [start]
+    while end - bounds[-1] > share:
+        s = bounds[-1]
+        bounds.append(weakest_cut(links, s + max(1, share - share // 4), s + share, s + share))
+    return list(zip(bounds, bounds[1:] + [end]))
 
 
 def prefix_units(links: Sequence[int], costs: Sequence[int], engines: int) -> list[Unit]:
