@@ -66,6 +66,7 @@ class Slot:
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)  # the engine's latest counters
     busy_s: float = 0.0
     error: str | None = None
+    started: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
     def queued(self) -> int:
@@ -98,7 +99,6 @@ class RayExecutor:
         self.model: ModelInfo | None = None
         for _ in range(self.n_actors):
             self._start()
-        self._await_ready(x.start_timeout_s)
 
     # -- actors -----------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -112,15 +112,10 @@ class RayExecutor:
         slot.call = handle.info.remote()
         self.slots.append(slot)
 
-    def _await_ready(self, timeout_s: float) -> None:
-        """Wait until every actor loaded the model (or the timeout: then go on with those that did)."""
-        deadline = time.monotonic() + timeout_s
-        while any(s.state == "starting" for s in self.slots) and time.monotonic() < deadline:
-            self.poll(wait_s=min(1.0, max(0.0, deadline - time.monotonic())))
-        if self.model is None:
-            errors = "; ".join(f"{s.name}: {s.error}" for s in self.slots if s.error) or "none started"
-            raise ExecutorError(f"no engine actor became ready within {timeout_s:.0f} s ({errors}); check the "
-                                f"cluster's resources against executor.num_cpus/num_gpus/resources")
+    def await_ready(self) -> None:
+        """Wait until every actor loaded the model; those that did not within ``start_timeout_s`` are given up."""
+        while any(s.state == "starting" for s in self.slots):
+            self.poll(wait_s=1.0)
 
     def _ready(self, slot: Slot, info: ActorInfo) -> None:
         slot.info = info
@@ -185,10 +180,18 @@ class RayExecutor:
         return [[rows[i] for i in u.rows] for u in units]
 
     def _next_rows(self, slot: Slot, n: int) -> list[Submit]:
+        """Up to ``n`` rows for ``slot``: its own unsent rows, then whole units from the queue (or stolen) while they
+        keep it within an even share of what is left once the input is all read (the tail: a small job is not all
+        taken by the first actor to ask)."""
+        left = sum(len(u) for u in self.queue) + sum(len(s.in_flight) + s.queued for s in self.slots)
+        even = -(-left // max(1, sum(s.state == "ready" for s in self.slots)))
         out: list[Submit] = []
         while len(out) < n:
             if not slot.units:
-                unit = self.queue.popleft() if self.queue else self._steal(slot)
+                held = len(slot.in_flight) + len(out)
+                if held and self.feed_done and self.queue and held + len(self.queue[0]) > even:
+                    break
+                unit = self.queue.popleft() if self.queue else None if held >= even else self._steal(slot)
                 if unit is None:
                     break
                 slot.units.append(unit)
@@ -259,6 +262,10 @@ class RayExecutor:
                 else:
                     finished += self._returned(slot, result)
                     self._send(slot)  # the next rows go out before this process writes anything
+        timeout = self.spec.executor.start_timeout_s
+        for slot in self.slots:
+            if slot.state == "starting" and time.monotonic() - slot.started > timeout:
+                self._lost(slot, f"did not load the model within {timeout:.0f} s (no room on the cluster?)", False)
         self._dispatch()
         if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
             self.write_progress("running")
@@ -316,6 +323,7 @@ def open_ray_executor(spec: JobSpec) -> Iterator[RayExecutor]:
         executor = RayExecutor(spec, tokenizer, address)
         ok = False
         try:
+            executor.await_ready()
             yield executor
             ok = True
         finally:
