@@ -6,9 +6,9 @@
 
 1. **Runs.** One labeling-style job (``--rows`` rows: 8 task preambles of 60-240 words, shared by their rows in
    Zipf-like proportions, and a short unique text per row; greedy, ``--max-tokens``) through ``JobRunner``:
-   single machine (no Ray), then on a local Ray cluster started once here: 1 actor holding both cores
+   single machine (no Ray), and on a local Ray cluster started once here: 1 actor holding both cores
    (``num_cpus=2``), 2 actors of one core each with prefix-local partitions, and the same with random
-   partitions. Each: rows/s (after the actors loaded the model), prefill tokens computed against the plan's floor
+   partitions; ``--repeats`` rounds, the four interleaved. Each: rows/s (after the actors loaded the model), prefill tokens computed against the plan's floor
    (the single-machine floor, and the sum of the actors' own floors), whether the results equal the single-machine
    run's, and the driver's CPU seconds per row (what bounds one driver's rate).
 2. **Simulation.** ``--sim-rows`` planned rows in windows of 10,000, three shapes (one long system prompt;
@@ -102,14 +102,15 @@ def runs(args: argparse.Namespace) -> list[dict]:
     root = Path(tempfile.mkdtemp(prefix="ray-bench-"))
     data = root / "in.jsonl"
     write_input(data, args.rows)
-    out = [one_run(root, "local", args.model, data, args.max_tokens, {"kind": "local"})]
-    log(f"local: {out[-1]['rows_per_s']} rows/s")
+    configs = (("local", {"kind": "local"}), ("ray-1x2cpu", {"kind": "ray", "actors": 1, "num_cpus": 2}),
+               ("ray-2x1cpu", {"kind": "ray", "actors": 2, "num_cpus": 1}),
+               ("ray-2x1cpu-random", {"kind": "ray", "actors": 2, "num_cpus": 1, "partition": "random"}))
+    out = []
     ray.init(num_cpus=2, _temp_dir=str(root / "ray"), include_dashboard=False, logging_level=logging.WARNING)
     try:
-        for name, ex in (("ray-1x2cpu", {"actors": 1, "num_cpus": 2}), ("ray-2x1cpu", {"actors": 2, "num_cpus": 1}),
-                         ("ray-2x1cpu-random", {"actors": 2, "num_cpus": 1, "partition": "random"})):
-            for rep in range(args.repeats):
-                out.append(one_run(root, f"{name}-{rep}", args.model, data, args.max_tokens, {"kind": "ray", **ex}))
+        for rep in range(args.repeats):  # interleaved: the machine's load drifts
+            for name, ex in configs:
+                out.append(one_run(root, f"{name}-{rep}", args.model, data, args.max_tokens, ex))
                 log(f"{name}: {out[-1]['rows_per_s']} rows/s, prefill {out[-1]['prefill']}")
     finally:
         ray.shutdown()
@@ -188,7 +189,7 @@ def simulate(shape: str, rows: int, actors: int, partition: str, window: int = 1
 def simulation(args: argparse.Namespace) -> None:
     print(f"\n### Partitioner simulation: {args.sim_rows:,} planned rows, windows of 10,000, 64 generated tokens a row\n")
     print("| shape | actors | prefix-local: balance | floor ratio | random: balance | floor ratio | "
-          "groups never cut: balance | floor ratio | simulation s |")
+          "groups never cut: balance | floor ratio | prefix-local: simulation s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for shape in ("system", "templates", "unique"):
         for actors in (8, 64):
