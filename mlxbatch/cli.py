@@ -54,6 +54,7 @@ def main(verbose: int) -> None:
 @click.option("--local", is_flag=True, help="Run in this process even if the job file says executor.kind: ray.")
 def run(job_file: Path, progress: bool | None, ray_address: str | None, local: bool) -> None:
     """Run JOB_FILE; run it again after a crash to resume where it stopped (with or without --ray)."""
+    from mlxbatch.job.awake import keep_awake
     from mlxbatch.job.runner import JobRunner
     from mlxbatch.job.spec import with_executor
     from mlxbatch.job.validate import validate_job
@@ -63,7 +64,8 @@ def run(job_file: Path, progress: bool | None, ray_address: str | None, local: b
             raise click.UsageError("give --ray or --local, not both")
         spec = with_executor(validate_job(job_file), "local" if local else "ray" if ray_address is not None else None,
                              ray_address or None)
-        result = JobRunner(spec, progress=progress).run()
+        with keep_awake():  # macOS: no idle sleep while the job runs (caffeinate)
+            result = JobRunner(spec, progress=progress).run()
     except MlxbatchError as exc:
         _fail(exc)
     r = result.report
@@ -140,7 +142,7 @@ def generate(model: str, max_tokens: int, temperature: float, seed: int | None, 
 @main.command()
 def info() -> None:
     """The device, its memory and the BLAS MLX uses."""
-    from mlxbatch.engine.worker import device_info
+    from mlxbatch.engine import device_info
 
     d = device_info()
     click.echo(json.dumps({"device": d.kind, "name": d.name, "total_memory_gb": round(d.total_memory / 2**30, 2),

@@ -15,7 +15,7 @@ class EngineConfig:
     ``kv_budget_bytes`` sets the budget outright. ``max_num_seqs`` caps concurrency on top of memory.
     """
 
-    max_num_seqs: int = 64
+    max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None  # None: 2048 on CPU, 8192 on a GPU (prefill per step)
     prefill_chunk_size: int = 512
     kv_memory_fraction: float = 0.5

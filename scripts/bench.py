@@ -331,6 +331,7 @@ def job_section(b: Bench) -> list[Table]:
 
 # the sections living in their own files register themselves on import
 import bench_engine  # noqa: E402,F401
+import bench_suite  # noqa: E402,F401
 import bench_tasks  # noqa: E402,F401
 
 
@@ -345,6 +346,8 @@ def machine_meta(b: Bench) -> dict[str, Any]:
         git += " (uncommitted changes)" if dirty else ""
     except (OSError, subprocess.SubprocessError):
         git = "?"
+    if b.args.commit and (not git or git == "?" or not git[0].isalnum()):
+        git = f"{b.args.commit} (given)"
     return {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(shlex.quote(x) for x in [Path(sys.executable).name, *sys.argv]),
@@ -389,7 +392,7 @@ def render_meta(m: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--section", action="append", choices=["engine", "job", "nsample", "score"],
+    ap.add_argument("--section", action="append", choices=["engine", "job", "nsample", "score", "gpu"],
                     help="section(s) to run (repeatable; default: engine)")
     ap.add_argument("--model", default="tiny",
                     help=f"{'|'.join(SHAPES)} (random-weight qwen2, built once into --cache-dir) or a model path "
@@ -426,6 +429,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="job section: sizes also streamed with the run loop's duplicate-id set (default 1000000)")
     ap.add_argument("--stream-timeout", type=int, default=1200, help="job section: seconds per size (default 1200)")
     ap.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    ap.add_argument("--commit", default=os.environ.get("GIT_SHA"),
+                    help="the git commit measured (default $GIT_SHA; for copies of the tree without .git)")
+    ap.add_argument("--out", default=None, help="gpu section: folder for gpu_suite.json and gpu_suite.md")
+    ap.add_argument("--suite-workloads", default="label,fewshot,chat,unique",
+                    help="gpu section: workloads to run (default label,fewshot,chat,unique)")
+    ap.add_argument("--rows-scale", type=float, default=1.0,
+                    help="gpu section: scale the target sizes (default 1: label/fewshot 2048, chat/unique 1024)")
     args = ap.parse_args(argv)
     args.section = args.section or ["engine"]
     args.repeats_given = args.repeats is not None

@@ -83,7 +83,7 @@ def big_bpe_path() -> Path:
 
 def tokenizer_path(name: str) -> Path:
     if name == "smollm2":
-        from mlxbatch.engine.loader import resolve_path
+        from mlxbatch.engine.model.loader import resolve_path
 
         return Path(resolve_path("smollm2"))
     if name == "tiny":
@@ -128,7 +128,7 @@ class LLG:
         self.executor = llguidance.LLExecutor()
 
     def compile(self, kind):
-        from mlxbatch.engine.structured import grammar_text  # imported (with mlx) in main(), not timed here
+        from mlxbatch.engine.decoding.structured import grammar_text  # imported (with mlx) in main(), not timed here
         from mlxbatch.types import OutputConstraint
 
         c = {"choice": OutputConstraint.choice(LABELS), "regex": OutputConstraint.regex(REGEX),
@@ -315,7 +315,7 @@ ENGINE_SCHEMA = {  # long-lived: a list of at least 50 records, so no row comple
 
 
 def engine_model(name: str):
-    from mlxbatch.engine.loader import ModelSpec, load_model, resolve_path
+    from mlxbatch.engine.model.loader import ModelSpec, load_model, resolve_path
     from mlxbatch.models.random_model import build_random_model
 
     if name in ("tiny", "0.5b"):
@@ -417,7 +417,7 @@ def main() -> None:
     if args.worker or not args.engine:
         args.steps = args.steps or 80
     if args.worker:
-        import mlxbatch.engine.structured  # noqa: F401  (import time is not compile time)
+        import mlxbatch.engine.decoding.structured  # noqa: F401  (import time is not compile time)
 
         res = run_worker(args.worker, args.tokenizers, [int(b) for b in args.batches.split(",")], args.steps)
         print(json.dumps(res))

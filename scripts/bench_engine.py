@@ -91,25 +91,27 @@ def engine_unique(b: Bench) -> list[Table]:
     # where the time goes
     split = Table(f"{w.name}: where the time goes (median run, seconds)",
                   ["path", "wall", "prefill", "decode fwd", "sampling", "other (host)", "steps", "prefill tok",
-                   "prefill / floor", "decode tok"])
+                   "prefill / floor", "decode tok", "KV moved MB", "KV stored MB", "syncs"])
     for name in ("B1", "B2"):
         e = res[name].median.extra
         split.rows.append([name, res[name].median.wall_s, e["prompt_s"], e["decode_s"], None,
                            max(0.0, res[name].median.wall_s - e["prompt_s"] - e["decode_s"]),
                            e["generation_steps"], w.prompt_tokens, ratio(w.prompt_tokens, w.trie_floor),
-                           res[name].median.gen_tokens])
+                           res[name].median.gen_tokens, None, None, None])
     for name in [n for n in res if n.startswith("engine")]:
         run = res[name].median
         p = run.extra["profile"]
         split.rows.append([name, run.wall_s, p["prefill_s"], p["decode_s"], p["sampling_s"],
                            max(0.0, run.wall_s - p["prefill_s"] - p["decode_s"] - p["sampling_s"]), p["steps"],
-                           p["prefill_tokens"], ratio(p["prefill_tokens"], w.trie_floor), p["decode_tokens"]])
+                           p["prefill_tokens"], ratio(p["prefill_tokens"], w.trie_floor), p["decode_tokens"],
+                           p["moved_bytes"] / MB, p["stored_bytes"] / MB, p["syncs"]])
     run = res["engine"].median
     split.notes += [
         "mlx-lm: BatchStats prompt_time / decode_time (its decode step includes sampling); other = wall minus both.",
         "engine: StepProfile (stats()['profile']); other = wall minus prefill, decode and sampling (scheduling, "
         "KV row moves, bookkeeping, detokenization). Engine decode tok counts tokens from decode forwards only "
-        "(the first token of each row comes from its prefill).",
+        "(the first token of each row comes from its prefill). KV moved = existing KV copied (row moves, prefix "
+        "copy-ins, forks), KV stored = copied into the prefix cache, syncs = host waits for the device (Traffic).",
         f"engine preemptions: {run.extra['preemptions']}; KV budget {run.extra['kv_budget_bytes'] / MB:,.0f} MB.",
     ]
     tab.raw = {k: m.as_dict() for k, m in res.items()}

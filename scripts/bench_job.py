@@ -130,7 +130,7 @@ class JobBench:
         import yaml
 
         from mlxbatch.engine import ModelSpec
-        from mlxbatch.engine.registry import REGISTRY
+        from mlxbatch.engine.model.registry import REGISTRY
         from mlxbatch.job.prompts import PromptRenderer
         from mlxbatch.job.validate import validate_job
 
@@ -163,7 +163,7 @@ class JobBench:
         self.prompt_tokens = [len(self.loaded.tokenizer.encode(p)) for p in self.prompts]
 
     def close(self) -> None:
-        from mlxbatch.engine.registry import REGISTRY
+        from mlxbatch.engine.model.registry import REGISTRY
 
         REGISTRY.release(self.model_spec, "bench:job")
 

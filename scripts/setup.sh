@@ -1,9 +1,25 @@
 #!/usr/bin/env bash
 # Sets up mlxbatch in ./.venv: system OpenBLAS (Linux, for MLX's CPU backend), then the package with the
-# right MLX backend for this machine. Usage: bash scripts/setup.sh   (MLXBATCH_BACKEND=cpu|cuda13|metal to force)
+# right MLX backend for this machine. Usage: bash scripts/setup.sh   (MLXBATCH_BACKEND=cpu|cuda13|metal to force,
+# PYTHON=/path/to/python3.12 to pick the interpreter). scripts/check_platform.py picks the newest Python 3.11+ and
+# says what is wrong (Python too old, Intel Mac, Rosetta, macOS older than 14) before pip can fail opaquely.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+
+# Any python3 >= 3.7 can run the checks (even the macOS Command Line Tools' 3.9); the checks pick the real one.
+runner=""
+for c in "${PYTHON:-}" python3.13 python3.12 python3.11 /opt/homebrew/bin/python3 /usr/local/bin/python3 python3; do
+  if [ -n "$c" ] && [ "$("$c" -c 'import sys; print(sys.version_info >= (3, 7))' 2>/dev/null)" = True ]; then
+    runner=$c; break
+  fi
+done
+if [ -z "$runner" ]; then
+  echo "mlxbatch setup: no Python 3 found. Install Python 3.11 or newer (macOS: \`brew install python@3.12\` or" \
+       "https://www.python.org/downloads/ ; Debian/Ubuntu: \`sudo apt-get install python3.12 python3.12-venv\`)," \
+       "then run this again." >&2
+  exit 1
+fi
+PY=$("$runner" scripts/check_platform.py) || exit 1
 
 backend=${MLXBATCH_BACKEND:-}
 if [ -z "$backend" ]; then
@@ -25,7 +41,8 @@ if [ "$(uname -s)" = "Linux" ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenbl
   fi
 fi
 
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+if [ -e .venv ] && ! "$PY" scripts/check_platform.py --venv .venv; then rm -rf .venv; fi  # e.g. a 3.9 venv
+[ -x .venv/bin/python ] || { echo "mlxbatch setup: creating .venv with $("$PY" -V 2>&1) ($PY)"; "$PY" -m venv .venv; }
 .venv/bin/python -m pip install -q --upgrade pip
 case "$backend" in
   metal) extra="dev,vlm,ray" ;;

@@ -24,7 +24,7 @@ def tiny_model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny_model_path: Path):
-    from mlxbatch.engine.loader import ModelSpec, load_model
+    from mlxbatch.engine.model.loader import ModelSpec, load_model
 
     return load_model(ModelSpec(str(tiny_model_path)))
 
@@ -49,6 +49,6 @@ def tiny_vlm_path() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_vlm_loaded(tiny_vlm_path: Path):
-    from mlxbatch.engine.loader import ModelSpec, load_model
+    from mlxbatch.engine.model.loader import ModelSpec, load_model
 
     return load_model(ModelSpec(str(tiny_vlm_path)))

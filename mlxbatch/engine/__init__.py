@@ -1,14 +1,27 @@
-"""The continuous-batching engine: requests in, tokens out.
+"""The continuous-batching engine: requests in, tokens out. This module is its face: the job layer, the CLI and
+users import from here only (an import-linter contract holds the job layer and the CLI to it).
 
-Layer rule: ``engine`` never imports ``mlxbatch.io`` or ``mlxbatch.job``.
+Layer rule: ``engine`` never imports ``mlxbatch.io`` or ``mlxbatch.job``. Inside, top to bottom: ``api`` /
+``async_core`` -> ``core`` (submission + the step loop) -> ``runner`` -> ``kv`` | ``model`` -> ``vision`` ->
+``sched`` (pure Python) -> ``request`` | ``outputs`` -> ``decoding`` | ``inputs``. See docs/architecture.md.
 """
 
 from mlxbatch.config import EngineConfig
 from mlxbatch.engine.api import Engine
 from mlxbatch.engine.async_core import AsyncEngineCore
 from mlxbatch.engine.core import EngineCore
-from mlxbatch.engine.loader import LoadedModel, ModelSpec, load_model
+from mlxbatch.engine.decoding.structured import GrammarCompiler
+from mlxbatch.engine.inputs import PromptEncoder, encode_prompt
+from mlxbatch.engine.model.device_speed import DeviceSpeed
+from mlxbatch.engine.model.device_speed import measure as measure_device_speed
+from mlxbatch.engine.model.loader import LoadedModel, ModelSpec, load_model, resolve_path
+from mlxbatch.engine.model.registry import REGISTRY, ModelRegistry
+from mlxbatch.engine.model.worker import DeviceInfo, device_info
 from mlxbatch.engine.request import Request, RequestStatus
+from mlxbatch.engine.sched.planner import Plan, Submission, plan, submission_order
+from mlxbatch.engine.vision.adapter import is_vlm_folder
 
-__all__ = ["AsyncEngineCore", "Engine", "EngineConfig", "EngineCore", "LoadedModel", "ModelSpec",
-           "Request", "RequestStatus", "load_model"]
+__all__ = ["REGISTRY", "AsyncEngineCore", "DeviceInfo", "DeviceSpeed", "Engine", "EngineConfig", "EngineCore",
+           "GrammarCompiler", "LoadedModel", "ModelRegistry", "ModelSpec", "Plan", "PromptEncoder", "Request",
+           "RequestStatus", "Submission", "device_info", "encode_prompt", "is_vlm_folder", "load_model",
+           "measure_device_speed", "plan", "resolve_path", "submission_order"]

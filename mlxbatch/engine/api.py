@@ -13,9 +13,9 @@ from tqdm import tqdm
 
 from mlxbatch.config import EngineConfig
 from mlxbatch.engine.core import EngineCore, Prompt
-from mlxbatch.engine.loader import LoadedModel, ModelSpec
-from mlxbatch.engine.planner import Submission, plan, submission_order
-from mlxbatch.engine.registry import REGISTRY
+from mlxbatch.engine.model.loader import LoadedModel, ModelSpec
+from mlxbatch.engine.model.registry import REGISTRY
+from mlxbatch.engine.sched.planner import Submission, plan, submission_order
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.types import ImageInput, RequestOutput, SamplingParams, StreamDelta
 
@@ -64,7 +64,7 @@ class Engine:
         # (image placeholders look alike to the planner). Outputs still come back in input order.
         if stream:
             order = [Submission(i, None) for i in range(len(encoded))]
-        elif self.core.runner.prefix is not None and images is None:
+        elif self.core.config.prefix_cache and images is None:
             order = submission_order(plan(encoded))
         else:
             order = [Submission(i, None) for i in sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))]

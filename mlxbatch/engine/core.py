@@ -7,6 +7,7 @@ and the requests meet. ``AsyncEngineCore`` drives the same loop from asyncio on 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -16,21 +17,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxbatch.config import EngineConfig
-from mlxbatch.engine.detok import TextTracker
-from mlxbatch.engine.loader import LoadedModel
+from mlxbatch.engine.decoding.detok import TextTracker
+from mlxbatch.engine.decoding.sampling import derive_seed, uniform_for
+from mlxbatch.engine.decoding.structured import GrammarCompiler, short_value
+from mlxbatch.engine.inputs import Prompt, encode_prompt
+from mlxbatch.engine.model.loader import LoadedModel
+from mlxbatch.engine.model.worker import Worker
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.runner import ModelRunner
-from mlxbatch.engine.sampling import derive_seed, uniform_for
-from mlxbatch.engine.scheduler import Scheduler, SchedulerConfig
-from mlxbatch.engine.structured import GrammarCompiler, short_value
-from mlxbatch.engine.vlm_model import MultimodalPrompt
-from mlxbatch.engine.worker import Worker
+from mlxbatch.engine.sched.blocks import BLOCK_SIZE, stable_hash
+from mlxbatch.engine.sched.prefix import PrefixIndex
+from mlxbatch.engine.sched.scheduler import Scheduler, SchedulerConfig
+from mlxbatch.engine.vision.adapter import MultimodalPrompt
+from mlxbatch.engine.warmup import WarmUpReport, exercise
 from mlxbatch.errors import EngineClosedError, InvalidRequestError, OutOfMemoryError
 from mlxbatch.types import ImageInput, RequestOutput, RequestTimings, SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int] | Sequence[dict[str, Any]] | MultimodalPrompt
 _SCORE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # scoring generates nothing; greedy, no seed
 
 
@@ -59,25 +63,6 @@ class _Group:
                              cached_tokens=first.num_cached_tokens)
 
 
-def encode_prompt(tok: Any, prompt: Prompt) -> list[int]:
-    """Token ids of a prompt with tokenizer ``tok``: text, token ids, or chat messages (the chat template)."""
-    if isinstance(prompt, str):
-        return list(tok.encode(prompt))
-    items = list(prompt)
-    if items and all(isinstance(m, dict) for m in items):
-        if getattr(tok, "chat_template", None) is None:
-            raise InvalidRequestError("prompt", "<messages>", "the model's tokenizer has no chat template")
-        try:
-            ids = tok.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:
-            raise InvalidRequestError("prompt", "<messages>", f"chat template failed: {exc}") from exc
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-        return [int(t) for t in items]
-    raise InvalidRequestError("prompt", type(prompt).__name__,
-                              "expected a string, a list of token ids or a list of chat messages")
-
-
 class EngineCore:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  worker: Worker | None = None) -> None:
@@ -85,19 +70,16 @@ class EngineCore:
         self.loaded = loaded
         self.worker = worker or Worker(loaded)
         budget = self.config.kv_budget_bytes or self.worker.kv_budget_bytes(self.config.kv_memory_fraction)
-        cache_bytes = 0
+        blocks = 0
+        block_bytes = self.worker.geometry.bytes_per_token * BLOCK_SIZE
         if self.config.prefix_cache:
-            cache_bytes = self.config.prefix_cache_bytes or min(budget // 4, 2 << 30)
-        self.runner = ModelRunner(loaded.model, self.worker.geometry, cache_bytes, vlm=loaded.vlm,
+            blocks = max(1, (self.config.prefix_cache_bytes or min(budget // 4, 2 << 30)) // block_bytes)
+        self.runner = ModelRunner(loaded.model, self.worker.geometry, blocks, BLOCK_SIZE, vlm=loaded.vlm,
                                   vision_cache_bytes=self.config.vision_cache_bytes)
         step_tokens = self.config.max_num_batched_tokens or (2048 if self.worker.device.kind == "cpu" else 8192)
         self.scheduler = Scheduler(
-            SchedulerConfig(self.config.max_num_seqs, step_tokens,
-                            self.config.prefill_chunk_size, budget),
-            self.runner.kv_cost,
-            self.runner.lookup_prefix if self.runner.prefix is not None else None,
-            self.runner.prefix_in_progress if self.runner.prefix is not None else None,
-        )
+            SchedulerConfig(self.config.max_num_seqs, step_tokens, self.config.prefill_chunk_size, budget),
+            self.runner.kv_cost, PrefixIndex(blocks, BLOCK_SIZE, block_bytes) if blocks else None)
         self._groups: dict[str, _Group] = {}
         self._seqs: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -105,9 +87,20 @@ class EngineCore:
         tok = loaded.tokenizer
         self._eos = frozenset(int(t) for t in (tok.eos_token_ids or ()))
         self._vocab_size = len(tok._tokenizer)
+        self._hidden_ids = frozenset(int(t) for t in (getattr(tok, "all_special_ids", None) or ()))
         self._compiler: GrammarCompiler | None = None
         if self.config.warm_up:
             self.worker.warm_up()
+            if self.worker.device.kind != "cpu":  # GPU kernels compile on first use: not inside the first real steps
+                self.warm_up_paths()
+
+    def warm_up_paths(self) -> WarmUpReport:
+        """Take every kind of step once on a throwaway core of the same model, small budget (engine.warmup)."""
+        per_row = 256 * self.worker.geometry.bytes_per_token  # a row's KV at the slot layout's smallest length step
+        cfg = dataclasses.replace(self.config, warm_up=False, max_num_seqs=8, max_num_batched_tokens=64,
+                                  prefill_chunk_size=16, kv_budget_bytes=16 * per_row, prefix_cache=True,
+                                  prefix_cache_bytes=4 * per_row)
+        return exercise(EngineCore(self.loaded, cfg, self.worker))
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -168,7 +161,7 @@ class EngineCore:
             raise InvalidRequestError("constraint", short_value(params.constraint), reason)
         seed = params.seed
         if seed is None:
-            seed = (int(uniform_for(self.config.seed, hash(request_id) & 0xFFFFFFFF) * (1 << 53))
+            seed = (int(uniform_for(self.config.seed, stable_hash(request_id) & 0xFFFFFFFF) * (1 << 53))
                     if self.config.seed is not None else secrets.randbits(63))
         incremental = stream or bool(params.stop)
         # sample 0 prefills the prompt; samples 1..n-1 fork its KV when that prefill ends (prefill once)
@@ -180,7 +173,7 @@ class EngineCore:
                 # samples 1..n-1 fork sample 0's KV (text rows; an image row's samples prefill on their own)
                 fork_parent=f"{request_id}#0" if i and mm is None else None,
                 text=TextTracker(self.loaded.tokenizer, params.stop, params.include_stop_str_in_output,
-                                 incremental, self._vocab_size),
+                                 incremental, self._hidden_ids, self._vocab_size),
             )
             for i in range(params.n)
         ]
@@ -188,7 +181,7 @@ class EngineCore:
         for s in seqs:
             self._seqs[s.request_id] = s
             if params.constraint is not None:
-                self.runner.grammars.set(s.request_id, self.compiler.matcher(params.constraint))
+                self.runner.set_constraint(s.request_id, self.compiler.matcher(params.constraint))
             self.scheduler.add(s)
         return request_id
 
@@ -232,7 +225,8 @@ class EngineCore:
             seqs.append(Request(
                 request_id=f"{request_id}#{i}", group_id=request_id, index=i, prompt_token_ids=ctx_ids + ids,
                 params=_SCORE_PARAMS, seed=0, eos_token_ids=self._eos, max_context=self.loaded.context_length,
-                text=TextTracker(tok, (), False, False, self._vocab_size), score_from=len(ctx_ids)))
+                text=TextTracker(tok, (), False, False, self._hidden_ids, self._vocab_size),
+                score_from=len(ctx_ids)))
         self._groups[request_id] = _Group(request_id, seqs, False)
         for s in seqs:
             self._seqs[s.request_id] = s
@@ -262,28 +256,25 @@ class EngineCore:
             if req.first_scheduled is None:
                 req.first_scheduled = now
         try:
-            sampled = self.runner.execute(out)
+            result = self.runner.execute(out)
         except OutOfMemoryError as exc:
             log.warning("step failed for lack of memory (%s); shrinking the batch", exc)
             self.runner.free([r.request_id for r in self.scheduler.preempt_for_memory(out)])
             self.worker.shutdown()  # frees MLX's buffer cache
             return []
         touched = []
-        for rid, (scores, greedy) in self.runner.scored.items():
-            self._seqs[rid].add_scores(scores, greedy)
+        for rid, scored in result.scored.items():
+            self._seqs[rid].add_scores(list(scored.logprobs), list(scored.greedy))
         for chunk in out.prefills:
             if chunk.last and chunk.request.score_from is not None:
                 chunk.request.finish_scored()
                 touched.append(chunk.request)
-        for rid, tok in sampled.items():
+        for rid, tok in result.sampled.items():
             req = self._seqs[rid]
-            req.append(tok.token_id, tok.logprob, force_stop=self.runner.grammars.done(rid))
+            req.append(tok.token_id, tok.logprob, force_stop=rid in result.grammar_done)
             touched.append(req)
-        finished = self.scheduler.finish_step(out)
-        self.runner.free([r.request_id for r in finished])
-        prof = self.runner.profile
-        prof.steps += 1
-        prof.total_s += time.perf_counter() - t0
+        self.runner.free([r.request_id for r in self.scheduler.finish_step(out)])
+        self.runner.end_step(time.perf_counter() - t0)
         return self._collect(touched)
 
     def _collect(self, touched: list[Request]) -> list[StreamDelta]:
@@ -299,7 +290,7 @@ class EngineCore:
             group = self._groups.pop(gid)
             for s in group.sequences:
                 self._seqs.pop(s.request_id, None)
-                self.runner.grammars.set(s.request_id, None)
+                self.runner.set_constraint(s.request_id, None)
             deltas.append(StreamDelta(gid, -1, "", (), group.sequences[0].finish_reason, group.output()))
         return deltas
 
@@ -316,19 +307,11 @@ class EngineCore:
         self._closed = True
         self.worker.shutdown()
 
-    def _prefix_stats(self) -> dict[str, int] | None:
-        if self.runner.prefix is None:
-            return None
-        st = self.runner.prefix.stats()
-        live = self.runner.reuse.live_tokens_reused if self.runner.reuse is not None else 0
-        st["tokens_reused_live"] = live  # copied from running rows, to the token
-        st["tokens_reused"] += live
-        return st
-
     def stats(self) -> dict[str, Any]:
-        return {"profile": self.runner.profile.as_dict(), "kv_budget_bytes": self.scheduler.kv_budget_bytes,
-                "kv_bytes": self.runner.kv_bytes, "preemptions": self.scheduler.num_preemptions,
-                "prefix_cache": self._prefix_stats(),
-                "vision_cache": self.runner.mm.stats() if self.runner.mm is not None else None,
-                "device": self.worker.device.kind}
-
+        rs = self.runner.stats()
+        prefix = None
+        if self.scheduler.prefix is not None:
+            prefix = {**self.scheduler.prefix.stats(), "bytes_allocated": rs.prefix_store_bytes}
+        return {"profile": rs.profile, "kv_budget_bytes": self.scheduler.kv_budget_bytes, "kv_bytes": rs.kv_bytes,
+                "preemptions": self.scheduler.num_preemptions, "prefix_cache": prefix,
+                "vision_cache": rs.vision_cache, "device": self.worker.device.kind}

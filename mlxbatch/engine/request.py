@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxbatch.engine.detok import TextTracker
+from mlxbatch.engine.decoding.detok import TextTracker
 from mlxbatch.types import Completion, FinishReason, SamplingParams, TokenLogprob
 
 
@@ -38,7 +38,6 @@ class Request:
     eos_token_ids: frozenset[int]
     max_context: int
     text: TextTracker
-    arrival: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
@@ -75,10 +74,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

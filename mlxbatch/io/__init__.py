@@ -23,7 +23,9 @@ from mlxbatch.io.writers import (
     FinalOutputs,
     clear_success,
     finalize,
+    foreign_files,
     mark_success,
+    remove_outputs,
     write_report,
 )
 
@@ -31,6 +33,6 @@ __all__ = [
     "SHARD_SCHEMA", "CheckpointError", "CheckpointStore", "DuplicateIdTracker", "ExpectedRow", "FinalOutputs",
     "IncompleteResultsError", "InputError", "InputFormat", "InputRow", "InputSpec", "OpenAIBatchOutputs",
     "OutputError", "RecoveryReport", "ResolvedInput", "ResultRecord", "ShardInfo", "canonical_params",
-    "clear_success", "count_rows", "finalize", "from_arrow", "mark_success", "open_reader", "resolve_inputs",
-    "result_key", "to_arrow", "write_openai_batch_output", "write_report",
+    "clear_success", "count_rows", "finalize", "foreign_files", "from_arrow", "mark_success", "open_reader", "remove_outputs",
+    "resolve_inputs", "result_key", "to_arrow", "write_openai_batch_output", "write_report",
 ]

@@ -5,21 +5,25 @@ Layout of ``out_dir``::
     manifest.json              shards (name, rows, bytes, sha256) in write order + job metadata ("meta")
     shards/shard-000001.arrow  one append() each; written as .tmp, fsynced, renamed, never rewritten
     shards/corrupt/            shards found truncated or unreadable, moved aside (their rows are redone)
-    .lock                      held (flock) while a CheckpointStore is open: one writer per folder
+    .lock                      held (flock) while a CheckpointStore is open: one writer per folder (holds its pid)
 
-Owns the shard files, the manifest and recovery after a crash. A crash can leave: a ``.tmp`` (deleted on
-open), a renamed shard the manifest does not list yet (validated fully and adopted), a truncated file (moved
-to ``corrupt/``). Does not own what a key means (``keys``) or the final outputs (``writers``).
+Owns the shard files, the manifest and recovery after a crash or a lying disk. A crash can leave: a ``.tmp``
+(deleted on open), a renamed shard the manifest does not list yet (validated fully and adopted), a truncated file
+(moved to ``corrupt/``). Every listed shard's size and sha256 are checked when the store opens and by ``verify``
+(before the final outputs are written); a shard that fails is moved to ``corrupt/`` and its rows are redone. A
+manifest that is empty, cut short or not JSON is moved aside and rebuilt from the shards. Does not own what a key
+means (``keys``) or the final outputs (``writers``).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
-import signal
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +33,7 @@ import pyarrow as pa
 
 from mlxbatch.io.atomic import TMP_SUFFIX, atomic_write_json, fsync_dir, tmp_path_for
 from mlxbatch.io.errors import CheckpointError
+from mlxbatch.io.faults import crash, fault_due
 from mlxbatch.io.records import ResultRecord
 from mlxbatch.io.schema import ShardFormatError, from_arrow, read_shard, serialize_shard, to_arrow
 
@@ -46,6 +51,7 @@ SHARDS_DIR = "shards"
 CORRUPT_DIR = "corrupt"
 _SHARD_RE = re.compile(r"^shard-(\d+)\.arrow$")
 _SEQ_RE = re.compile(r"^shard-(\d+)\.arrow")  # also matches .tmp leftovers and renamed casualties
+_NO_LOCKS = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.ENOLCK}
 
 
 @dataclass(frozen=True)
@@ -79,10 +85,12 @@ def _seq_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _fault_due(point: str, count: int) -> bool:
-    """Crash-test hook: ``MLXBATCH_FAULT=<point>:<n>`` kills the process at that point of the n-th append."""
-    spec = os.environ.get("MLXBATCH_FAULT", "")
-    return spec == f"{point}:{count}"
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class CheckpointStore:
@@ -94,7 +102,8 @@ class CheckpointStore:
         self.corrupt_dir = self.shards_dir / CORRUPT_DIR
         self.manifest_path = self.out_dir / MANIFEST_NAME
         self.shards_dir.mkdir(parents=True, exist_ok=True)
-        self._appends = 0  # appends by this process (crash-test hook counts them)
+        self._appends = 0  # appends by this process (crash-test hooks count them)
+        self._manifest_saves = 0
         self._lock_fd: int | None = self._acquire_lock()
         try:
             self._shards, self._meta = self._load_manifest()
@@ -105,14 +114,27 @@ class CheckpointStore:
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def _acquire_lock(self) -> int | None:
-        fd = os.open(self.out_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = self.out_dir / ".lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         if fcntl is None:
             return fd
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
-            raise CheckpointError(f"{self.out_dir} is in use by another CheckpointStore (lock held)") from exc
+            if exc.errno in _NO_LOCKS:
+                raise CheckpointError(
+                    f"{self.out_dir}: the filesystem does not support file locking ({exc.strerror}), so two runs "
+                    "could write this folder at once; use an output folder on a local disk") from exc
+            holder = lock.read_text(errors="replace").strip() if lock.exists() else ""
+            who = f" (pid {holder})" if holder.isdigit() else ""
+            raise CheckpointError(f"{self.out_dir} is in use by another mlxbatch run{who}: wait for it to finish or "
+                                  "stop it, or use another output folder") from exc
+        try:  # who holds it, for the message another run prints
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError:
+            pass
         return fd
 
     def close(self) -> None:
@@ -128,27 +150,41 @@ class CheckpointStore:
 
     # -- manifest ----------------------------------------------------------------------------------------------
     def _load_manifest(self) -> tuple[list[ShardInfo], dict[str, Any]]:
+        """The manifest's shards and metadata; an empty, cut or garbled manifest is set aside and rebuilt."""
         if not self.manifest_path.exists():
             return [], {}
         try:
-            data = json.loads(self.manifest_path.read_text(encoding="utf-8"))
-            if data.get("format") != MANIFEST_FORMAT:
-                raise CheckpointError(f"{self.manifest_path}: not an mlxbatch checkpoint manifest")
-            if data.get("version") != MANIFEST_VERSION:
-                raise CheckpointError(f"{self.manifest_path}: manifest version {data.get('version')!r} is not "
-                                      f"{MANIFEST_VERSION}; use a new output folder")
+            data = json.loads(self.manifest_path.read_bytes().decode("utf-8"))
+        except ValueError as exc:
+            return self._rebuild(f"not valid JSON ({exc})")
+        if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+            raise CheckpointError(f"{self.manifest_path}: not an mlxbatch checkpoint manifest")
+        if data.get("version") != MANIFEST_VERSION:
+            raise CheckpointError(f"{self.manifest_path}: manifest version {data.get('version')!r} is not "
+                                  f"{MANIFEST_VERSION}; use a new output folder")
+        try:
             shards = [ShardInfo(**entry) for entry in data["shards"]]
             return shards, dict(data.get("meta", {}))
         except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{self.manifest_path}: unreadable manifest ({exc})") from exc
+            return self._rebuild(f"malformed ({type(exc).__name__}: {exc})")
+
+    def _rebuild(self, why: str) -> tuple[list[ShardInfo], dict[str, Any]]:
+        """Set a broken manifest aside; recovery then adopts every complete shard on disk (metadata is lost)."""
+        self.corrupt_dir.mkdir(exist_ok=True)
+        aside = self.corrupt_dir / f"{MANIFEST_NAME}.{len(list(self.corrupt_dir.glob(MANIFEST_NAME + '*'))) + 1}"
+        os.replace(self.manifest_path, aside)
+        logger.warning("%s is %s; moved to %s and rebuilt from the shards on disk", self.manifest_path, why, aside)
+        return [], {}
 
     def _save_manifest(self) -> None:
-        atomic_write_json(self.manifest_path, {
-            "format": MANIFEST_FORMAT,
-            "version": MANIFEST_VERSION,
-            "shards": [asdict(s) for s in self._shards],
-            "meta": self._meta,
-        })
+        data = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "shards": [asdict(s) for s in self._shards],
+                "meta": self._meta}
+        self._manifest_saves += 1
+        if fault_due("mid-manifest", self._manifest_saves):
+            text = json.dumps(data).encode()
+            tmp_path_for(self.manifest_path).write_bytes(text[: len(text) // 2])
+            crash()
+        atomic_write_json(self.manifest_path, data)
 
     # -- recovery ----------------------------------------------------------------------------------------------
     def _move_aside(self, path: Path) -> str:
@@ -180,6 +216,8 @@ class CheckpointStore:
             try:
                 if path.stat().st_size != info.bytes:
                     raise ShardFormatError(f"{path}: size {path.stat().st_size} != manifest {info.bytes}")
+                if _sha256_file(path) != info.sha256:
+                    raise ShardFormatError(f"{path}: its sha256 does not match the manifest (the file changed)")
                 read_shard(path)
             except ShardFormatError as exc:
                 logger.error("%s", exc)
@@ -238,6 +276,14 @@ class CheckpointStore:
             keys.update(table.column("key").to_pylist())
         return keys
 
+    def error_keys(self) -> set[str]:
+        """Keys of the checkpointed rows whose result is an error row (a new set, owned by the caller)."""
+        keys: set[str] = set()
+        for table in self.iter_tables():
+            failed = table.filter(table.column("error").is_valid())
+            keys.update(failed.column("key").to_pylist())
+        return keys
+
     def iter_records(self) -> Iterator[ResultRecord]:
         """All checkpointed records in write order; a key written twice yields only its first record."""
         seen: set[str] = set()
@@ -248,16 +294,40 @@ class CheckpointStore:
                     yield record
 
     def verify(self) -> tuple[str, ...]:
-        """Re-hash every shard against the manifest; move mismatches aside. Returns their names (slow: reads all)."""
+        """Re-hash every shard against the manifest; move mismatches aside (their rows are then missing and must
+        be redone). Returns their names (reads every shard)."""
         bad: list[str] = []
         for info in list(self._shards):
             path = self.shard_path(info)
-            if hashlib.sha256(path.read_bytes()).hexdigest() != info.sha256:
+            if not path.exists():
+                logger.error("checkpoint shard %s listed in the manifest is missing; its rows will be redone", path)
+                bad.append(info.name)
+            elif _sha256_file(path) != info.sha256:
+                logger.error("checkpoint shard %s does not match its sha256 in the manifest", path)
                 bad.append(self._move_aside(path))
-                self._shards.remove(info)
+            else:
+                continue
+            self._shards.remove(info)
         if bad:
             self._save_manifest()
         return tuple(bad)
+
+    def reset(self) -> None:
+        """Drop every shard, casualty and piece of metadata (``overwrite``): the folder starts empty. Keeps the lock."""
+        shutil.rmtree(self.shards_dir)
+        self.shards_dir.mkdir()
+        self._shards, self._meta, self._next_seq = [], {}, 1
+        self._save_manifest()
+
+    @staticmethod
+    def peek_meta(out_dir: str | Path) -> dict[str, Any]:
+        """The metadata of a folder's manifest, read without the lock ({} when there is none or it is unreadable)."""
+        try:
+            data = json.loads((Path(out_dir) / MANIFEST_NAME).read_bytes().decode("utf-8"))
+            meta = data.get("meta") if isinstance(data, dict) else None
+        except (OSError, ValueError):
+            return {}
+        return dict(meta) if isinstance(meta, dict) else {}
 
     # -- writing -----------------------------------------------------------------------------------------------
     def append(self, records: Sequence[ResultRecord]) -> Path:
@@ -278,16 +348,16 @@ class CheckpointStore:
         self._appends += 1
         try:
             with open(tmp, "wb") as f:
-                if _fault_due("mid-shard", self._appends):
+                if fault_due("mid-shard", self._appends):
                     f.write(memoryview(data)[: data.size // 2])
                     f.flush()
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    crash()
                 f.write(memoryview(data))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
-            if _fault_due("after-rename", self._appends):
-                os.kill(os.getpid(), signal.SIGKILL)
+            if fault_due("after-rename", self._appends):
+                crash()
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise CheckpointError(f"could not write checkpoint shard {final}: {exc}") from exc

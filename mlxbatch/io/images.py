@@ -10,6 +10,12 @@ Why the pixels and not the bytes for the content hash: the model sees pixels, so
 and as Parquet bytes, or re-saved with other compression or metadata, shares its vision features and its prefix
 KV; hashing a decoded 1-megapixel image costs about a millisecond. Every problem (missing, unreadable, not an image,
 truncated or corrupt, too large, remote URL) is an ``ImageError`` naming the file. Pure Python + Pillow: no mlx.
+
+A path names a file the job may read only if it resolves (symlinks followed) inside the input file's folder or one
+of the job's ``input.image_roots``; it is opened without blocking (a FIFO never hangs the job), only a regular file
+of at most ``MAX_IMAGE_BYTES`` is read, and nothing is read before the caller knows the model takes images.
+Photos from a Mac or an iPhone: HEIC opens through ``pillow-heif`` when it is installed (else a clear error naming
+it), and the EXIF orientation is applied before the pixels are hashed or encoded (the model sees the photo upright).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ import base64
 import binascii
 import hashlib
 import io
+import os
+import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +35,9 @@ from mlxbatch.errors import MlxbatchError
 from mlxbatch.types import ImageInput
 
 IMAGES_COLUMN = "images"
+MAX_IMAGE_BYTES = 64 << 20  # a 48-megapixel HEIC is ~10 MB, an 8K PNG screenshot ~40 MB
+# ISO base media "ftyp" brands of HEIF/HEIC files (iPhone and Mac photos), which Pillow opens only with pillow-heif
+HEIF_BRANDS = {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs", b"mif1", b"msf1"}
 
 
 class ImageError(MlxbatchError):
@@ -41,14 +53,19 @@ class ImageRef:
     data: bytes | None = None
 
 
-def _one_ref(value: Any, base_dir: Path, i: int) -> ImageRef:
+def _within(path: Path, roots: Sequence[Path]) -> bool:
+    real = os.path.realpath(path)  # follows symlinks; opens nothing
+    return any(os.path.commonpath([real, os.path.realpath(r)]) == os.path.realpath(r) for r in roots)
+
+
+def _one_ref(value: Any, base_dir: Path, i: int, roots: Sequence[Path] = ()) -> ImageRef:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return ImageRef(f"images[{i}] ({len(value)} bytes)", data=bytes(value))
     if isinstance(value, dict):  # Hugging Face datasets' Image feature: {"bytes": ..., "path": ...}
         if value.get("bytes") is not None:
-            return _one_ref(value["bytes"], base_dir, i)
+            return _one_ref(value["bytes"], base_dir, i, roots)
         if value.get("path"):
-            return _one_ref(value["path"], base_dir, i)
+            return _one_ref(value["path"], base_dir, i, roots)
         raise ImageError(f"images[{i}]: a mapping needs 'bytes' or 'path'")
     if isinstance(value, str) and value:
         if value.startswith("data:"):
@@ -62,30 +79,74 @@ def _one_ref(value: Any, base_dir: Path, i: int) -> ImageRef:
         if value.startswith(("http://", "https://")):
             raise ImageError(f"{value}: remote images are not fetched (offline jobs); download them first")
         p = Path(value).expanduser()
-        return ImageRef(str(p if p.is_absolute() else base_dir / p), path=p if p.is_absolute() else base_dir / p)
+        p = p if p.is_absolute() else base_dir / p
+        allowed = (base_dir, *roots)
+        if not _within(p, allowed):
+            raise ImageError(f"{p}: outside the folders this job may read images from "
+                             f"({', '.join(str(r) for r in allowed)}); list its folder in input.image_roots")
+        return ImageRef(str(p), path=p)
     raise ImageError(f"images[{i}]: expected a path, bytes or {{bytes, path}}, got {type(value).__name__}")
 
 
-def image_refs(value: Any, base_dir: Path) -> list[ImageRef]:
-    """The images a row's ``images`` column names (none for null or an empty list)."""
+def image_refs(value: Any, base_dir: Path, roots: Sequence[Path] = ()) -> list[ImageRef]:
+    """The images a row's ``images`` column names (none for null or an empty list). Opens nothing.
+
+    Paths are relative to ``base_dir`` (the input file's folder) and must resolve inside it or one of ``roots``.
+    """
     if value is None:
         return []
     items = list(value) if isinstance(value, (list, tuple)) else [value]
-    return [_one_ref(v, base_dir, i) for i, v in enumerate(items)]
+    return [_one_ref(v, base_dir, i, roots) for i, v in enumerate(items)]
+
+
+def describe(value: Any) -> str:
+    """A short description of a row's ``images`` value for messages, without opening anything."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    out = []
+    for v in items:
+        if isinstance(v, dict):
+            v = v.get("path") or v.get("bytes")
+        out.append(f"{len(v)} bytes" if isinstance(v, (bytes, bytearray, memoryview))
+                   else "a data URL" if isinstance(v, str) and v.startswith("data:") else f"{v!s:.200}")
+    return ", ".join(out)
+
+
+def _kind(mode: int) -> str:
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a regular file")
 
 
 def _read(ref: ImageRef) -> bytes:
+    """The bytes of ``ref``: only a regular file, at most MAX_IMAGE_BYTES, opened without blocking."""
     if ref.data is not None:
         return ref.data
     assert ref.path is not None
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        return ref.path.read_bytes()
+        fd = os.open(ref.path, flags)
     except FileNotFoundError as exc:
         raise ImageError(f"{ref.source}: no such file") from exc
-    except IsADirectoryError as exc:
-        raise ImageError(f"{ref.source}: is a folder, not an image file") from exc
     except OSError as exc:
         raise ImageError(f"{ref.source}: cannot be read: {exc.strerror or exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise ImageError(f"{ref.source}: is a folder, not an image file")
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageError(f"{ref.source}: is {_kind(st.st_mode)}, not an image file")
+        if st.st_size > MAX_IMAGE_BYTES:
+            raise ImageError(f"{ref.source}: {st.st_size / 2**20:.0f} MiB, larger than the "
+                             f"{MAX_IMAGE_BYTES >> 20} MiB an image file may have")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_IMAGE_BYTES + 1)
+    except OSError as exc:
+        raise ImageError(f"{ref.source}: cannot be read: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+    if len(data) > MAX_IMAGE_BYTES:  # it grew while being read
+        raise ImageError(f"{ref.source}: larger than the {MAX_IMAGE_BYTES >> 20} MiB an image file may have")
+    return data
 
 
 def ref_digest(ref: ImageRef) -> str:
@@ -106,6 +167,7 @@ def decode_image(data: bytes, source: str) -> Any:
 
     if not data:
         raise ImageError(f"{source}: empty file, not an image")
+    heif_missing = data[4:8] == b"ftyp" and data[8:12] in HEIF_BRANDS and not _register_heif()
     fmt = None
     try:
         with Image.open(io.BytesIO(data)) as probe:
@@ -113,8 +175,11 @@ def decode_image(data: bytes, source: str) -> Any:
             probe.verify()  # structure and checksums (PNG CRCs) without decoding
         with Image.open(io.BytesIO(data)) as img:
             img.load()  # decodes every pixel: a truncated file fails here
-            rgb = img.convert("RGB")
+            rgb = upright(img).convert("RGB")
     except UnidentifiedImageError as exc:
+        if heif_missing:
+            raise ImageError(f"{source}: a HEIC/HEIF photo; opening it needs the pillow-heif package "
+                             "(pip install pillow-heif, or install mlxbatch with the vlm extra)") from exc
         raise ImageError(f"{source}: not an image (Pillow cannot identify it)") from exc
     except Image.DecompressionBombError as exc:
         raise ImageError(f"{source}: image too large: {exc}") from exc
@@ -125,6 +190,33 @@ def decode_image(data: bytes, source: str) -> Any:
     if rgb.width < 1 or rgb.height < 1:
         raise ImageError(f"{source}: image has no pixels")
     return rgb
+
+
+def upright(img: Any) -> Any:
+    """``img`` turned as its EXIF orientation tag says (a phone's portrait photo is stored sideways); as stored when
+    the EXIF block cannot be parsed (the pixels are fine)."""
+    from PIL import ImageOps
+
+    try:
+        return ImageOps.exif_transpose(img)
+    except Exception:  # malformed EXIF: Pillow raises SyntaxError, ValueError, struct.error, ...
+        return img
+
+
+_heif_registered = False
+
+
+def _register_heif() -> bool:
+    """Let Pillow open HEIF/HEIC (Apple's photo format) through pillow-heif; False when it is not installed."""
+    global _heif_registered
+    if not _heif_registered:
+        try:
+            from pillow_heif import register_heif_opener
+        except ImportError:
+            return False
+        register_heif_opener()
+        _heif_registered = True
+    return True
 
 
 def load_image(ref: ImageRef) -> ImageInput:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.io.records import InputRow, input_row_from_object
+from mlxbatch.io.records import InputRow, generated_id, input_row_from_object
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _decode_lines(path: Path) -> Iterator[_Line]:
                 yield _Line(lineno, error=f"{where_file}:{lineno}: invalid UTF-8 at byte {exc.start}: {exc.reason}")
                 continue
             try:
-                value = json.loads(text)
+                value = json.loads(text.rstrip("\r\n"))  # an unterminated string ends at the line, not at "\n"
             except json.JSONDecodeError as exc:
                 yield _Line(lineno, error=f"{where_file}:{lineno}: invalid JSON: {exc.msg} (column {exc.colno})")
             except RecursionError:
@@ -56,19 +56,24 @@ def _decode_lines(path: Path) -> Iterator[_Line]:
                 yield _Line(lineno, value)
 
 
-def _error_row(path: Path, lineno: int, message: str, row_id: str | None = None) -> InputRow:
-    return InputRow(row_id=row_id or f"{path.stem}:{lineno}", source=str(path), position=lineno, error=message)
+def _error_row(path: Path, lineno: int, message: str, has_ids: bool, row_id: str | None = None) -> InputRow:
+    """A line that is not a row; without a usable id of its own it gets a generated one (never a real row's)."""
+    if row_id is not None:
+        return InputRow(row_id=row_id, source=str(path), position=lineno, error=message)
+    return InputRow(row_id=generated_id(str(path), path.stem, lineno, has_ids), source=str(path), position=lineno,
+                    error=message, generated_id=True)
 
 
 def iter_jsonl(path: Path, *, id_column: str | None, columns: tuple[str, ...] | None) -> Iterator[InputRow]:
     """The rows of one JSONL file, in line order (``position`` is the 1-based line number)."""
-    source, stem = str(path), path.stem
+    source, stem, has_ids = str(path), path.stem, id_column is not None
     for line in _decode_lines(path):
         lineno, value = line.lineno, line.value
         if line.error is not None:
-            yield _error_row(path, lineno, line.error)
+            yield _error_row(path, lineno, line.error, has_ids)
         elif not isinstance(value, dict):
-            yield _error_row(path, lineno, f"{path}:{lineno}: expected a JSON object, got {type(value).__name__}")
+            yield _error_row(path, lineno, f"{path}:{lineno}: expected a JSON object, got {type(value).__name__}",
+                             has_ids)
         else:
             yield input_row_from_object(value, source=source, stem=stem, position=lineno, id_column=id_column,
                                         columns=columns)
@@ -106,16 +111,16 @@ def iter_openai_batch(path: Path, *, columns: tuple[str, ...] | None) -> Iterato
         lineno, value = line.lineno, line.value
         where = f"{source}:{lineno}"
         if line.error is not None:
-            yield _error_row(path, lineno, line.error)
+            yield _error_row(path, lineno, line.error, True)
             continue
         if not isinstance(value, dict):
-            yield _error_row(path, lineno, f"{where}: expected a JSON object, got {type(value).__name__}")
+            yield _error_row(path, lineno, f"{where}: expected a JSON object, got {type(value).__name__}", True)
             continue
         problem = _openai_problem(value)
         custom_id = value.get("custom_id")
         usable_id = custom_id if isinstance(custom_id, str) and custom_id else None
         if problem is not None:
-            yield _error_row(path, lineno, f"{where}: invalid batch request: {problem}", row_id=usable_id)
+            yield _error_row(path, lineno, f"{where}: invalid batch request: {problem}", True, row_id=usable_id)
             continue
         body: dict[str, Any] = value["body"]
         url = value.get("url") or (CHAT_URL if "messages" in body else COMPLETIONS_URL)

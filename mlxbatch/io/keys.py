@@ -57,14 +57,27 @@ def result_key(row_id: str, rendered_prompt: str, model_identity: str, params_js
 class DuplicateIdTracker:
     """Counts row ids seen more than once while the caller streams an input (the readers never dedupe).
 
-    Memory is one set entry per distinct id. ``add`` returns False for an id already seen.
+    Memory is one set entry per distinct id. ``add`` returns False for a real id already seen. Ids the readers
+    generated (rows without one) live apart: ``generated`` never lets one make a real row a duplicate, and gives a
+    generated id that was already seen (real or generated) a ``#n`` suffix, so no two output rows share an id
+    unless a real id repeats one generated before it.
     """
 
     def __init__(self, max_examples: int = 10) -> None:
         self._seen: set[str] = set()
+        self._generated: set[str] = set()
         self._max_examples = max_examples
         self.duplicates = 0
         self.examples: list[str] = []
+
+    def generated(self, row_id: str) -> str:
+        """A unique id for a row whose reader generated ``row_id``."""
+        unique, n = row_id, 1
+        while unique in self._seen or unique in self._generated:
+            n += 1
+            unique = f"{row_id}#{n}"
+        self._generated.add(unique)
+        return unique
 
     def add(self, row_id: str) -> bool:
         if row_id in self._seen:

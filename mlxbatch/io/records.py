@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
 from mlxbatch.types import TokenLogprob
@@ -21,7 +22,9 @@ class InputRow:
     (and for rows whose id could not be read). ``position`` is the 1-based line number for JSONL / OpenAI batch
     files and the 0-based row index (within the file or dataset) for Parquet and HF datasets. ``error`` is set,
     with a message naming the file and line, for a row that could not be read; its ``fields`` are then empty.
-    ``request`` is the OpenAI batch request ``body`` (only for ``openai-batch`` inputs).
+    ``request`` is the OpenAI batch request ``body`` (only for ``openai-batch`` inputs). ``generated_id`` is True
+    when the reader made the id up (no id column, or a row whose id could not be read): such an id never makes a
+    real row a duplicate (``keys.DuplicateIdTracker``).
     """
 
     row_id: str
@@ -30,10 +33,18 @@ class InputRow:
     fields: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     request: dict[str, Any] | None = None
+    generated_id: bool = False
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def generated_id(source: str, stem: str, position: int, has_ids: bool) -> str:
+    """The id of a row that has none: ``<stem>:<position>`` when the input has no ids at all, and
+    ``<file name>:<position>`` (extension included, so real ids are unlikely to look the same) for a row of an
+    input with ids whose own id could not be read."""
+    return f"{PurePath(source).name if has_ids else stem}:{position}"
 
 
 @dataclass(frozen=True)
@@ -102,14 +113,15 @@ def input_row_from_object(obj: dict[str, Any], *, source: str, stem: str, positi
     Requested ``columns`` a row lacks are None. A row whose id column is missing, null or not a string or an
     integer becomes an error row.
     """
-    fallback_id = f"{stem}:{position}"
     fields = obj if columns is None else {name: obj.get(name) for name in columns}
     if id_column is None:
-        return InputRow(row_id=fallback_id, source=source, position=position, fields=fields)
+        return InputRow(row_id=generated_id(source, stem, position, False), source=source, position=position,
+                        fields=fields, generated_id=True)
     raw = obj.get(id_column)
     row_id = _id_value(raw)
     if row_id is None:
         problem = "is missing" if raw is None else f"must be a non-empty string or an integer, got {raw!r:.80}"
-        return InputRow(row_id=fallback_id, source=source, position=position, fields=fields,
+        return InputRow(row_id=generated_id(source, stem, position, True), source=source,
+                        position=position, fields=fields, generated_id=True,
                         error=f"{source}:{label}{position}: id column {id_column!r} {problem}")
     return InputRow(row_id=row_id, source=source, position=position, fields=fields)

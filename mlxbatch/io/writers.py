@@ -4,12 +4,16 @@
 Owns the results file layout and the order of completion writes. Call, in this order, once every row is
 checkpointed: ``finalize`` -> ``write_openai_batch_output`` (OpenAI batch inputs only) -> ``write_report`` ->
 ``mark_success``. Call ``clear_success`` when a run starts, so a half-rewritten folder never looks finished.
-Every file is written atomically (tmp + fsync + rename). Does not own the shards (``checkpoint``).
+Every file is written atomically (tmp + fsync + rename); a write that fails (a full disk) raises ``OutputError``
+and leaves no temporary file. Also owns which files of an output folder are mlxbatch's (``foreign_files``,
+``remove_outputs``). Does not own the shards (``checkpoint``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,13 +22,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from mlxbatch.io.atomic import atomic_write_bytes, atomic_write_json, atomic_writer, fsync_dir
-from mlxbatch.io.checkpoint import CheckpointStore
+from mlxbatch.io.atomic import TMP_SUFFIX, atomic_write_bytes, atomic_write_json, atomic_writer, fsync_dir
+from mlxbatch.io.checkpoint import MANIFEST_NAME, SHARDS_DIR, CheckpointStore
 from mlxbatch.io.columns import ColumnPlanner, InputColumn, build_column, decode_inputs
-from mlxbatch.io.errors import IncompleteResultsError
-from mlxbatch.io.schema import LOGPROBS_TYPE
+from mlxbatch.io.errors import IncompleteResultsError, OutputError
+from mlxbatch.io.faults import crash, fault_due
+from mlxbatch.io.openai_output import ERRORS_NAME, OUTPUT_NAME
+from mlxbatch.io.schema import LOGPROBS_TYPE, encode_json
 from mlxbatch.io.shard_index import MISSING, ShardIndex
 
 logger = logging.getLogger(__name__)
@@ -35,6 +42,9 @@ SUCCESS_NAME = "_SUCCESS"
 DEFAULT_ROW_GROUP_SIZE = 10_000
 MISSING_ERROR = "no result: the row was not processed"
 _EXPECTED_CHUNK = 65_536
+_INPUTS_SPOOL = ".inputs.arrow" + TMP_SUFFIX  # the current input columns while results.parquet is written
+OUTPUT_FILES = (RESULTS_NAME, REPORT_NAME, SUCCESS_NAME, OUTPUT_NAME, ERRORS_NAME)
+_OWN_NAMES = frozenset(OUTPUT_FILES) | {MANIFEST_NAME, SHARDS_DIR, ".lock"}
 
 # Result columns after ``id``, ``key`` and the input columns; logprobs only when some row has them. The records'
 # ``extra`` JSON (task results: n > 1 samples, parsed JSON, scores) becomes one typed column per key, at the end
@@ -53,10 +63,13 @@ RESULT_COLUMNS = frozenset(f.name for f in _HEAD + _TAIL)
 
 @dataclass(frozen=True)
 class ExpectedRow:
-    """One input row of the current job, in input order: its id and its current result key."""
+    """One input row of the current job, in input order: its id, its current result key and (optionally) its
+    input columns as they are now. With ``inputs`` the results show the current values of columns that are not
+    part of the key (an edited column the prompt does not use); None: the values checkpointed with the result."""
 
     row_id: str
     key: str
+    inputs: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,15 +91,55 @@ class _Selection:
     positions: np.ndarray  # shard-index position of each output row, MISSING when absent
     row_ids: pa.ChunkedArray | None  # None: take the ids from the records
     keys: pa.ChunkedArray | None
+    inputs: pa.ChunkedArray | None = None  # the current inputs (JSON), memory-mapped; None: the checkpointed ones
 
 
-def _select(index: ShardIndex, expected: Iterable[ExpectedRow] | None) -> _Selection:
+class _InputsSpool:
+    """The expected rows' current inputs as JSON, spooled to an Arrow file beside the results (memory stays
+    bounded however large the input is) and memory-mapped back."""
+
+    _SCHEMA = pa.schema([("inputs", pa.string())])
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._writer: ipc.RecordBatchFileWriter | None = None
+        self._pending: list[str] = []
+
+    def add(self, inputs: Mapping[str, Any]) -> None:
+        self._pending.append(encode_json(inputs))
+        if len(self._pending) >= _EXPECTED_CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._writer is None:
+            self._writer = ipc.new_file(str(self.path), self._SCHEMA)
+        self._writer.write_batch(pa.record_batch([pa.array(self._pending, pa.string())], schema=self._SCHEMA))
+        self._pending.clear()
+
+    def column(self) -> pa.ChunkedArray:
+        self.flush()
+        assert self._writer is not None
+        self._writer.close()
+        with pa.memory_map(str(self.path)) as source:
+            return ipc.open_file(source).read_all().column("inputs")
+
+    def remove(self) -> None:
+        try:
+            if self._writer is not None:
+                self._writer.close()  # a no-op when column() closed it; fails again on a full disk
+        except OSError:
+            pass
+        self.path.unlink(missing_ok=True)
+
+
+def _select(index: ShardIndex, expected: Iterable[ExpectedRow] | None, spool: _InputsSpool) -> _Selection:
     if expected is None:
         return _Selection(index.first_occurrences(), None, None)
     id_chunks: list[pa.Array] = []
     key_chunks: list[pa.Array] = []
     ids: list[str] = []
     keys: list[str] = []
+    with_inputs: bool | None = None
 
     def flush() -> None:
         id_chunks.append(pa.array(ids, pa.string()))
@@ -95,13 +148,25 @@ def _select(index: ShardIndex, expected: Iterable[ExpectedRow] | None) -> _Selec
         keys.clear()
 
     for row in expected:  # a stream: only the compact Arrow copies of ids and keys are kept
+        if with_inputs is None:
+            with_inputs = row.inputs is not None
+        elif with_inputs != (row.inputs is not None):
+            raise ValueError("finalize: give inputs for every expected row or for none")
         ids.append(row.row_id)
         keys.append(row.key)
+        if row.inputs is not None:
+            spool.add(row.inputs)
         if len(ids) >= _EXPECTED_CHUNK:
             flush()
     flush()
     key_array = pa.chunked_array(key_chunks, pa.string())
-    return _Selection(index.locate(key_array), pa.chunked_array(id_chunks, pa.string()), key_array)
+    return _Selection(index.locate(key_array), pa.chunked_array(id_chunks, pa.string()), key_array,
+                      spool.column() if with_inputs else None)
+
+
+def _inputs_of(gathered: pa.Table, sel: _Selection, part: slice) -> list[dict[str, Any]]:
+    column = sel.inputs[part] if sel.inputs is not None else gathered.column("inputs")
+    return decode_inputs(column.to_pylist())
 
 
 def _chunks(n: int, size: int) -> Iterator[slice]:
@@ -114,7 +179,7 @@ def _output_table(gathered: pa.Table, sel: _Selection, part: slice, inputs: list
     missing = pa.array(sel.positions[part] == MISSING)
     ids = sel.row_ids[part] if sel.row_ids is not None else gathered.column("row_id")
     keys = sel.keys[part] if sel.keys is not None else gathered.column("key")
-    rows = decode_inputs(gathered.column("inputs").to_pylist())
+    rows = _inputs_of(gathered, sel, part)
     columns: dict[str, Any] = {"id": ids, "key": keys}
     for column in inputs:
         columns[column.out_name] = build_column(rows, column)
@@ -141,11 +206,26 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
     picks and orders the expanded input columns (None: all kept by the records, in first-seen order).
     Rows without a result raise ``IncompleteResultsError`` before anything is written, unless ``allow_missing``,
     which writes them with ``error_kind == "missing"``. ``include_logprobs`` None: when any record has them.
-    Memory: ~50 bytes per expected row plus one row group; shards stay memory-mapped.
+    Memory: ~50 bytes per expected row plus one row group; shards (and the expected rows' inputs, spooled to a
+    temporary Arrow file) stay memory-mapped. A write that fails raises ``OutputError`` and leaves no file behind.
     """
     out = Path(out_dir)
+    spool = _InputsSpool(out / _INPUTS_SPOOL)
+    try:
+        return _finalize(store, out, expected, keep_columns, row_group_size, include_logprobs, allow_missing,
+                         filename, spool)
+    except OSError as exc:
+        raise OutputError(f"could not write {out / filename}: {_reason(exc)}. Nothing was left behind and the "
+                          "checkpoint is intact: free some space and run the job again") from exc
+    finally:
+        spool.remove()
+
+
+def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow] | None,
+              keep_columns: Sequence[str] | None, row_group_size: int, include_logprobs: bool | None,
+              allow_missing: bool, filename: str, spool: _InputsSpool) -> FinalOutputs:
     index = ShardIndex(list(store.iter_tables()))
-    sel = _select(index, expected)
+    sel = _select(index, expected, spool)
     n = len(sel.positions)
     missing_rows = int(np.count_nonzero(sel.positions == MISSING))
     if missing_rows and not allow_missing:
@@ -158,7 +238,7 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
     extra_planner = ColumnPlanner(None, RESULT_COLUMNS)
     for part in _chunks(n, row_group_size):  # first pass: the expanded columns' names and types
         got = index.gather(sel.positions[part], ["inputs", "extra"] if has_extra else ["inputs"])
-        planner.observe(decode_inputs(got.column("inputs").to_pylist()))
+        planner.observe(_inputs_of(got, sel, part))
         if has_extra:  # keys starting with "_" are checkpoint bookkeeping (e.g. the engine actor): not output
             extra_planner.observe([{k: v for k, v in d.items() if not k.startswith("_")}
                                    for d in decode_inputs(got.column("extra").to_pylist())])
@@ -178,6 +258,9 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
             table = _output_table(index.gather(sel.positions[part], needed), sel, part, inputs, extras, schema)
             error_rows += table.num_rows - table.column("error").null_count
             writer.write_table(table, row_group_size=row_group_size)
+            if fault_due("mid-results", 1):
+                f.flush()
+                crash()
         if n == 0:
             writer.write_table(schema.empty_table())
     selected = np.unique(sel.positions[sel.positions != MISSING]).size
@@ -189,18 +272,51 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
     return result
 
 
+def _reason(exc: OSError) -> str:
+    return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
 def write_report(out_dir: str | Path, report: Mapping[str, Any], *, filename: str = REPORT_NAME) -> Path:
     """Write the run report as JSON (atomically)."""
     path = Path(out_dir) / filename
-    atomic_write_json(path, dict(report))
+    try:
+        atomic_write_json(path, dict(report))
+    except OSError as exc:
+        raise OutputError(f"could not write {path}: {_reason(exc)}") from exc
     return path
 
 
 def mark_success(out_dir: str | Path) -> Path:
     """Write the empty ``_SUCCESS`` marker: the last write of a completed job."""
+    if fault_due("before-success", 1):
+        crash()
     path = Path(out_dir) / SUCCESS_NAME
-    atomic_write_bytes(path, b"")
+    try:
+        atomic_write_bytes(path, b"")
+    except OSError as exc:
+        raise OutputError(f"could not write {path}: {_reason(exc)}") from exc
     return path
+
+
+def foreign_files(out_dir: str | Path) -> list[str]:
+    """Names in ``out_dir`` that no mlxbatch run writes (sorted); empty for a new or an mlxbatch folder."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    return sorted(p.name for p in out.iterdir() if p.name not in _OWN_NAMES and not p.name.endswith(TMP_SUFFIX))
+
+
+def remove_outputs(out_dir: str | Path) -> None:
+    """Remove the final outputs of an earlier run (``overwrite``); the checkpoint is the store's to reset."""
+    out = Path(out_dir)
+    for name in OUTPUT_FILES:
+        (out / name).unlink(missing_ok=True)
+    for tmp in out.glob("*" + TMP_SUFFIX):
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        else:
+            tmp.unlink()
+    fsync_dir(out)
 
 
 def clear_success(out_dir: str | Path) -> bool:

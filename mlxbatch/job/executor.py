@@ -20,16 +20,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mlxbatch.config import EngineConfig
-from mlxbatch.engine import EngineCore, LoadedModel, ModelSpec
-from mlxbatch.engine.registry import REGISTRY
+from mlxbatch.engine import REGISTRY, EngineCore, LoadedModel, ModelSpec, PromptEncoder
 from mlxbatch.errors import InvalidRequestError, MlxbatchError
-from mlxbatch.job.feed import Failed, RowFeed
+from mlxbatch.job.feed import Failed, Resumed, RowFeed, Submit
 from mlxbatch.job.media import ImageError
 from mlxbatch.job.prepare import PreparedRow
 from mlxbatch.job.progress import clear_progress
 from mlxbatch.job.spec import EngineSection, JobSpec, ModelSection
 from mlxbatch.job.tasks import RowTask, submit
-from mlxbatch.job.tokenize import PromptEncoder
 from mlxbatch.types import RequestOutput
 
 
@@ -53,6 +51,7 @@ class Finished:
 
     prep: PreparedRow
     output: RequestOutput | None
+    index: int  # the row's input position (the error rate is judged in input order)
     error: str | None = None
     error_kind: str | None = None
     worker: str | None = None
@@ -60,17 +59,24 @@ class Finished:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the run loop needs of the model: the identity for result keys, the dtype, the tokenizer."""
+    """What the run loop needs of the model: the identity for result keys, the dtype, the tokenizer, whether it
+    takes images and its context length (row preparation refuses prompts far beyond it)."""
 
     identity: str
     dtype: str
     tokenizer: Any
+    takes_images: bool
+    context_length: int
+
+    @classmethod
+    def of(cls, loaded: LoadedModel) -> ModelInfo:
+        return cls(loaded.identity, loaded.dtype, loaded.tokenizer, loaded.vlm is not None, loaded.context_length)
 
 
 class Executor(Protocol):
     model: ModelInfo
 
-    def take(self, feed: RowFeed) -> list[Failed]: ...
+    def take(self, feed: RowFeed) -> list[Failed | Resumed]: ...
     def poll(self) -> list[Finished]: ...
     @property
     def busy(self) -> bool: ...
@@ -139,22 +145,22 @@ class LocalExecutor:
     """The single-machine path: one engine in this process."""
 
     def __init__(self, spec: JobSpec, loaded: LoadedModel) -> None:
-        self.model = ModelInfo(loaded.identity, loaded.dtype, loaded.tokenizer)
+        self.model = ModelInfo.of(loaded)
         self.engine = RowEngine(loaded, engine_config(spec.engine, spec.seed))
         self.max_inflight = 4 * spec.engine.max_num_seqs
-        self._pending: dict[str, PreparedRow] = {}
+        self._pending: dict[str, Submit] = {}
 
-    def take(self, feed: RowFeed) -> list[Failed]:
+    def take(self, feed: RowFeed) -> list[Failed | Resumed]:
         if len(self._pending) > self.max_inflight // 2:
             return []
-        failed: list[Failed] = []
+        other: list[Failed | Resumed] = []
         for item in feed.take(self.max_inflight - len(self._pending)):
-            if isinstance(item, Failed):
-                failed.append(item)
+            if not isinstance(item, Submit):
+                other.append(item)
                 continue
-            self._pending[item.prep.key] = item.prep
+            self._pending[item.prep.key] = item
             self.engine.submit(RowTask.of(item.prep, item.token_ids, item.cache_tokens))
-        return failed
+        return other
 
     @property
     def busy(self) -> bool:
@@ -163,8 +169,12 @@ class LocalExecutor:
     def poll(self) -> list[Finished]:
         if not self._pending:
             return []
-        return [Finished(self._pending.pop(d.key), d.output, d.error, d.error_kind)
-                for d in self.engine.step() if d.key in self._pending]
+        out = []
+        for d in self.engine.step():
+            row = self._pending.pop(d.key, None)
+            if row is not None:
+                out.append(Finished(row.prep, d.output, row.index, d.error, d.error_kind))
+        return out
 
     def abort(self) -> None:
         for key in list(self._pending):
@@ -194,6 +204,10 @@ def open_executor(spec: JobSpec) -> Iterator[Executor]:
     ms, user = model_spec(spec.model), f"job:{spec.output}"
     loaded = REGISTRY.acquire(ms, user)
     try:
-        yield LocalExecutor(spec, loaded)
+        executor = LocalExecutor(spec, loaded)
+        try:
+            yield executor
+        finally:
+            executor.shutdown()
     finally:
         REGISTRY.release(ms, user)

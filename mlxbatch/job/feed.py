@@ -2,25 +2,26 @@
 
 Owns reading ahead. Rows are read in windows of ``window`` input rows. Each row is prepared; rows finished by an
 earlier run are skipped, rows that cannot run come back as errors, and the prompts of the rest are tokenized in
-batches (``job.tokenize``, exactly as the engine would). Each window's runnable rows are planned
+batches (``engine.inputs``, exactly as the engine would). Each window's runnable rows are planned
 (``engine.planner``): rows sharing a prefix reach the engine back to back in trie order, each with the plan's
 retention (how much of its prompt later rows reuse), and rows sharing nothing come after them, longest first.
 
 Windows are cut by input position, counting every row, and a trie order restricted to a subset of its rows is
 that subset's own trie order. So a resumed run, which skips the rows already done, follows the same plan as the
-first run. Memory holds one window.
+first run. Memory holds one window. Every item carries its row's input position (``index``, 0-based, every row
+counted); rows done by an earlier run come back as ``Resumed`` items saying whether their result is an error, so
+the runner can judge the error rate on rows in input order, across runs.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from mlxbatch.engine.planner import plan, submission_order
+from mlxbatch.engine import PromptEncoder, plan, submission_order
 from mlxbatch.io import InputRow
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
-from mlxbatch.job.tokenize import PromptEncoder
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Submit:
     prep: PreparedRow
     token_ids: list[int] | None  # None for a row with images: it is encoded when submitted
     cache_tokens: int | None  # the plan's retention (None when planning is off)
+    index: int = -1  # the row's input position
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,15 @@ class Failed:
     prep: PreparedRow
     error: str
     kind: str
+    index: int = -1
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A row whose current key an earlier run already checkpointed."""
+
+    index: int
+    error: bool  # its checkpointed result is an error row
 
 
 @dataclass
@@ -47,7 +58,6 @@ class PlanStats:
     rows: int = 0
     prompt_tokens: int = 0
     distinct_tokens: int = 0  # the prefill floor of this run's rows under windowed planning
-    window_rows: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         saving = 1 - self.distinct_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -58,14 +68,16 @@ class PlanStats:
 
 class RowFeed:
     def __init__(self, rows: Iterator[InputRow], preparer: RowPreparer, tokenizer: object, done: Set[str],
-                 window: int, planned: bool = True) -> None:
+                 window: int, planned: bool = True, done_errors: Set[str] = frozenset()) -> None:
         self._rows = rows
         self._preparer = preparer
         self._encoder = PromptEncoder(tokenizer)
         self._done = done
+        self._done_errors = done_errors  # keys in ``done`` whose result is an error row
         self.window = window
         self.planned = planned
-        self._queue: deque[Submit | Failed] = deque()
+        self._read = 0  # rows read so far: the next row's input position
+        self._queue: deque[Submit | Failed | Resumed] = deque()
         self.exhausted = False  # the input is read to the end (the queue may still hold rows)
         self.skipped = 0  # rows done by an earlier run
         self.stats = PlanStats(window, planned)
@@ -74,9 +86,9 @@ class RowFeed:
     def finished(self) -> bool:
         return self.exhausted and not self._queue
 
-    def take(self, max_submits: int) -> list[Submit | Failed]:
+    def take(self, max_submits: int) -> list[Submit | Failed | Resumed]:
         """The next items in plan order, with at most ``max_submits`` rows to submit (errors come along)."""
-        out: list[Submit | Failed] = []
+        out: list[Submit | Failed | Resumed] = []
         n = 0
         while n < max_submits:
             if not self._queue:
@@ -89,7 +101,7 @@ class RowFeed:
             n += isinstance(item, Submit)
         return out
 
-    def take_window(self) -> list[Submit | Failed]:
+    def take_window(self) -> list[Submit | Failed | Resumed]:
         """The rest of the current window in plan order, or the next whole window when none is left: the rows one
         partitioning covers (engines sharing a job split a window, never a prefix group across two windows)."""
         if not self._queue and not self.exhausted:
@@ -99,41 +111,47 @@ class RowFeed:
         return out
 
     def _read_window(self) -> None:
-        runnable: list[PreparedRow] = []
-        imaged: list[PreparedRow] = []  # decoded only when submitted (pictures are big): not planned
+        runnable: list[tuple[int, PreparedRow]] = []
+        imaged: list[tuple[int, PreparedRow]] = []  # decoded only when submitted (pictures are big): not planned
         for _ in range(self.window):
             row = next(self._rows, None)
             if row is None:
                 self.exhausted = True
                 break
+            index, self._read = self._read, self._read + 1
             prep = self._preparer.prepare(row)
             if prep.key in self._done:
                 self.skipped += 1
+                self._queue.append(Resumed(index, prep.key in self._done_errors))
             elif prep.error is not None or prep.prompt is None:
-                self._queue.append(Failed(prep, prep.error or "no prompt", prep.error_kind or "input"))
+                self._queue.append(Failed(prep, prep.error or "no prompt", prep.error_kind or "input", index))
             elif prep.images:
-                imaged.append(prep)
+                imaged.append((index, prep))
             else:
-                runnable.append(prep)
-        encoded = self._encoder.encode_many([p.prompt for p in runnable])  # type: ignore[misc]
-        rows: list[tuple[PreparedRow, list[int]]] = []
-        for prep, ids in zip(runnable, encoded):
+                runnable.append((index, prep))
+        encoded = self._encoder.encode_many([p.prompt for _, p in runnable])  # type: ignore[misc]
+        rows: list[tuple[PreparedRow, list[int], int]] = []
+        for (index, prep), ids in zip(runnable, encoded):
             if isinstance(ids, str):
-                self._queue.append(Failed(prep, f"{prep.row_id}: {ids}", "request"))
+                self._queue.append(Failed(prep, f"{prep.row_id}: {ids}", "request", index))
+            elif not ids:
+                self._queue.append(Failed(prep, f"{prep.row_id}: the prompt is empty (it renders to no tokens)",
+                                          "request", index))
             else:
-                rows.append((prep, ids))
+                rows.append((prep, ids, index))
         if not rows:
-            self._queue.extend(Submit(prep, None, None) for prep in imaged)
+            self._queue.extend(Submit(prep, None, None, index) for index, prep in imaged)
             return
-        p = plan([ids for _, ids in rows])
+        p = plan([ids for _, ids, _ in rows])
         st = self.stats
         st.windows += 1
         st.rows += len(rows)
         st.prompt_tokens += p.total_tokens
         st.distinct_tokens += p.distinct_tokens
         if self.planned:
-            self._queue.extend(Submit(rows[s.index][0], rows[s.index][1], s.cache_tokens)
+            self._queue.extend(Submit(rows[s.index][0], rows[s.index][1], s.cache_tokens, rows[s.index][2])
                                for s in submission_order(p))
         else:  # planning off: longest first, every full block offered to the cache (LRU)
-            self._queue.extend(Submit(prep, ids, None) for prep, ids in sorted(rows, key=lambda r: -len(r[1])))
-        self._queue.extend(Submit(prep, None, None) for prep in imaged)
+            self._queue.extend(Submit(prep, ids, None, index)
+                               for prep, ids, index in sorted(rows, key=lambda r: -len(r[1])))
+        self._queue.extend(Submit(prep, None, None, index) for index, prep in imaged)

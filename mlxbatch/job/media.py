@@ -2,10 +2,12 @@
 the encoded prompt (only for rows that run).
 
 Owns the job's image rules. A row's ``images`` column holds paths relative to the input file's folder, raw bytes
-(Parquet), ``{"bytes", "path"}`` structs or data URLs, one or a list (see ``io.images``). The digests of the images'
-bytes go into the row's result key, so a changed picture runs its row again on resume. Decoding happens only when
-the row is submitted; a missing, unreadable, truncated or non-image file becomes that row's error (kind ``image``),
-naming the row and the file, and the job goes on.
+(Parquet), ``{"bytes", "path"}`` structs or data URLs, one or a list (see ``io.images``). Nothing is opened unless
+the model takes images (for a text-only model the row is a ``request`` error), and paths must stay inside the input
+file's folder or the job's ``input.image_roots``. The digests of the images' bytes go into the row's result key, so
+a changed picture runs its row again on resume. Decoding happens only when the row is submitted; a missing,
+unreadable, truncated or non-image file becomes that row's error (kind ``image``), naming the row and the file, and
+the job goes on.
 """
 
 from __future__ import annotations
@@ -14,18 +16,25 @@ from pathlib import Path
 from typing import Any
 
 from mlxbatch.engine import EngineCore
+from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io import InputRow
-from mlxbatch.io.images import IMAGES_COLUMN, ImageError, ImageRef, image_refs, load_image, ref_digest
+from mlxbatch.io.images import IMAGES_COLUMN, ImageError, ImageRef, describe, image_refs, load_image, ref_digest
 
 __all__ = ["ImageError", "encode_row", "row_images"]
 
 
-def row_images(row: InputRow) -> tuple[tuple[ImageRef, ...], str]:
+def row_images(row: InputRow, takes_images: bool, roots: tuple[str, ...] = ()) -> tuple[tuple[ImageRef, ...], str]:
     """The row's image references and their part of the key's identity ("" for rows without images).
 
-    Raises ImageError (a malformed column, a file that is missing or cannot be read).
+    Raises InvalidRequestError for images given to a model that takes none (nothing is opened), ImageError (a
+    malformed column, a path outside the allowed folders, a file that is missing, not a regular file or too large).
     """
-    refs = image_refs(row.fields.get(IMAGES_COLUMN), Path(row.source).parent)
+    value = row.fields.get(IMAGES_COLUMN)
+    if value is None or (isinstance(value, (list, tuple)) and not value):
+        return (), ""
+    if not takes_images:
+        raise InvalidRequestError("images", describe(value), "the model is text-only and cannot take images")
+    refs = image_refs(value, Path(row.source).parent, [Path(r) for r in roots])
     if not refs:
         return (), ""
     return tuple(refs), "\n<images> " + " ".join(ref_digest(r) for r in refs)

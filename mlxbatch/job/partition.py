@@ -40,6 +40,21 @@ def span_cost(links: Sequence[int], costs: Sequence[int], start: int, end: int) 
     return sum(costs[start:end]) + (links[start - 1] if start > 0 else 0)
 
 
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (slice comparisons in a binary search: C speed)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def prefix_groups(links: Sequence[int]) -> list[tuple[int, int]]:
     """(start, end) of each run of rows joined by links > 0 (a row with link 0 ends its group)."""
     out, start = [], 0

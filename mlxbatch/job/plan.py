@@ -17,12 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.engine.loader import resolve_path
-from mlxbatch.engine.planner import plan
+from mlxbatch.engine import PromptEncoder, is_vlm_folder, plan, resolve_path
 from mlxbatch.io import InputFormat, InputSpec, open_reader, resolve_inputs
 from mlxbatch.job.prepare import RowPreparer
 from mlxbatch.job.spec import JobSpec
-from mlxbatch.job.tokenize import PromptEncoder
 
 DEFAULT_WINDOW = 100_000
 TOKENIZE_BATCH = 4096
@@ -91,7 +89,7 @@ def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int) -> Et
     reading every weight and the batch's FLOPs). No weights are loaded: sizes come from config.json."""
     import mlx.core as mx
 
-    from mlxbatch.engine.device_speed import measure
+    from mlxbatch.engine import measure_device_speed as measure
 
     c = _config(model_dir)
     try:
@@ -132,7 +130,7 @@ def plan_job(spec: JobSpec, window: int = DEFAULT_WINDOW, with_eta: bool = True)
     tok = load_tokenizer(model_dir)
     ispec = InputSpec(spec.input.path, format=spec.input.format, id_column=spec.input.id_column, split=spec.input.split)
     openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(ispec))
-    preparer = RowPreparer(spec, "plan", openai)
+    preparer = RowPreparer(spec, "plan", openai, takes_images=is_vlm_folder(model_dir))
     seqs: list[array[int]] = []
     rows = skipped = planned = windows = total = distinct = peak = 0
 

@@ -3,7 +3,8 @@
 Owns the per-row decisions that must be identical on every pass over the input (the run, a resume, the final
 Parquet's row list): rendering, per-row parameter overrides (from columns or an OpenAI Batch body), the row's
 seed (derived from the job seed and the row id, so it does not depend on order or on where a resume started)
-and the key that makes resume exactly-once.
+and the key that makes resume exactly-once. A row whose prompt is far beyond the model's context (more than
+``CHARS_PER_TOKEN_BOUND`` characters per token of context) is refused here, before anything tokenizes it.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import Any
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io import DuplicateIdTracker, InputRow, canonical_params, result_key
 from mlxbatch.job.media import ImageError, row_images
-from mlxbatch.job.prompts import PromptRenderer, RenderError
+from mlxbatch.job.prompts import DEFAULT_MAX_CHARS, PromptRenderer, PromptTooLongError, RenderError
 from mlxbatch.job.spec import JobSpec, constraint_from
 from mlxbatch.types import SamplingParams
+
+CHARS_PER_TOKEN_BOUND = 64  # no tokenizer packs more characters into a token on average, even on whitespace runs
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,19 @@ def _openai_params(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def max_prompt_chars(context_length: int | None) -> int:
+    """The character bound of a prompt for a model with this context (tokens); beyond it no tokenizer is asked."""
+    return context_length * CHARS_PER_TOKEN_BOUND if context_length else DEFAULT_MAX_CHARS
+
+
 class RowPreparer:
-    def __init__(self, spec: JobSpec, model_identity: str, openai_batch: bool = False) -> None:
+    def __init__(self, spec: JobSpec, model_identity: str, openai_batch: bool = False,
+                 takes_images: bool = False, context_length: int | None = None) -> None:
         self.spec = spec
         self.model_identity = model_identity
-        self.renderer = PromptRenderer(spec.prompt, openai_batch)
+        self.takes_images = takes_images  # a vision-language model: image paths may be opened
+        self.context_length = context_length
+        self.renderer = PromptRenderer(spec.prompt, openai_batch, max_prompt_chars(context_length))
         self.duplicates = DuplicateIdTracker()
         self._json: dict[SamplingParams, str] = {}
 
@@ -107,7 +118,11 @@ class RowPreparer:
         return PreparedRow(row.row_id, key, self._keep(row.fields), None, p, pj, error, kind)
 
     def prepare(self, row: InputRow) -> PreparedRow:
-        if not self.duplicates.add(row.row_id):
+        if row.generated_id:  # made up by the reader: never a real row's id, never a duplicate
+            unique = self.duplicates.generated(row.row_id)
+            if unique != row.row_id:
+                row = dataclasses.replace(row, row_id=unique)
+        elif not self.duplicates.add(row.row_id):
             return self._failed(row, f"{row.source}:{row.position}: duplicate id {row.row_id!r}", "duplicate_id")
         if row.error is not None:
             return self._failed(row, row.error, "input")
@@ -117,12 +132,20 @@ class RowPreparer:
             return self._failed(row, f"{row.source}:{row.position}: sampling override: {exc}", "params")
         try:
             rendered = self.renderer.render(row.fields, row.request)
+        except PromptTooLongError as exc:
+            context = f"the model's context of {self.context_length:,} tokens" if self.context_length else \
+                "any model's context"
+            return self._failed(row, f"{row.source}:{row.position}: row {row.row_id!r}: the prompt is longer than "
+                                     f"{exc.max_chars:,} characters, far beyond {context}; refused before "
+                                     "tokenizing", "request", params)
         except RenderError as exc:
             return self._failed(row, f"{row.source}:{row.position}: {exc}", "render", params)
         try:
-            images, image_identity = row_images(row)
+            images, image_identity = row_images(row, self.takes_images, self.spec.input.image_roots)
         except ImageError as exc:
             return self._failed(row, f"{row.source}:{row.position}: {exc}", "image", params)
+        except InvalidRequestError as exc:  # images for a text-only model
+            return self._failed(row, f"{row.source}:{row.position}: {exc}", "request", params)
         pj = self._canonical(params)
         identity, candidates, answer = rendered.identity + image_identity, None, None
         if self.spec.task.kind == "score":

@@ -1,7 +1,9 @@
-"""Prompt rendering: row fields -> a prompt (text or chat messages), in a Jinja sandbox.
+"""Prompt rendering: row fields -> a prompt (text or chat messages), in a bounded Jinja sandbox.
 
-Owns the templates of one job. Templates cannot run code: a sandboxed, immutable environment with strict
-undefined variables, so a row that lacks a field fails with a message naming it. ``fields()`` lists the
+Owns the templates of one job. Templates cannot run code and cannot run away (``job.sandbox``): a row that lacks
+a field, holds a null the template prints, divides by zero, adds a number to a text, or asks for too much work
+fails with a ``RenderError`` naming the problem; a prompt longer than ``max_chars`` characters raises
+``PromptTooLong`` as soon as it passes that length (nothing that long is kept or tokenized). ``fields()`` lists the
 row fields the templates read, for validation before any work.
 """
 
@@ -13,14 +15,24 @@ from typing import Any
 
 import jinja2
 from jinja2 import meta
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mlxbatch.errors import MlxbatchError
+from mlxbatch.job.sandbox import BoundedSandbox, PromptTooLong, null
 from mlxbatch.job.spec import PromptSection
+
+DEFAULT_MAX_CHARS = 1 << 23  # 8 Mi characters, when the model's context is not known
 
 
 class RenderError(MlxbatchError):
-    """A row the templates cannot render (a missing field, a template error)."""
+    """A row the templates cannot render (a missing or null field, a template error, a template limit)."""
+
+
+class PromptTooLongError(RenderError):
+    """A rendered prompt longer than the character bound: a ``request`` error of its row, not a template error."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        super().__init__(f"the prompt is longer than {max_chars:,} characters")
 
 
 @dataclass(frozen=True)
@@ -30,11 +42,11 @@ class RenderedPrompt:
 
 
 class PromptRenderer:
-    def __init__(self, section: PromptSection, openai_batch: bool = False) -> None:
-        self._env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                                                  autoescape=False)
+    def __init__(self, section: PromptSection, openai_batch: bool = False, max_chars: int = DEFAULT_MAX_CHARS) -> None:
+        self._env = BoundedSandbox(max_chars)
         self.section = section
         self.openai_batch = openai_batch
+        self.max_chars = max_chars
         try:
             self._template = self._env.from_string(section.template) if section.template is not None else None
             self._messages = [(m["role"], self._env.from_string(m["content"])) for m in section.messages or ()]
@@ -56,36 +68,58 @@ class PromptRenderer:
         try:
             if request is not None and (request.get("messages") or request.get("prompt")):
                 return self._from_request(request)
-            if self._template is not None and not self.section.messages:
-                text = self._template.render(**fields)
-                if self.section.system is not None:
-                    msgs = [{"role": "system", "content": self._system.render(**fields)},  # type: ignore[union-attr]
-                            {"role": "user", "content": text}]
-                    return RenderedPrompt(msgs, json.dumps(msgs, ensure_ascii=False))
-                return RenderedPrompt(text, text)
-            msgs = []
-            if self._system is not None:
-                msgs.append({"role": "system", "content": self._system.render(**fields)})
-            msgs += [{"role": role, "content": t.render(**fields)} for role, t in self._messages]
-            if not self.section.chat_template:
-                text = "\n\n".join(m["content"] for m in msgs)
-                return RenderedPrompt(text, text)
-            return RenderedPrompt(msgs, json.dumps(msgs, ensure_ascii=False))
+            return self._render_templates({k: null(k) if v is None else v for k, v in fields.items()})
+        except PromptTooLong as exc:
+            raise PromptTooLongError(exc.max_chars) from None
         except jinja2.UndefinedError as exc:
-            raise RenderError(f"template: {exc.message}") from exc
+            raise RenderError(f"template: {exc.message}") from None
         except jinja2.TemplateError as exc:
-            raise RenderError(f"template error: {exc}") from exc
+            raise RenderError(f"template error: {exc}") from None
+        except RenderError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template is user code: any failure is this row's error
+            raise RenderError(f"template error: {type(exc).__name__}: {exc}") from None
 
-    @staticmethod
-    def _from_request(request: dict[str, Any]) -> RenderedPrompt:
+    def _render_templates(self, values: dict[str, Any]) -> RenderedPrompt:
+        env = self._env
+        env.start_row()
+        used = 0
+
+        def render(template: jinja2.Template) -> str:
+            nonlocal used
+            text = env.render_bounded(template, values, used)
+            used += len(text)
+            return text
+
+        if self._template is not None and not self.section.messages:
+            if self.section.system is not None:
+                system = render(self._system)  # type: ignore[arg-type]
+                msgs = [{"role": "system", "content": system}, {"role": "user", "content": render(self._template)}]
+                return RenderedPrompt(msgs, json.dumps(msgs, ensure_ascii=False))
+            text = render(self._template)
+            return RenderedPrompt(text, text)
+        msgs = []
+        if self._system is not None:
+            msgs.append({"role": "system", "content": render(self._system)})
+        msgs += [{"role": role, "content": render(t)} for role, t in self._messages]
+        if not self.section.chat_template:
+            text = "\n\n".join(m["content"] for m in msgs)
+            return RenderedPrompt(text, text)
+        return RenderedPrompt(msgs, json.dumps(msgs, ensure_ascii=False))
+
+    def _from_request(self, request: dict[str, Any]) -> RenderedPrompt:
         if request.get("messages"):
             msgs = request["messages"]
             if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
                                                      for m in msgs):
                 raise RenderError("body.messages: expected a list of {role, content} with text content")
+            if sum(len(m["content"]) for m in msgs) > self.max_chars:
+                raise PromptTooLongError(self.max_chars)
             clean = [{"role": str(m.get("role", "user")), "content": m["content"]} for m in msgs]
             return RenderedPrompt(clean, json.dumps(clean, ensure_ascii=False))
         prompt = request["prompt"]
         if not isinstance(prompt, str):
             raise RenderError("body.prompt: expected a string")
+        if len(prompt) > self.max_chars:
+            raise PromptTooLongError(self.max_chars)
         return RenderedPrompt(prompt, prompt)

@@ -33,6 +33,8 @@ class ActorInfo:
     identity: str  # the model identity: part of every result key, so every actor must agree
     dtype: str
     tokenizer: str  # tokenizer_fingerprint: the driver tokenizes, so it must agree too
+    takes_images: bool
+    context_length: int
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Advance:
 
 class EngineActor:
     def __init__(self, name: str, model: ModelSection, engine: EngineSection, seed: int) -> None:
-        from mlxbatch.engine.loader import load_model
+        from mlxbatch.engine import load_model
 
         self.name = name
         self.loaded = load_model(model_spec(model))
@@ -52,8 +54,9 @@ class EngineActor:
 
     def info(self) -> ActorInfo:
         dev = self.engine.core.worker.device
-        return ActorInfo(self.name, socket.gethostname(), os.getpid(), dev.kind, dev.blas, self.loaded.identity,
-                         self.loaded.dtype, tokenizer_fingerprint(self.loaded.tokenizer))
+        m = self.loaded
+        return ActorInfo(self.name, socket.gethostname(), os.getpid(), dev.kind, dev.blas, m.identity, m.dtype,
+                         tokenizer_fingerprint(m.tokenizer), m.vlm is not None, m.context_length)
 
     def advance(self, tasks: list[RowTask], budget_s: float, return_after: int) -> Advance:
         """Queue ``tasks``, then step until ``return_after`` rows have finished (after at least MIN_ADVANCE_S),

@@ -21,7 +21,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-from mlxbatch.engine.loader import resolve_path
+from mlxbatch.engine import resolve_path
 from mlxbatch.job.spec import JobSpec
 
 
@@ -47,7 +47,7 @@ def driver_tokenizer(spec: JobSpec) -> Any:
     m = spec.model
     source = resolve_path(m.path)  # a folder, or a hub id (mlx-lm then fetches the tokenizer files only)
     return load_tokenizer(Path(source) if Path(source).exists() else source,
-                          {"trust_remote_code": True} if m.trust_remote_code else None)
+                          {"trust_remote_code": m.trust_remote_code})  # always explicit: transformers never asks
 
 
 @contextmanager

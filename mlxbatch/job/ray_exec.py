@@ -28,11 +28,10 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-from mlxbatch.engine.planner import common_prefix_len
 from mlxbatch.job.engine_stats import merge_engine_stats
 from mlxbatch.job.executor import ExecutorError, Finished, ModelInfo, tokenizer_fingerprint
-from mlxbatch.job.feed import Failed, RowFeed, Submit
-from mlxbatch.job.partition import prefix_units, random_units, row_cost, split_for_steal
+from mlxbatch.job.feed import Failed, Resumed, RowFeed, Submit
+from mlxbatch.job.partition import prefix_units, random_units, row_cost, shared_prefix, split_for_steal
 from mlxbatch.job.progress import clear_progress, write_progress
 from mlxbatch.job.ray_actor import ActorInfo, Advance, EngineActor
 from mlxbatch.job.ray_cluster import connected, driver_tokenizer, fitting_actors, kill
@@ -128,7 +127,7 @@ class RayExecutor:
             self._lost(slot, f"refused on {info.host}: {problem}", replace=False)
             return
         if self.model is None:
-            self.model = ModelInfo(info.identity, info.dtype, self.tokenizer)
+            self.model = ModelInfo(info.identity, info.dtype, self.tokenizer, info.takes_images, info.context_length)
         slot.state = "ready"
         log.info("%s ready on %s (pid %d, %s, BLAS %s)", slot.name, info.host, info.pid, info.device, info.blas)
 
@@ -154,17 +153,20 @@ class RayExecutor:
                                 f"checkpointed in {self.spec.output}: run the job again to resume")
 
     # -- rows in ----------------------------------------------------------------------------------
-    def take(self, feed: RowFeed) -> list[Failed]:
-        failed: list[Failed] = []
+    def take(self, feed: RowFeed) -> list[Failed | Resumed]:
+        other: list[Failed | Resumed] = []
         low_water = self.limit * sum(s.state != "dead" for s in self.slots)
         while not feed.finished and sum(len(u) for u in self.queue) < low_water:
             rows: list[Submit] = []
             for item in feed.take_window():
-                (failed if isinstance(item, Failed) else rows).append(item)  # type: ignore[arg-type]
+                if isinstance(item, Submit):
+                    rows.append(item)
+                else:
+                    other.append(item)
             self.queue.extend(self._units(rows))
         self.feed_done = feed.finished
         self._dispatch()
-        return failed
+        return other
 
     def _units(self, rows: list[Submit]) -> list[list[Submit]]:
         if not rows:
@@ -224,7 +226,7 @@ class RayExecutor:
         for r in self._next_rows(slot, self.limit - len(slot.in_flight)):
             slot.in_flight[r.prep.key] = r
             ids = r.token_ids or []
-            slot.floor_tokens += len(ids) - (common_prefix_len(slot.last_ids, ids) if ids else 0)
+            slot.floor_tokens += len(ids) - shared_prefix(slot.last_ids, ids)
             slot.last_ids = ids
             tasks.append(RowTask.of(r.prep, r.token_ids, r.cache_tokens))
         if tasks or slot.in_flight:
@@ -282,7 +284,7 @@ class RayExecutor:
             if d.output is not None:
                 slot.prompt_tokens += d.output.prompt_tokens
                 slot.generated_tokens += d.output.generated_tokens
-            out.append(Finished(row.prep, d.output, d.error, d.error_kind, slot.name))
+            out.append(Finished(row.prep, d.output, row.index, d.error, d.error_kind, slot.name))
         slot.engine, slot.busy_s = adv.stats, adv.busy_s
         return out
 

@@ -15,8 +15,6 @@ import pyarrow.parquet as pq
 from mlxbatch.io import ResultRecord
 from mlxbatch.job.spec import JobSpec
 
-MIN_ROWS_FOR_ERROR_RATE = 20
-
 
 def accuracy(results: Path) -> dict[str, Any] | None:
     """Correct / answered over the final results' ``correct`` column (None when the job scores no answers)."""
@@ -59,9 +57,6 @@ class RunStats:
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / max(self.wall_s, 1e-9)
-
-    def error_rate_exceeded(self, max_rate: float) -> bool:
-        return self.finished >= MIN_ROWS_FOR_ERROR_RATE and self.errors > max_rate * self.finished
 
     def report(self, spec: JobSpec, loaded: Any) -> dict[str, Any]:
         wall = self.wall_s

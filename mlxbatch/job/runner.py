@@ -1,10 +1,13 @@
 """The job loop: read -> prepare -> skip done -> engine -> checkpoint -> final outputs.
 
-Owns one run of a job. Rows stream in with bounded memory (at most a few batches in flight), finished
-results are checkpointed in atomic shards every N rows or T seconds, and only when every row is done are the
-final Parquet, the OpenAI Batch output, the run report and the success marker written. SIGINT/SIGTERM finish
-the current shard and stop cleanly (a second signal exits at once, still safe); past ``max_error_rate`` the
-job stops with a clear error, keeping what finished.
+Owns one run of a job. The output folder is checked and locked before anything in it changes or a model loads
+(``job.outdir``). Rows stream in with bounded memory (at most a few batches in flight), finished results are
+checkpointed in atomic shards every N rows or T seconds, and only when every row is done (and every shard still
+matches its checksum: a shard that does not is set aside and its rows redone) are the final Parquet, the OpenAI
+Batch output, the run report and the success marker written, all under the lock. SIGINT/SIGTERM finish the
+current shard and stop cleanly (a second signal exits at once, still safe); past ``max_error_rate``
+(``job.error_rate``: rows in input order, earlier runs included, and all rows at the end) the job stops with a
+clear error, keeping what finished.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ from mlxbatch.io import (
     write_openai_batch_output,
     write_report,
 )
+from mlxbatch.job.error_rate import ErrorRate
 from mlxbatch.job.executor import Executor, ExecutorError, open_executor
-from mlxbatch.job.feed import RowFeed
+from mlxbatch.job.feed import Resumed, RowFeed
+from mlxbatch.job.outdir import claim_output, prepare_output
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.report import RunStats, accuracy
 from mlxbatch.job.spec import JobSpec
@@ -47,6 +52,8 @@ from mlxbatch.job.tasks import record_for
 from mlxbatch.types import RequestOutput
 
 log = logging.getLogger(__name__)
+
+REDO_PASSES = 3  # runs over the input after shards failed their checksum at the end
 
 
 class JobInterrupted(MlxbatchError):
@@ -86,42 +93,59 @@ class JobRunner:
         is_openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(self._input_spec()))
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            spec.output.mkdir(parents=True, exist_ok=True)
-            clear_success(spec.output)
-            with CheckpointStore(spec.output) as store, open_executor(spec) as executor:
-                model = executor.model
-                stats = self._generate(store, executor, is_openai)
-                preparer = RowPreparer(spec, model.identity, is_openai)
-                final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns)
-                stats.final_rows = final.rows
-                stats.accuracy = accuracy(final.results_path)
-            if is_openai:
-                write_openai_batch_output(final.results_path, spec.output)
-            report = stats.report(spec, model)
-            write_report(spec.output, report)
-            mark_success(spec.output)
+            prepare_output(spec)
+            with CheckpointStore(spec.output) as store:  # locked first: a refused run changes nothing in the folder
+                claim_output(spec, store)
+                clear_success(spec.output)
+                with open_executor(spec) as executor:  # this process's engine, or engine actors on a Ray cluster
+                    model = executor.model
+                    stats = self._generate(store, executor, is_openai)
+                    for _ in range(REDO_PASSES):  # shards that no longer match their checksum: redo their rows
+                        if not store.verify():
+                            break
+                        log.warning("checkpoint shards changed on disk were set aside; redoing their rows")
+                        self._generate(store, executor, is_openai, stats)
+                    preparer = RowPreparer(spec, model.identity, is_openai, model.takes_images, model.context_length)
+                    final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns)
+                    stats.final_rows = final.rows
+                    stats.accuracy = accuracy(final.results_path)
+                if is_openai:
+                    write_openai_batch_output(final.results_path, spec.output)
+                report = stats.report(spec, model)
+                write_report(spec.output, report)
+                limit = ErrorRate(spec.max_error_rate)
+                if limit.exceeded_at_end(final.rows, final.error_rows):
+                    raise JobFailed(limit.message(final.rows, final.error_rows, str(spec.output))
+                                    + "; results.parquet holds every row (no _SUCCESS)")
+                mark_success(spec.output)
             return RunResult(str(spec.output), report)
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
 
     def _expected(self, preparer: RowPreparer) -> Iterator[ExpectedRow]:
+        """The current rows in input order, with their current input columns (the results show those)."""
         for row in open_reader(self._input_spec()):
             prep = preparer.prepare(row)
-            yield ExpectedRow(prep.row_id, prep.key)
+            yield ExpectedRow(prep.row_id, prep.key, prep.inputs)
 
-    def _generate(self, store: CheckpointStore, executor: Executor, is_openai: bool) -> RunStats:
+    def _generate(self, store: CheckpointStore, executor: Executor, is_openai: bool,
+                  redo_of: RunStats | None = None) -> RunStats:
+        """Run every row whose current key is not checkpointed. ``redo_of``: a second pass adding to those stats
+        (its resumed rows were counted by the first)."""
         spec = self.spec
-        identity = executor.model.identity
-        preparer = RowPreparer(spec, identity, is_openai)
+        model = executor.model
+        preparer = RowPreparer(spec, model.identity, is_openai, model.takes_images, model.context_length)
         done = store.done_keys()
-        stats = RunStats(total=count_rows(self._input_spec()), resumed_shards=len(store.shards))
-        bar = tqdm(total=stats.total, disable=not self.progress, unit="row", dynamic_ncols=True)
+        stats = redo_of or RunStats(total=count_rows(self._input_spec()), resumed_shards=len(store.shards))
+        errors = ErrorRate(spec.max_error_rate)
+        bar = tqdm(total=stats.total, disable=not self.progress or redo_of is not None, unit="row",
+                   dynamic_ncols=True)
         buffer: list[ResultRecord] = []
         last_flush = last_log = time.monotonic()
         self._save_plan_params(store)
-        feed = RowFeed(open_reader(self._input_spec()), preparer, executor.model.tokenizer, done,
-                       window=self.spec.plan.window, planned=self.spec.plan.enabled)
+        feed = RowFeed(open_reader(self._input_spec()), preparer, model.tokenizer, done,
+                       window=self.spec.plan.window, planned=self.spec.plan.enabled, done_errors=store.error_keys())
 
         def flush() -> None:
             nonlocal last_flush
@@ -130,22 +154,28 @@ class JobRunner:
                 buffer.clear()
             last_flush = time.monotonic()
 
-        def finish(record: ResultRecord) -> None:
+        def finish(record: ResultRecord, index: int) -> None:
             buffer.append(record)
             stats.add(record)
+            errors.finished(index, record.error is not None)
             bar.update(1)
 
         try:
             while True:
                 if not feed.finished and self._stop_signal is None:
                     skipped = feed.skipped
-                    for item in executor.take(feed):  # rows go to the engine(s); rows that cannot run come back
-                        finish(self._record(item.prep, None, identity, item.error, item.kind))
-                    stats.skipped += feed.skipped - skipped
+                    for item in executor.take(feed):  # rows go to the engine(s); the feed's other items come back
+                        if isinstance(item, Resumed):
+                            errors.finished(item.index, item.error)
+                        else:
+                            finish(self._record(item.prep, None, model.identity, item.error, item.kind), item.index)
+                    if redo_of is None:
+                        stats.skipped += feed.skipped - skipped
                     bar.update(feed.skipped - skipped)
                 if executor.busy and self._stop_signal is None:
                     for f in executor.poll():
-                        finish(self._record(f.prep, f.output, identity, f.error, f.error_kind, f.worker))
+                        finish(self._record(f.prep, f.output, model.identity, f.error, f.error_kind, f.worker),
+                               f.index)
                 now = time.monotonic()
                 if len(buffer) >= spec.checkpoint.every_rows or now - last_flush >= spec.checkpoint.every_seconds:
                     flush()
@@ -155,11 +185,10 @@ class JobRunner:
                     last_log = now
                     log.info("%d/%s rows, %.0f tok/s, %d errors", stats.finished + stats.skipped,
                              stats.total if stats.total is not None else "?", stats.tokens_per_second, stats.errors)
-                if stats.error_rate_exceeded(spec.max_error_rate):
+                if errors.exceeded():
                     flush()
-                    raise JobFailed(f"{stats.errors} of {stats.finished} rows failed, more than max_error_rate="
-                                    f"{spec.max_error_rate}; finished rows are checkpointed in {spec.output}. "
-                                    f"Errors by kind: {dict(stats.errors_by_kind)}")
+                    raise JobFailed(f"{errors.message(errors.rows, errors.errors, str(spec.output))}. Errors by kind "
+                                    f"this run: {dict(stats.errors_by_kind)}")
                 if self._stop_signal is not None:
                     executor.abort()
                     flush()
@@ -173,9 +202,9 @@ class JobRunner:
             raise
         finally:
             bar.close()
-            stats.engine = executor.stats()
-            stats.plan = feed.stats.as_dict()
-            executor.shutdown()
+            stats.engine = executor.stats()  # the executor's whole life: every pass
+            if redo_of is None:
+                stats.plan = feed.stats.as_dict()
         return stats
 
     def _save_plan_params(self, store: CheckpointStore) -> None:

@@ -1,7 +1,7 @@
 """JobSpec: the job file, parsed and validated in exactly one place.
 
 Owns the YAML schema. Every problem is reported with its key path and reason (all of them at once) before
-any model loads. Structural checks live here; checks that need the input data (template fields no row
+any model loads; a key given twice in one mapping is a problem too (YAML would silently keep the last). Structural checks live here; checks that need the input data (template fields no row
 provides) live in ``job.validate``.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from mlxbatch.config import EngineConfig
 from mlxbatch.errors import InvalidRequestError, MlxbatchError
 from mlxbatch.types import CONSTRAINT_KINDS, OutputConstraint, SamplingParams
 
@@ -45,6 +46,7 @@ class InputSection:
     id_column: str | None = None
     columns: tuple[str, ...] | None = None  # input columns to keep in the output (None: all)
     split: str | None = None  # the split of a saved Hugging Face DatasetDict
+    image_roots: tuple[str, ...] = ()  # folders images may come from besides the input file's own (resolved)
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,12 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True)
-class EngineSection:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None  # None: the engine's default for the device
-    prefill_chunk_size: int = 512
-    kv_memory_fraction: float = 0.5
-    prefix_cache: bool = True
+class EngineSection:  # the defaults are EngineConfig's (one definition)
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int | None = EngineConfig.max_num_batched_tokens  # None: the device's default
+    prefill_chunk_size: int = EngineConfig.prefill_chunk_size
+    kv_memory_fraction: float = EngineConfig.kv_memory_fraction
+    prefix_cache: bool = EngineConfig.prefix_cache
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class JobSpec:
     max_error_rate: float = 0.1
     plan: PlanSection = PlanSection()
     task: TaskSection = TaskSection()
+    overwrite: bool = False  # output.overwrite: take over a folder holding another job's results or other files
     executor: ExecutorSection = ExecutorSection()
 
 
@@ -130,9 +133,9 @@ _TOP = {"model", "input", "prompt", "sampling", "output", "checkpoint", "engine"
         "score", "executor"}
 _SECTIONS: dict[str, set[str]] = {
     "model": {"path", "dtype", "adapter", "trust_remote_code"},
-    "input": {"path", "format", "id_column", "columns", "split"},
+    "input": {"path", "format", "id_column", "columns", "split", "image_roots"},
     "prompt": {"template", "messages", "system", "chat_template"},
-    "output": {"path", "choice", "regex", "json_schema", "constraint_column"},
+    "output": {"path", "choice", "regex", "json_schema", "constraint_column", "overwrite"},
     "score": {"candidates", "answer"},
     "checkpoint": {"every_rows", "every_seconds"},
     "engine": {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_memory_fraction", "prefix_cache"},
@@ -187,14 +190,39 @@ def load_job(path: str | Path) -> JobSpec:
     """Read and validate a job file; raises JobSpecError listing every problem."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        duplicates = _duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        raw = yaml.safe_load(text)
     except FileNotFoundError as exc:
         raise JobSpecError(str(path), [("<file>", "no such file")]) from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise JobSpecError(str(path), [("<file>", f"cannot be read: {exc}")]) from exc
     except yaml.YAMLError as exc:
         raise JobSpecError(str(path), [("<file>", f"not valid YAML: {exc}")]) from exc
+    if duplicates:
+        raise JobSpecError(str(path), duplicates)
     if not isinstance(raw, dict):
         raise JobSpecError(str(path), [("<file>", "the job file must be a YAML mapping")])
     return parse_job(raw, source=str(path), base_dir=path.parent)
+
+
+def _duplicate_keys(node: yaml.Node | None, path: str = "") -> list[tuple[str, str]]:
+    """(key path, reason) for every key given twice in one mapping of a composed YAML document."""
+    problems: list[tuple[str, str]] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            name = str(key.value) if isinstance(key, yaml.ScalarNode) else "<key>"
+            where = f"{path}.{name}" if path else name
+            if name in seen and name != "<<":
+                problems.append((where, f"given twice (lines {seen[name]} and {key.start_mark.line + 1}); "
+                                        "remove one"))
+            seen.setdefault(name, key.start_mark.line + 1)
+            problems += _duplicate_keys(value, where)
+    elif isinstance(node, yaml.SequenceNode):
+        for n, item in enumerate(node.value):
+            problems += _duplicate_keys(item, f"{path}[{n}]")
+    return problems
 
 
 def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None = None) -> JobSpec:
@@ -235,6 +263,11 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
                        id_column=c.typed(i, "input", "id_column", str, None),
                        columns=tuple(columns) if columns is not None else None,
                        split=c.typed(i, "input", "split", str, None))
+    roots = c.typed(i, "input", "image_roots", list, [])
+    for n, r in enumerate(roots):
+        if not isinstance(r, str) or not r or not _resolve(base, r).is_dir():
+            c.bad(f"input.image_roots[{n}]", f"expected an existing folder, got {r!r}")
+    inp = dataclasses.replace(inp, image_roots=tuple(str(_resolve(base, r)) for r in roots if isinstance(r, str)))
     if raw.get("input") is not None and not inp.path:
         c.bad("input.path", "required: a file, folder or glob")
     if inp.format not in _FORMATS:
@@ -265,6 +298,7 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     out_path = c.typed(o, "output", "path", str, "")
     if raw.get("output") is not None and not out_path:
         c.bad("output.path", "required: the output folder")
+    overwrite = c.typed(o, "output", "overwrite", bool, False)
     task = _task(c, raw, o)
     ck = c.section(raw, "checkpoint")
     checkpoint = CheckpointSection(c.typed(ck, "checkpoint", "every_rows", int, 256),
@@ -292,7 +326,7 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     if c.problems:
         raise JobSpecError(source, c.problems)
     return JobSpec(source, model, inp, prompt, sampling, _resolve(base, out_path), checkpoint, engine, seed,
-                   max_error_rate, plan, task, executor)
+                   max_error_rate, plan, task, overwrite, executor)
 
 
 def _sampling(c: _Checker, raw: dict[str, Any]) -> SamplingSection:
@@ -306,18 +340,35 @@ def _sampling(c: _Checker, raw: dict[str, Any]) -> SamplingSection:
             c.bad(f"sampling.overrides.{key}", "not a sampling parameter")
     values = {k: v for k, v in s.items() if k != "overrides"}
     for key in list(values):
-        if key not in SAMPLING_KEYS:
-            c.bad(f"sampling.{key}", f"unknown key (expected one of: {', '.join(sorted(SAMPLING_KEYS))}, overrides)")
+        if key == "constraint":
+            c.bad("sampling.constraint", "set output.choice, output.regex or output.json_schema instead")
             values.pop(key)
-    for key in ("stop", "stop_token_ids"):
-        if isinstance(values.get(key), list):
-            values[key] = tuple(values[key])
+        elif key not in SAMPLING_KEYS:
+            c.bad(f"sampling.{key}", f"unknown key (expected one of: {', '.join(sorted(SAMPLING_KEYS - {'constraint'}))},"
+                                     " overrides)")
+            values.pop(key)
+    for key, kind in (("stop", "strings"), ("stop_token_ids", "token ids")):
+        value = values.get(key)
+        if isinstance(value, list):
+            values[key] = tuple(value)
+        elif value is not None and not (key == "stop" and isinstance(value, str)):
+            c.bad(f"sampling.{key}", f"expected a list of {kind}, got {type(value).__name__}")
+            values.pop(key)
     values.setdefault("temperature", 0.0)  # offline jobs default to greedy: reproducible labels
+    bad = False
+    for key, value in values.items():  # each value alone first: every bad key is named, all at once
+        try:
+            SamplingParams(**{"temperature": 0.0, key: value})
+        except (ValueError, TypeError) as exc:
+            if getattr(exc, "field", key) == key:
+                c.bad(f"sampling.{key}", getattr(exc, "reason", f"invalid value {value!r:.60} ({exc})"))
+                bad = True
     try:
         params = SamplingParams(**values)
-    except (ValueError, TypeError) as exc:
-        field_name = getattr(exc, "field", None)
-        c.bad(f"sampling.{field_name}" if field_name else "sampling", getattr(exc, "reason", str(exc)))
+    except (ValueError, TypeError) as exc:  # a combination (min_tokens > max_tokens, ...)
+        if not bad:
+            field_name = getattr(exc, "field", None)
+            c.bad(f"sampling.{field_name}" if field_name else "sampling", getattr(exc, "reason", str(exc)))
         params = SamplingParams(temperature=0.0)
     return SamplingSection(params, dict(overrides))
 
@@ -376,7 +427,10 @@ def constraint_from(value: Any, where: str) -> OutputConstraint:
         if not isinstance(v, dict):
             raise InvalidRequestError(f"{where}.json_schema", v, "expected a JSON schema object")
         return OutputConstraint.json_schema(v)
-    return OutputConstraint(kind, v)
+    try:
+        return OutputConstraint(kind, v)
+    except InvalidRequestError as exc:  # name the key as the user wrote it, not the engine's field
+        raise InvalidRequestError(f"{where}.{kind}", exc.value, exc.reason) from None
 
 
 def _task(c: _Checker, raw: dict[str, Any], out: dict[str, Any]) -> TaskSection:

@@ -11,9 +11,9 @@ import pytest
 
 from mlxbatch import InvalidRequestError, MlxbatchError, SamplingParams
 from mlxbatch.engine import AsyncEngineCore, Engine, EngineConfig, EngineCore
-from mlxbatch.engine.loader import ModelSpec, load_model
-from mlxbatch.engine.registry import ModelRegistry
-from mlxbatch.engine.worker import Worker
+from mlxbatch.engine.model.loader import ModelSpec, load_model
+from mlxbatch.engine.model.registry import ModelRegistry
+from mlxbatch.engine.model.worker import Worker
 from mlxbatch.errors import ModelLoadError, ModelOwnershipError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -147,7 +147,9 @@ def test_load_errors_name_the_path(tmp_path, tiny_model_path):
         ModelSpec(str(tiny_model_path), dtype="int3")
 
 
-def test_quantized_checkpoint_is_dequantized_to_float32_on_cpu(tmp_path, tiny_model_path):
+def test_quantized_checkpoint_is_dequantized_on_cpu_and_kept_quantized_on_a_gpu(tmp_path, tiny_model_path):
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
     from mlx_lm.utils import load as mlx_load
     from mlx_lm.utils import quantize_model, save_model
 
@@ -158,8 +160,12 @@ def test_quantized_checkpoint_is_dequantized_to_float32_on_cpu(tmp_path, tiny_mo
     save_model(qpath, qmodel)
     (qpath / "config.json").write_text(json.dumps(qcfg))
     loaded = load_model(ModelSpec(str(qpath)))
-    assert loaded.dtype == "float32"
-    assert all(p.dtype == mx.float32 for _, p in __import__("mlx.utils").utils.tree_flatten(loaded.model.parameters()))
+    quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in loaded.model.named_modules())
+    if mx.default_device() == mx.cpu:  # the CPU has no quantized kernels worth using: float32, dequantized
+        assert loaded.dtype == "float32" and not quantized
+        assert all(p.dtype == mx.float32 for _, p in tree_flatten(loaded.model.parameters()))
+    else:  # Metal and CUDA run the 4-bit weights as they are
+        assert quantized and any(p.dtype == mx.uint32 for _, p in tree_flatten(loaded.model.parameters()))
     out = Engine(loaded, EngineConfig(warm_up=False)).generate(["import os"], GREEDY)[0]
     assert len(out.token_ids) == 8
 
@@ -168,13 +174,15 @@ def test_worker_knows_its_device_and_kv_geometry(tiny_loaded):
     w = Worker(tiny_loaded)
     cfg = tiny_loaded.config
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    assert w.device.kind == "cpu" and w.device.total_memory > 0 and w.device.available_memory > 0
-    assert w.geometry.bytes_per_token == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
-    assert w.geometry.bytes_per_block(16) == 16 * w.geometry.bytes_per_token
+    kind = "cpu" if mx.default_device() == mx.cpu else ("metal" if mx.metal.is_available() else "cuda")
+    assert w.device.kind == kind and w.device.total_memory > 0 and w.device.available_memory > 0
+    kv_bytes = getattr(mx, tiny_loaded.dtype).size  # the KV is kept in the model's dtype (float32 on the CPU)
+    assert w.geometry.dtype == tiny_loaded.dtype
+    assert w.geometry.bytes_per_token == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * kv_bytes
     assert 0 < w.kv_budget_bytes(0.5) <= w.device.available_memory
     assert w.warm_up() > 0
     health = w.health_check()
-    assert health.ok and health.device == "cpu"
+    assert health.ok and health.device == kind
     w.shutdown()
 
 

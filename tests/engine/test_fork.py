@@ -6,7 +6,7 @@ import random
 
 from mlxbatch import SamplingParams
 from mlxbatch.engine import Engine, EngineConfig
-from mlxbatch.engine.sampling import derive_seed
+from mlxbatch.engine.decoding.sampling import derive_seed
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

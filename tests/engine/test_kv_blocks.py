@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from mlxbatch.engine.kv_blocks import BLOCK_SIZE, BlockPool, BlockTable, NoFreeBlocks, block_hashes
+from mlxbatch.engine.sched.blocks import BLOCK_SIZE, BlockPool, NoFreeBlocks, block_hashes
 from mlxbatch.errors import InvalidRequestError, MlxbatchError
 
 
@@ -73,14 +73,6 @@ def test_bad_block_size() -> None:
         BlockPool(4, block_size=0)
     with pytest.raises(InvalidRequestError):
         BlockPool(0)
-
-
-def test_block_table_is_immutable_value() -> None:
-    t = BlockTable()
-    t2 = t.extended([3, 1], 32)
-    assert t == BlockTable() and t2 == BlockTable((3, 1), 32) and len(t2) == 2
-    with pytest.raises(AttributeError):
-        t2.num_tokens = 5  # type: ignore[misc]
 
 
 # -- pool round trips -----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import random
 import mlx.core as mx
 import pytest
 
-from mlxbatch.engine.kv_slots import SlotBatch
+from mlxbatch.engine.kv.slots import SlotBatch
 
 
 @pytest.fixture(scope="module")

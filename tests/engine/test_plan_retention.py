@@ -14,7 +14,7 @@ from test_prefix_cache import fewshot_like, label_like
 
 from mlxbatch import SamplingParams
 from mlxbatch.engine import Engine, EngineConfig
-from mlxbatch.engine.planner import plan, submission_order
+from mlxbatch.engine.sched.planner import plan, submission_order
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -54,7 +54,7 @@ def test_plan_retention_drops_dead_prefixes_and_keeps_output_equal(tiny_loaded):
     results = {}
     for planned in (True, False):
         eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4))
-        pool = eng.core.runner.prefix.pool
+        pool = eng.core.scheduler.prefix.pool
         peak = [0]
 
         def check(pool=pool, peak=peak):
@@ -90,7 +90,7 @@ def test_random_prompt_sets_and_tiny_budgets_never_change_output(tiny_loaded, se
     base = Engine(tiny_loaded, EngineConfig(prefix_cache=False, warm_up=False)).generate(prompts, GREEDY)
     eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=max_seqs,
                                            prefix_cache_bytes=budget_blocks * 16 * eng_bytes(tiny_loaded)))
-    pool = eng.core.runner.prefix.pool
+    pool = eng.core.scheduler.prefix.pool
     stepped(eng, pool.check_integrity)
     if planned:
         outs = eng.generate(prompts, GREEDY)
@@ -103,7 +103,7 @@ def test_random_prompt_sets_and_tiny_budgets_never_change_output(tiny_loaded, se
 
 
 def eng_bytes(loaded) -> int:
-    from mlxbatch.engine.worker import Worker
+    from mlxbatch.engine.model.worker import Worker
 
     return Worker(loaded).geometry.bytes_per_token
 

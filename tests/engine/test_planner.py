@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxbatch.engine.planner import Plan, Retention, common_prefix_len, fingerprint, from_json, plan, to_json
+from mlxbatch.engine.sched.planner import Plan, Retention, common_prefix_len, plan
 from mlxbatch.errors import InvalidRequestError
 
 
@@ -111,20 +110,6 @@ def test_common_prefix_len_matches_naive(a: list[int], b: list[int]) -> None:
     assert common_prefix_len(a, a + b) == len(a)
 
 
-@settings(max_examples=100, deadline=None)
-@given(pool_rows, st.sampled_from([None, 3]))
-def test_json_round_trip(seqs: list[list[int]], window: int | None) -> None:
-    p = plan(seqs, window=window, min_shared_tokens=2)
-    d = json.loads(json.dumps(to_json(p)))
-    assert from_json(d) == p
-
-
-def test_json_rejects_unknown_version() -> None:
-    d = to_json(plan([[1, 2]]))
-    with pytest.raises(InvalidRequestError):
-        from_json({**d, "version": 99})
-
-
 def test_small_example_pinned() -> None:
     a = list(range(100, 120))  # 20-token prefix
     seqs = [a + [5], [999, 9], a + [1, 2], a, a + [1, 3]]
@@ -192,10 +177,3 @@ def test_rejects_bad_arguments() -> None:
         plan([[1]], window=0)
     with pytest.raises(InvalidRequestError):
         plan([[1]], min_shared_tokens=0)
-
-
-def test_fingerprint_tracks_input_order_and_tokens() -> None:
-    seqs = [[1, 2], [3]]
-    assert plan(seqs).fingerprint == fingerprint([(1, 2), (3,)])
-    assert fingerprint(seqs) != fingerprint([[3], [1, 2]])
-    assert fingerprint([[1], [2]]) != fingerprint([[1, 2], []])

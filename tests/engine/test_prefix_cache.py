@@ -29,13 +29,13 @@ def run(loaded, prompts, cache: bool, **cfg):
 
         def checked_step():
             out = step()
-            eng.core.runner.prefix.pool.check_integrity()
+            eng.core.scheduler.prefix.pool.check_integrity()
             return out
 
         eng.core.step = checked_step
     outs = eng.generate(prompts, GREEDY)
     if cache:
-        pool = eng.core.runner.prefix.pool
+        pool = eng.core.scheduler.prefix.pool
         assert pool.stats.blocks_referenced == 0  # every hit was released after its copy
     return outs, eng.stats()
 
@@ -53,7 +53,7 @@ def test_cache_on_equals_cache_off_and_computes_the_shared_prefix_once(tiny_load
 
 
 def test_label_job_prefill_approaches_the_distinct_token_floor(tiny_loaded):
-    from mlxbatch.engine.planner import plan
+    from mlxbatch.engine.sched.planner import plan
 
     prompts = label_like(32)
     _, stats = run(tiny_loaded, prompts, cache=True, max_num_seqs=8)

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from mlxbatch import SamplingParams
-from mlxbatch.engine.sampling import SampleRow, derive_seed, sample, uniform_for
+from mlxbatch.engine.decoding.sampling import SampleRow, derive_seed, sample, uniform_for
 
 V = 50
 

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxbatch.engine.structured import GrammarCompiler, Matcher, constrain_logits
+from mlxbatch.engine.decoding.structured import GrammarCompiler, Matcher, constrain_logits
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.types import OutputConstraint
 

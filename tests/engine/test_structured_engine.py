@@ -104,7 +104,7 @@ def test_invalid_constraint_is_refused_and_the_engine_goes_on(engine):
     assert not engine.core.has_unfinished
     out = engine.generate(["Label:"], greedy(OutputConstraint.choice(CHOICES)))[0]
     assert out.text in CHOICES
-    assert len(engine.core.runner.grammars) == 0  # finished sequences leave no matcher behind
+    assert engine.core.runner.num_constrained == 0  # finished sequences leave no matcher behind
 
 
 def test_preempted_sequence_keeps_its_grammar_state(tiny_loaded):

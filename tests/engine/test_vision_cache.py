@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlxbatch.engine.vision_cache import VisionCache
+from mlxbatch.engine.vision.cache import VisionCache
 
 
 @dataclass

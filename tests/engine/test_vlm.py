@@ -11,7 +11,7 @@ pytest.importorskip("mlx_vlm")
 
 from mlxbatch import InvalidRequestError, SamplingParams  # noqa: E402
 from mlxbatch.engine import Engine, EngineConfig  # noqa: E402
-from mlxbatch.engine.kv_blocks import block_hashes  # noqa: E402
+from mlxbatch.engine.sched.blocks import block_hashes  # noqa: E402
 from mlxbatch.io.images import pixel_hash  # noqa: E402
 from mlxbatch.models.random_vlm import synthetic_image  # noqa: E402
 from mlxbatch.types import ImageInput  # noqa: E402

@@ -52,7 +52,7 @@ def test_duplicate_key_keeps_the_first_record(tmp_path: Path) -> None:
 
 def test_store_is_locked_while_open(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
-    with pytest.raises(CheckpointError, match="in use"):
+    with pytest.raises(CheckpointError, match="in use by another mlxbatch run"):
         CheckpointStore(tmp_path)
     store.close()
     CheckpointStore(tmp_path).close()
@@ -150,6 +150,58 @@ def test_foreign_or_future_manifest_is_refused(tmp_path: Path) -> None:
     (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": "mlxbatch-checkpoint", "version": 99}))
     with pytest.raises(CheckpointError, match="version"):
         CheckpointStore(tmp_path)
-    (tmp_path / MANIFEST_NAME).write_text("not json")
-    with pytest.raises(CheckpointError, match="unreadable"):
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"shards": []}))
+    with pytest.raises(CheckpointError, match="not an mlxbatch checkpoint manifest"):
+        CheckpointStore(tmp_path)
+
+
+def _flip(path: Path, needle: bytes, to: bytes) -> None:
+    data = path.read_bytes()
+    assert needle in data
+    path.write_bytes(data.replace(needle, to, 1))  # same size, still a readable Arrow file
+
+
+def test_a_shard_that_no_longer_matches_its_checksum_is_set_aside_when_the_store_opens(tmp_path: Path) -> None:
+    with CheckpointStore(tmp_path) as store:
+        store.append([make_record("a", text="fine")])
+        bad = store.append([make_record("b", text="hello world")])
+    _flip(bad, b"hello world", b"jello world")
+    with CheckpointStore(tmp_path) as store:
+        assert store.recovery.corrupt == (bad.name,)
+        assert store.done_keys() == {make_record("a").key}  # b is redone, never published as it is
+        assert (tmp_path / "shards" / "corrupt" / bad.name).exists()
+        assert store.append([make_record("b")]).name == "shard-000003.arrow"  # the casualty's number stays used
+
+
+def test_a_zeroed_checksum_in_the_manifest_is_not_trusted(tmp_path: Path) -> None:
+    with CheckpointStore(tmp_path) as store:
+        path = store.append([make_record("a")])
+    manifest = _manifest(tmp_path)
+    manifest["shards"][0]["sha256"] = "0" * 64
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with CheckpointStore(tmp_path) as store:
+        assert store.recovery.corrupt == (path.name,) and store.done_keys() == set()
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbled", "no shards key"])
+def test_a_broken_manifest_is_rebuilt_from_the_shards(tmp_path: Path, damage: str) -> None:
+    with CheckpointStore(tmp_path) as store:
+        store.append([make_record("a")])
+        store.append([make_record("b"), make_record("c")])
+    text = (tmp_path / MANIFEST_NAME).read_text()
+    broken = {"empty": "", "truncated": text[: len(text) // 2], "garbled": "\x00\x01{{",
+              "no shards key": json.dumps({"format": "mlxbatch-checkpoint", "version": 1})}[damage]
+    (tmp_path / MANIFEST_NAME).write_text(broken)
+    with CheckpointStore(tmp_path) as store:
+        assert store.recovery.adopted == ("shard-000001.arrow", "shard-000002.arrow")
+        assert store.done_keys() == {make_record(k).key for k in "abc"}
+        assert store.append([make_record("d")]).name == "shard-000003.arrow"
+    assert len(_manifest(tmp_path)["shards"]) == 3
+    assert list((tmp_path / "shards" / "corrupt").glob(MANIFEST_NAME + ".*"))  # the broken one is kept aside
+
+
+def test_the_lock_names_the_run_that_holds_it(tmp_path: Path) -> None:
+    import os
+
+    with CheckpointStore(tmp_path), pytest.raises(CheckpointError, match=f"another mlxbatch run \\(pid {os.getpid()}\\)"):
         CheckpointStore(tmp_path)

@@ -27,10 +27,10 @@ def test_jsonl_bad_lines_become_error_rows_and_reading_goes_on(tmp_path: Path) -
     rows = list(open_reader(InputSpec(str(path), id_column="id")))
     assert [r.position for r in rows] == [1, 3, 4, 5, 7, 8]
     assert rows[0].ok and rows[0].row_id == "a" and rows[0].fields == {"id": "a", "q": "one"}
-    assert rows[1].error.startswith(f"{path}:3: invalid JSON:") and rows[1].row_id == "data:3"
+    assert rows[1].error.startswith(f"{path}:3: invalid JSON:") and rows[1].row_id == "data.jsonl:3"
     assert rows[2].error == f"{path}:4: expected a JSON object, got list"
     assert rows[3].error.startswith(f"{path}:5: invalid UTF-8")
-    assert rows[4].error == f"{path}:7: id column 'id' is missing" and rows[4].row_id == "data:7"
+    assert rows[4].error == f"{path}:7: id column 'id' is missing" and rows[4].row_id == "data.jsonl:7"
     assert rows[5].ok and rows[5].row_id == "7" and rows[5].source == str(path)
     assert all(r.request is None for r in rows)
 
@@ -110,7 +110,7 @@ def test_openai_batch_rows_and_error_rows(tmp_path: Path) -> None:
     assert r1.fields == {"custom_id": "r1", "url": "/v1/chat/completions", "model": "m", "messages": messages,
                          "max_tokens": 5, "temperature": 0}
     assert r2.ok and r2.fields["prompt"] == "once upon" and r2.fields["url"] == "/v1/completions"
-    assert r3.error == f"{path}:3: invalid batch request: missing or empty 'custom_id'" and r3.row_id == "batch:3"
+    assert r3.error == f"{path}:3: invalid batch request: missing or empty 'custom_id'" and r3.row_id == "batch.jsonl:3"
     assert r4.error == f"{path}:4: invalid batch request: missing 'body' object" and r4.row_id == "r4"
     assert "unsupported url '/v1/embeddings'" in r5.error
     assert "body.messages must be a list" in r6.error

@@ -66,3 +66,13 @@ def test_io_layer_imports_neither_mlx_nor_engine_nor_job() -> None:
             "or m.startswith(('mlxbatch.engine', 'mlxbatch.job'))]; print(bad); sys.exit(bool(bad))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_generated_ids_never_make_a_real_row_a_duplicate() -> None:
+    t = DuplicateIdTracker()
+    assert t.add("in.jsonl:3")  # a real row whose id looks generated
+    assert t.generated("in.jsonl:3") == "in.jsonl:3#2"  # the reader's id for line 3 steps aside
+    assert t.generated("in.jsonl:4") == "in.jsonl:4"
+    assert t.add("in.jsonl:4")  # a real id equal to an earlier generated one is still not a duplicate
+    assert t.generated("a:1") == "a:1" and t.generated("a:1") == "a:1#2"  # two files with one stem
+    assert not t.add("in.jsonl:3") and t.duplicates == 1  # real ids still are

@@ -68,7 +68,7 @@ def test_resume_is_exactly_once_and_a_parameter_change_reruns_only_its_rows(tmp_
     first = _run(spec, out, hot=set(), stop_after=7)  # crash after 7 rows: 6 were checkpointed
     assert first == [f"r{i}" for i in range(7)]
     second = _run(spec, out, hot=set())
-    assert second == ["r6", "r7", "r8", "r9", "in:11"]
+    assert second == ["r6", "r7", "r8", "r9", "in.jsonl:11"]
     assert _run(spec, out, hot=set()) == []  # nothing left to do
     third = _run(spec, out, hot={"r2", "r5"})  # a parameter changed for two rows
     assert third == ["r2", "r5"]
@@ -77,7 +77,7 @@ def test_resume_is_exactly_once_and_a_parameter_change_reruns_only_its_rows(tmp_
     with CheckpointStore(out) as store:
         result = finalize(store, out, expected, keep_columns=["q"])
     table = pq.read_table(result.results_path).to_pylist()
-    assert [r["id"] for r in table] == [f"r{i}" for i in range(10)] + ["in:11"]
+    assert [r["id"] for r in table] == [f"r{i}" for i in range(10)] + ["in.jsonl:11"]
     assert table[2]["text"] == "A0.7: q2" and table[3]["text"] == "A0.0: q3"
     assert table[-1]["error"].endswith("in.jsonl:11: invalid JSON: Expecting property name enclosed in double "
                                        "quotes (column 2)") and table[-1]["error_kind"] == "input"

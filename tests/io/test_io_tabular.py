@@ -43,7 +43,7 @@ def test_parquet_null_id_is_an_error_row_and_no_id_column_uses_stem(tmp_path: Pa
     path = tmp_path / "p.parquet"
     pq.write_table(pa.table({"id": ["a", None], "x": [1, 2]}), path)
     rows = list(open_reader(InputSpec(path, id_column="id")))
-    assert rows[0].ok and rows[1].error == f"{path}:row 1: id column 'id' is missing" and rows[1].row_id == "p:1"
+    assert rows[0].ok and rows[1].error == f"{path}:row 1: id column 'id' is missing" and rows[1].row_id == "p.parquet:1"
     assert [r.row_id for r in open_reader(InputSpec(path))] == ["p:0", "p:1"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from jobkit import texts, write_job, write_jsonl
+
+from mlxbatch.io import CheckpointStore
 
 ROWS = 120
 
@@ -141,3 +144,64 @@ def test_status_reads_a_folder_while_a_run_holds_it(setup, tiny_model_path):
     proc.communicate(timeout=120)
     assert st.returncode == 0, st.stderr
     assert json.loads(st.stdout)["checkpointed_rows"] >= 10
+
+
+# -- kills at the moments the shards, the manifest and the final Parquet are written (greedy rows) --------------
+
+def greedy_job(root: Path, data: Path, model: Path, name: str, every_rows: int = 10) -> Path:
+    d = root / name
+    d.mkdir()
+    return write_job(d, model, data, d / "out", sampling={"temperature": 0, "max_tokens": 8},
+                     checkpoint={"every_rows": every_rows, "every_seconds": 600})
+
+
+@pytest.fixture(scope="module")
+def greedy(setup, tiny_model_path):
+    root, data, _ = setup
+    job = greedy_job(root, data, tiny_model_path, "greedy-reference")
+    res = finish(job)
+    assert res.returncode == 0, res.stderr
+    return outputs(job.parent / "out")
+
+
+@pytest.mark.parametrize("fault", ["mid-manifest:3", "mid-results:1", "before-success:1"])  # shards: above
+def test_kill_9_while_the_checkpoint_or_the_results_are_written(setup, greedy, tiny_model_path, fault):
+    root, data, _ = setup
+    job = greedy_job(root, data, tiny_model_path, f"greedy-{fault.replace(':', '-')}")
+    out = job.parent / "out"
+    crashed = finish(job, {"MLXBATCH_FAULT": fault})
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    assert not (out / "_SUCCESS").exists()
+    if fault.startswith("mid-manifest"):
+        assert (out / "manifest.json.tmp").exists()  # the torn manifest write is on disk
+    if fault.startswith("mid-results"):
+        assert (out / "results.parquet.tmp").exists() and not (out / "results.parquet").exists()
+    res = finish(job)
+    assert res.returncode == 0, res.stderr
+    assert outputs(out) == greedy
+    assert not list(out.glob("*.tmp")) and not list((out / "shards").glob("*.tmp"))
+
+
+def test_many_kills_at_random_moments_lose_and_duplicate_nothing(setup, greedy, tiny_model_path):
+    """A real race: kill -9 at random moments of a run that writes a shard every 2 rows, then resume."""
+    root, data, _ = setup
+    job = greedy_job(root, data, tiny_model_path, "greedy-random-kills", every_rows=2)
+    out = job.parent / "out"
+    rng = random.Random(12)
+    kills = 0
+    for _ in range(6):
+        target = manifest_rows(out) + rng.randint(1, 25)
+        proc = start_until(job, out, target)
+        time.sleep(rng.uniform(0, 0.05))  # land anywhere: inside a shard, manifest or results write, or between
+        if proc.poll() is not None:
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+    assert kills >= 3
+    res = finish(job)
+    assert res.returncode == 0, res.stderr
+    assert outputs(out) == greedy
+    with CheckpointStore(out) as store:
+        keys = [k for t in store.iter_tables() for k in t.column("key").to_pylist()]
+    assert len(keys) == len(set(keys)) == ROWS  # every row checkpointed exactly once

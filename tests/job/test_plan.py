@@ -47,7 +47,7 @@ def test_plan_reports_the_floor_without_weights(tmp_path, tiny_model_path):
 
 
 def test_plan_tokenizes_exactly_as_the_engine(tmp_path, tiny_model_path, tiny_loaded):
-    from mlxbatch.engine.core import encode_prompt
+    from mlxbatch.engine.inputs import encode_prompt
     from mlxbatch.job.plan import plan_job
     from mlxbatch.job.prepare import RowPreparer
     from mlxbatch.job.validate import validate_job

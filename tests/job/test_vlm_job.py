@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -115,15 +116,22 @@ def test_parquet_bytes_share_features_with_the_same_picture_as_a_file(tmp_path, 
     assert report["vision_cache"]["images_encoded"] == 1 and report["vision_cache"]["hits"] == 3
 
 
-def test_image_row_for_a_text_only_model_is_a_row_error(tmp_path, tiny_model_path):
+def test_image_row_for_a_text_only_model_is_a_row_error_and_nothing_is_opened(tmp_path, tiny_model_path):
     (tmp_path / "p1.png").write_bytes(png(1))
+    os.mkfifo(tmp_path / "pipe.png")  # opened, it would hang the job; read, /dev/zero would fill the memory
     rows = [{"id": "pic", "images": "p1.png", "question": "What is it?"},
-            {"id": "text", "question": "Name a fruit."}]
+            {"id": "text", "question": "Name a fruit."},
+            {"id": "pipe", "images": "pipe.png", "question": "What is it?"},
+            {"id": "hostile", "images": ["/dev/zero", "../../../../etc/passwd", "nowhere.png"], "question": "?"},
+            {"id": "no-images", "images": [], "question": "Name a colour."}]
     data = write_jsonl(tmp_path / "rows.jsonl", rows)
     job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", prompt=ASK,
                     sampling={"temperature": 0.0, "max_tokens": 4}, max_error_rate=0.9)
     run(job)
     res = results(tmp_path / "out")
-    assert res["pic"]["error_kind"] == "request"
-    assert "pic" in res["pic"]["error"] and "p1.png" in res["pic"]["error"] and "text-only" in res["pic"]["error"]
-    assert res["text"]["error"] is None and res["text"]["generated_tokens"] == 4
+    for rid, name in (("pic", "p1.png"), ("pipe", "pipe.png"), ("hostile", "/dev/zero, ../../../../etc/passwd")):
+        err = res[rid]["error"]
+        assert res[rid]["error_kind"] == "request" and "text-only" in err and name in err, err
+        assert f"rows.jsonl:{[r['id'] for r in rows].index(rid) + 1}:" in err  # names the row (file:line)
+    for rid in ("text", "no-images"):
+        assert res[rid]["error"] is None and res[rid]["generated_tokens"] == 4

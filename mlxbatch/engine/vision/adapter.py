@@ -224,7 +224,8 @@ def load_vlm(path: Path, trust_remote_code: bool = False) -> VisionLanguageModel
                              f"supported (supported: {', '.join(SUPPORTED_VLM_TYPES)})")
     try:
         model, processor = vlm_load(str(path), trust_remote_code=trust_remote_code)
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        tokenizer = load_tokenizer(path, {"trust_remote_code": trust_remote_code},
+                                   eos_token_ids=config.get("eos_token_id"))
     except Exception as exc:
         raise ModelLoadError(f"model={str(path)!r}: could not be loaded by mlx-vlm: {type(exc).__name__}: {exc}") from exc
     return VisionLanguageModel(model, processor, tokenizer, config)

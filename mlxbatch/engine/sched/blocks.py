@@ -12,8 +12,8 @@ the LRU order of cached blocks nobody references. Every block is in exactly one 
 
 ``allocate`` takes free blocks first and then evicts cached ones, least recently used first; it raises
 ``NoFreeBlocks`` only when too many blocks are referenced, and callers then degrade to recomputing.
-Does not own: which request holds which blocks (the request's ``BlockTable``), when a prefix is no longer
-needed (the planner's retention plan, acted on through ``evict``), or the tensors. Pure Python: no mlx.
+Does not own: which request holds which blocks, when a prefix is no longer needed (the planner's retention plan,
+acted on through ``evict``), or the tensors. Pure Python: no mlx.
 """
 
 from __future__ import annotations
@@ -72,6 +72,11 @@ def block_hashes(tokens: Sequence[int], block_size: int = BLOCK_SIZE,
     return out
 
 
+def stable_hash(text: str) -> int:
+    """A 64-bit hash of ``text`` that is the same in every process (Python's ``hash`` of a str is salted)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
 @dataclass(slots=True)
 class CacheBlock:
     """One block's books. Owned by ``BlockPool``: read it, never write it."""
@@ -81,21 +86,6 @@ class CacheBlock:
     ref_count: int = 0
     num_tokens: int = 0  # block_size once registered (only full blocks are registered)
     last_used: int = 0  # the pool's logical clock at the last allocate / match / release
-
-
-@dataclass(frozen=True, slots=True)
-class BlockTable:
-    """The ordered block ids holding one sequence's KV prefix (``num_tokens`` tokens)."""
-
-    block_ids: tuple[int, ...] = ()
-    num_tokens: int = 0
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
-
-    def extended(self, block_ids: Iterable[int], num_tokens: int) -> BlockTable:
-        """A new table with ``block_ids`` appended, now covering ``num_tokens`` tokens."""
-        return BlockTable((*self.block_ids, *block_ids), num_tokens)
 
 
 @dataclass(frozen=True, slots=True)

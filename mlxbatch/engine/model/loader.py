@@ -8,7 +8,6 @@ only when asked; errors that name the path and the reason.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,11 +49,7 @@ class LoadedModel:
     dtype: str
     context_length: int
     identity: str  # content hash of config, weights index and adapter: part of every result key
-    vlm: Any = None  # vision-language models: the mlx-vlm model + processor (engine.vlm_model); ``model`` is its text view
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer._tokenizer)
+    vlm: Any = None  # vision-language models: the mlx-vlm model + processor (engine.vision.adapter); ``model`` is its text view
 
 
 def resolve_path(name: str) -> str:
@@ -84,12 +79,13 @@ def _identity(path: Path, adapter: str | None, dtype: str) -> str:
         f = path / name
         if f.exists():
             h.update(f.read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
+    # hidden files are not the model: macOS Finder's .DS_Store, AppleDouble ._*.safetensors on non-Apple volumes
+    for f in sorted(f for f in path.glob("*.safetensors") if not f.name.startswith(".")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}".encode())
     if adapter:
         for f in sorted(Path(adapter).glob("*")):
-            if f.is_file():
+            if f.is_file() and not f.name.startswith("."):
                 h.update(f.name.encode() + f.read_bytes()[:1 << 20])
     h.update(dtype.encode())
     return h.hexdigest()[:16]
@@ -105,7 +101,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
 
     source = resolve_path(spec.model)
     if Path(source).is_dir():
-        from mlxbatch.engine.vlm_model import is_vlm_folder
+        from mlxbatch.engine.vision.adapter import is_vlm_folder
 
         if is_vlm_folder(Path(source)):
             return _load_vision_language(spec, Path(source))
@@ -115,9 +111,9 @@ def load_model(spec: ModelSpec) -> LoadedModel:
             raise ModelLoadError(f"adapter_path={spec.adapter_path!r}: expected a folder with adapter_config.json "
                                  "and adapters.safetensors (mlx-lm LoRA layout)")
     try:
-        model, tokenizer, config = mlx_load(
+        model, tokenizer, config = mlx_load(  # trust_remote_code always explicit: transformers never asks
             source, return_config=True, trust_remote_code=spec.trust_remote_code,
-            tokenizer_config={"trust_remote_code": True} if spec.trust_remote_code else None,
+            tokenizer_config={"trust_remote_code": spec.trust_remote_code},
         )
     except Exception as exc:
         raise ModelLoadError(f"model={spec.model!r}: could not be loaded: {type(exc).__name__}: {exc}") from exc
@@ -153,7 +149,7 @@ def _load_vision_language(spec: ModelSpec, path: Path) -> LoadedModel:
     """A vision-language checkpoint through mlx-vlm: same dtype rules; ``model`` is its language model's text view."""
     from mlx_lm.utils import dequantize_model
 
-    from mlxbatch.engine.vlm_model import TextView, load_vlm, processor_identity
+    from mlxbatch.engine.vision.adapter import TextView, load_vlm, processor_identity
 
     if spec.adapter_path is not None:
         raise ModelLoadError(f"adapter_path={spec.adapter_path!r}: adapters on vision-language models are not supported")
@@ -168,8 +164,3 @@ def _load_vision_language(spec: ModelSpec, path: Path) -> LoadedModel:
     ctx = int(vlm.config.get("max_position_embeddings") or 4096)
     identity = hashlib.sha256((_identity(path, None, dtype) + processor_identity(path)).encode()).hexdigest()[:16]
     return LoadedModel(spec, path, TextView(vlm.model), vlm.tokenizer, vlm.config, dtype, ctx, identity, vlm)
-
-
-def config_summary(loaded: LoadedModel) -> str:
-    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-    return json.dumps({k: loaded.config.get(k) for k in keys})

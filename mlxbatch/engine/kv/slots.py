@@ -3,12 +3,10 @@
 Owns the KV buffers of every admitted sequence. Row ``i`` of every layer holds one sequence's keys and
 values at positions ``0..length-1``. A forward pass runs over a contiguous range of rows with ``T`` new
 tokens per row (``T`` = 1 for decode, a chunk for prefill, right-padded): each row writes at its own
-offset and a causal mask per row hides the rest. Decoding rows sit first, prefilling rows after them, so
-both kinds of step read a contiguous slice. Admitting, promoting or retiring a sequence moves at most
+offset and a causal mask per row hides the rest (``kv.slot_forward``). Decoding rows sit first, prefilling rows
+after them, so both kinds of step read a contiguous slice. Admitting, promoting or retiring a sequence moves at most
 two rows; nothing copies the whole batch except buffer growth (amortised: rows double, positions grow by
 256), unlike a left-padded dense cache that is rebuilt at every admission and finish.
-The layer caches implement mlx-lm's cache protocol (``offset``, ``update_and_fetch``, ``make_mask``), so
-mlx-lm's model definitions run on them unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache, plan_forward, write_kv
+from mlxbatch.engine.outputs import Traffic
+
 POSITION_STEP = 256
 
 
@@ -25,37 +26,13 @@ def _round_up(n: int, step: int) -> int:
     return ((n + step - 1) // step) * step
 
 
-class SlotLayerCache:
-    """One layer's view of the slot buffers during a forward pass (mlx-lm cache protocol)."""
-
-    def __init__(self, owner: SlotBatch, layer: int) -> None:
-        self._owner = owner
-        self._layer = layer
-
-    @property
-    def offset(self) -> mx.array:  # per-row position of each row's first new token (RoPE offsets)
-        return self._owner._offsets
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array | str | None:
-        assert window_size is None, "sliding-window attention is not supported by slot caches"
-        mask = self._owner._mask
-        if return_array and not isinstance(mask, mx.array):
-            return self._owner._array_mask()
-        return mask
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return self._owner._write(self._layer, keys, values)
-
-    @property
-    def state(self) -> Any:
-        return self._owner._keys[self._layer], self._owner._values[self._layer]
-
-
 class SlotBatch:
     """KV for every admitted sequence; rows ``[0, n_decode)`` decode, rows ``[n_decode, n)`` prefill."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, traffic: Traffic | None = None) -> None:
         self.num_layers = num_layers
+        self.traffic = traffic if traffic is not None else Traffic()  # bytes copied and syncs, for the step profile
+        self._pos_bytes = 0  # bytes of one position of one row, keys and values of every layer
         self.ids: list[str] = []  # request id per row
         self.lengths: list[int] = []  # KV positions filled per row
         self.n_decode = 0
@@ -63,15 +40,7 @@ class SlotBatch:
         self._values: list[mx.array] = []
         self._rows_cap = 0
         self._pos_cap = 0
-        self._range = (0, 0)
-        self._offsets = mx.array([0])
-        self._mask: mx.array | str | None = None
-        self._q_pos = mx.array([[0]])
-        self._t_used = 0
-        self._index: tuple[mx.array, mx.array] | None = None
-        self._write_mode = "slice"
-        self._write_offsets: list[int] = []
-        self._write_width = 1
+        self._pass: ForwardPass | None = None  # the forward pass in progress
         self.layers = [SlotLayerCache(self, i) for i in range(num_layers)]
         # how rows move: on a GPU one gather + one scatter per buffer for all rows of a step (each op and each sync
         # costs a launch: per-row copies were ~a third of a GPU step); on the CPU per-row slice copies (memcpy),
@@ -107,13 +76,16 @@ class SlotBatch:
         shape = (self._rows_cap, kv_heads, self._pos_cap, head_dim)
         self._keys = [mx.zeros(shape, dtype) for _ in range(self.num_layers)]
         self._values = [mx.zeros(shape, dtype) for _ in range(self.num_layers)]
-        mx.eval(self._keys, self._values)  # nothing lazy may outlive the thread (and stream) that made it
+        self._pos_bytes = 2 * self.num_layers * kv_heads * head_dim * dtype.size
+        self.traffic.evaluate(self._keys, self._values)  # nothing lazy may outlive the thread (and stream) that made it
 
     def _ensure(self, rows: int, positions: int) -> None:
         new_rows = self._rows_cap if rows <= self._rows_cap else max(rows, 2 * self._rows_cap)
         new_pos = self._pos_cap if positions <= self._pos_cap else _round_up(positions, POSITION_STEP)
         if (new_rows, new_pos) == (self._rows_cap, self._pos_cap):
             return
+        self.traffic.grown_bytes += self.nbytes
+        self.traffic.resizes += 1
         for bufs in (self._keys, self._values):
             for i, old in enumerate(bufs):
                 R, H, P, D = old.shape
@@ -121,7 +93,7 @@ class SlotBatch:
                 grown[:R, :, :P, :] = old
                 bufs[i] = grown
         self._rows_cap, self._pos_cap = new_rows, new_pos
-        mx.eval(self._keys, self._values)
+        self.traffic.evaluate(self._keys, self._values)
 
     def shrink(self) -> None:
         """Give back rows and positions no longer needed (after many sequences finished)."""
@@ -134,7 +106,9 @@ class SlotBatch:
         rows, pos = min(self._rows_cap, 2 * need_rows), min(self._pos_cap, need_pos)
         self._keys = [mx.array(k[:rows, :, :pos, :]) for k in self._keys]
         self._values = [mx.array(v[:rows, :, :pos, :]) for v in self._values]
-        mx.eval(self._keys, self._values)
+        self.traffic.evaluate(self._keys, self._values)
+        self.traffic.grown_bytes += self.nbytes
+        self.traffic.resizes += 1
         self._rows_cap, self._pos_cap = rows, pos
 
     # -- rows ----------------------------------------------------------------------------------
@@ -146,10 +120,11 @@ class SlotBatch:
         a row move to a single device sync (on a GPU, one per layer cost ~10 ms a move).
         """
         out = [mx.contiguous(buf[row, :, :n, :]) for buf in (*self._keys, *self._values)]
-        mx.eval(out)
+        self.traffic.evaluate(out)
         return out
 
     def _put_row(self, row: int, n: int, copies: list[mx.array]) -> None:
+        self.traffic.moved_bytes += n * self._pos_bytes
         for buf, arr in zip((*self._keys, *self._values), copies):
             buf[row, :, :n, :] = arr
 
@@ -175,6 +150,8 @@ class SlotBatch:
         assert request_id not in self.ids and self._keys, "allocate() first; ids are unique"
         row = len(self.ids)
         self._ensure(row + 1, length + 1)
+        if kv:
+            self.traffic.moved_bytes += length * self._pos_bytes
         for i, (k, v) in enumerate(kv):
             self._keys[i][row, :, :length, :] = k[0, :, :length, :]
             self._values[i][row, :, :length, :] = v[0, :, :length, :]
@@ -221,7 +198,8 @@ class SlotBatch:
         sync, one scatter per buffer."""
         take, put = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
         copies = [mx.take(buf[:, :, :n, :], take, axis=0) for buf in (*self._keys, *self._values)]
-        mx.eval(copies)  # nothing lazy may reference the buffers while they are written in place
+        self.traffic.evaluate(copies)  # nothing lazy may reference the buffers while they are written in place
+        self.traffic.moved_bytes += len(dst) * n * self._pos_bytes
         for i, c in enumerate(copies):
             target = self._keys if i < self.num_layers else self._values
             target[i % self.num_layers][put, :, :n, :] = c
@@ -253,6 +231,7 @@ class SlotBatch:
         if not targets:
             return
         self._ensure(len(self.ids), max(p for _, p in targets) + block_size + 1)
+        self.traffic.moved_bytes += len(targets) * block_size * self._pos_bytes
         if not self.batched_moves:  # per row: its blocks laid end to end, one slice write per buffer
             b = 0
             while b < len(targets):
@@ -282,8 +261,9 @@ class SlotBatch:
         if not gone:
             return
         if not self.batched_moves:
-            for rid in gone:
-                self.remove(rid)
+            for rid in dict.fromkeys(request_ids):  # in the caller's order: a set's order changes between processes
+                if rid in gone:
+                    self.remove(rid)
             return
         keep_dec = [i for i in range(self.n_decode) if self.ids[i] not in gone]
         keep_pre = [i for i in range(self.n_decode, len(self.ids)) if self.ids[i] not in gone]
@@ -343,31 +323,8 @@ class SlotBatch:
         # where each row's new tokens start: its committed length, unless an earlier forward of the same step
         # (not committed yet) already wrote some
         offsets = list(offsets) if offsets is not None else self.lengths[start : start + n]
-        self._t_used = max(o + T for o in offsets)
-        self._ensure(start + n, self._t_used)
-        self._range = (start, start + n)
-        off = mx.array(offsets, dtype=mx.int32)
-        self._offsets = off
-        q_pos = off[:, None] + mx.arange(T)[None, :]  # [n, T]
-        self._q_pos = q_pos
-        if len(set(offsets)) == 1:
-            # all rows end together: the queries are the last T keys, which SDPA's fused causal mode
-            # handles without materialising a mask (about 2x faster prefill on CPU)
-            self._mask = "causal" if T > 1 else None
-        else:
-            self._mask = self._array_mask()
-        if len(set(offsets)) == 1:
-            self._write_mode = "slice"  # one contiguous block: a slice update, far cheaper than a scatter
-        elif T > 1 and not self.batched_moves:
-            self._write_mode = "rows"  # prefill chunks at different offsets: one block per row (CPU: memcpy)
-        elif T > 1:  # GPU: one scatter per buffer instead of a slice write per row (each a launch)
-            self._write_mode = "scatter"
-            self._index = (mx.arange(start, start + n)[:, None, None], q_pos[:, None, :])
-        else:
-            self._write_mode = "scatter"  # decode: one position per row
-            self._index = (mx.arange(start, start + n)[:, None, None], q_pos[:, None, :])
-        self._write_offsets = offsets
-        self._write_width = T
+        self._ensure(start + n, max(o + T for o in offsets))
+        self._pass = plan_forward(start, offsets, T, self.batched_moves)
         pad = [list(t) + [0] * (T - len(t)) for t in tokens]
         out = model(mx.array(pad, dtype=mx.int32), cache=self.layers)
         if full:
@@ -377,29 +334,18 @@ class SlotBatch:
         last = mx.array([len(t) - 1 for t in tokens], dtype=mx.int32)
         return mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :]
 
-    def _array_mask(self) -> mx.array:
-        return (mx.arange(self._t_used)[None, None, :] <= self._q_pos[:, :, None])[:, None, :, :]
+    def current_pass(self) -> ForwardPass:
+        assert self._pass is not None, "layer caches are read during a forward pass only"
+        return self._pass
 
-    def _write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        k_buf, v_buf = self._keys[layer], self._values[layer]
-        a, b = self._range
-        T = self._write_width
-        if self._write_mode == "slice":
-            o = self._write_offsets[0]
-            k_buf[a:b, :, o : o + T, :] = keys
-            v_buf[a:b, :, o : o + T, :] = values
-        elif self._write_mode == "rows":
-            for i, o in enumerate(self._write_offsets):
-                k_buf[a + i, :, o : o + T, :] = keys[i]
-                v_buf[a + i, :, o : o + T, :] = values[i]
-        else:
-            assert self._index is not None
-            rows, pos = self._index
-            heads = mx.arange(keys.shape[1])[None, :, None]
-            k_buf[rows, heads, pos] = keys
-            v_buf[rows, heads, pos] = values
-        t = self._t_used
-        return k_buf[a:b, :, :t, :], v_buf[a:b, :, :t, :]
+    def write_layer(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return write_kv(self._keys[layer], self._values[layer], self.current_pass(), keys, values)
+
+    def layer_buffers(self, layer: int) -> tuple[mx.array, mx.array]:
+        return self._keys[layer], self._values[layer]
+
+    def committed(self, request_id: str) -> int:
+        return self.lengths[self.ids.index(request_id)]
 
     def advance(self, request_id: str, count: int) -> None:
         """Commit ``count`` new positions of one row (after the step that wrote them succeeded)."""

@@ -24,8 +24,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.vision_cache import DEFAULT_BUDGET_BYTES, VisionCache
-from mlxbatch.engine.vlm_model import ImageSpan, VisionLanguageModel
+from mlxbatch.engine.vision.adapter import ImageSpan, VisionLanguageModel
+from mlxbatch.engine.vision.cache import DEFAULT_BUDGET_BYTES, VisionCache
 
 Body = Callable[..., mx.array]
 

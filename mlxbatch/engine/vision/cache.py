@@ -74,10 +74,6 @@ class VisionCache:
         self._entries[content_hash] = _Entry(features, size, cost_s)
         self._bytes += size
 
-    def clear(self) -> None:
-        self._entries.clear()
-        self._bytes = 0
-
     def stats(self) -> dict[str, Any]:
         lookups = self.hits + self.misses
         return {"hits": self.hits, "misses": self.misses, "hit_rate": round(self.hits / lookups, 4) if lookups else 0.0,

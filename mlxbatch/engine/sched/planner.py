@@ -22,15 +22,10 @@ Pure Python: no mlx, no numpy.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from mlxbatch.errors import InvalidRequestError
-
-JSON_VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +60,6 @@ class Plan:
     windowed: bool  # more than one window: distinct_tokens may exceed the whole-job trie's node count
     window_size: int | None
     min_shared_tokens: int
-    fingerprint: str  # of the input token sequences: a resumed run checks it follows the same job
 
     @property
     def order(self) -> tuple[int, ...]:
@@ -88,15 +82,6 @@ class Plan:
         rows that are running (their own suffixes and generated tokens) is the scheduler's, not counted.
         """
         return max((r.prefix_len for r in self.retention), default=0)
-
-
-def fingerprint(token_seqs: Sequence[Sequence[int]]) -> str:
-    """A digest of the rows' token ids, in input order (64-bit ids)."""
-    h = hashlib.blake2b(digest_size=16)
-    for seq in token_seqs:
-        h.update(len(seq).to_bytes(8, "little"))
-        h.update(array("q", seq).tobytes())
-    return h.hexdigest()
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -165,7 +150,7 @@ def plan(token_seqs: Sequence[Sequence[int]], window: int | None = None, min_sha
         retention.extend(_lcp_intervals(lcp, w0, min_shared_tokens))
     retention.sort(key=lambda r: (r.first_order, r.prefix_len))
     return Plan(tuple(rows), tuple(retention), total, distinct, windowed=n > size, window_size=window,
-                min_shared_tokens=min_shared_tokens, fingerprint=fingerprint(seqs))
+                min_shared_tokens=min_shared_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,38 +192,3 @@ def submission_order(p: Plan) -> list[Submission]:
         out.extend(Submission(r.index, 0) for r in sorted(alone, key=lambda r: -r.num_tokens))
         k = end
     return out
-
-
-def to_json(p: Plan) -> dict[str, Any]:
-    """A JSON-able dict, column-wise (compact for 100k rows), saved with the checkpoints."""
-    return {
-        "version": JSON_VERSION,
-        "window_size": p.window_size,
-        "windowed": p.windowed,
-        "min_shared_tokens": p.min_shared_tokens,
-        "fingerprint": p.fingerprint,
-        "index": [r.index for r in p.rows],
-        "num_tokens": [r.num_tokens for r in p.rows],
-        "shared_prefix": [r.shared_prefix for r in p.rows],
-        "window": [r.window for r in p.rows],
-        "retention": {
-            "prefix_len": [r.prefix_len for r in p.retention],
-            "first_order": [r.first_order for r in p.retention],
-            "last_order": [r.last_order for r in p.retention],
-        },
-    }
-
-
-def from_json(d: dict[str, Any]) -> Plan:
-    if d.get("version") != JSON_VERSION:
-        raise InvalidRequestError("version", d.get("version"), f"plan JSON version must be {JSON_VERSION}")
-    cols = (d["index"], d["num_tokens"], d["shared_prefix"], d["window"])
-    if len({len(c) for c in cols}) > 1:
-        raise InvalidRequestError("rows", [len(c) for c in cols], "plan JSON row columns differ in length")
-    rows = tuple(PlannedRow(i, k, nt, sp, w) for k, (i, nt, sp, w) in enumerate(zip(*cols)))
-    ret = d["retention"]
-    retention = tuple(Retention(*t) for t in zip(ret["prefix_len"], ret["first_order"], ret["last_order"]))
-    total = sum(r.num_tokens for r in rows)
-    distinct = sum(r.new_tokens for r in rows)
-    return Plan(rows, retention, total, distinct, windowed=bool(d["windowed"]), window_size=d["window_size"],
-                min_shared_tokens=d["min_shared_tokens"], fingerprint=d["fingerprint"])

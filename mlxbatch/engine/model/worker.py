@@ -17,12 +17,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxbatch import _blas
-from mlxbatch.engine.loader import LoadedModel
+from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -45,9 +44,6 @@ class KVGeometry:
     @property
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype_bytes
-
-    def bytes_per_block(self, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-        return block_size * self.bytes_per_token
 
 
 @dataclass(frozen=True)

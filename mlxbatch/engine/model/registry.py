@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from mlxbatch.engine.loader import LoadedModel, ModelSpec, load_model
+from mlxbatch.engine.model.loader import LoadedModel, ModelSpec, load_model
 from mlxbatch.errors import ModelOwnershipError
 
 

@@ -6,7 +6,9 @@ newly admitted ones. A sequence is admitted only if the KV memory of every admit
 reserved length (prompt + max_tokens), costed by the runner's KV layout, fits the budget the worker
 computed; ``max_num_seqs`` is a cap on top of that, never the only limit. On an out-of-memory step the
 newest sequences go back to the queue (their KV is recomputed later) and the budget shrinks.
-Pure Python: no mlx.
+With a prefix index, each admission says where the sequence's reused KV comes from (cached blocks or a running
+row) and each prompt that ends this step which cache blocks it fills: the runner only copies what the
+``SchedulerOutput`` lists. Pure Python: no mlx.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from mlxbatch.engine.request import Request, RequestStatus
+from mlxbatch.engine.sched.prefix import BlockStore, PrefixIndex, PrefixSource
 
 log = logging.getLogger(__name__)
 
-KVCost = Callable[[list[int]], int]  # reserved lengths of the running sequences -> bytes
-PrefixLookup = Callable[[Request], int]  # a sequence being admitted -> tokens whose KV is cached
-PrefixPending = Callable[[Request], bool]  # is an admitted sequence computing this one's next prefix blocks?
+KVCost = Callable[[list[int]], int]  # reserved lengths of the running sequences -> bytes (the runner's layout)
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,22 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class Admission:
+    """A sequence that gets a row this step, and where the KV it starts from comes from (None: nothing reused)."""
+
+    request: Request
+    source: PrefixSource | None = None
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     decodes: tuple[Request, ...]
     prefills: tuple[PrefillChunk, ...]
     # (parent, child): the parent's prefill ends this step and the child (another sample of the same request)
     # starts from a copy of its KV, sampling its first token from the same logits
     forks: tuple[tuple[Request, Request], ...] = ()
+    admissions: tuple[Admission, ...] = ()  # new rows, in admission order (each also has a chunk in ``prefills``)
+    stores: tuple[BlockStore, ...] = ()  # prompt blocks copied into the prefix cache once the step succeeded
 
     @property
     def empty(self) -> bool:
@@ -63,16 +74,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cost: KVCost, prefix_lookup: PrefixLookup | None = None,
-                 prefix_pending: PrefixPending | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cost: KVCost, prefix: PrefixIndex | None = None) -> None:
         self.config = config
         self._kv_cost = kv_cost
-        self._prefix_lookup = prefix_lookup
-        self._prefix_pending = prefix_pending
+        self.prefix = prefix
         self._budget = config.kv_budget_bytes
         self._max_seqs = config.max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        # running sequences without a KV row: forked samples until their fork, prefills restarted after a failure
+        self._rowless: set[str] = set()
         self.num_preemptions = 0
         self._calm_steps = 0  # steps since the last out-of-memory failure
         self.lookahead = 4 * config.max_num_seqs  # queue entries admission looks at per step
@@ -87,9 +98,15 @@ class Scheduler:
         gone = [r for r in (*self.waiting, *self.running) if r.request_id in ids]
         self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
         self.running = [r for r in self.running if r.request_id not in ids]
+        self._rowless -= ids
         for r in gone:
             r.abort()
+            self._forget(r)
         return gone
+
+    def _forget(self, r: Request) -> None:
+        if self.prefix is not None:
+            self.prefix.free(r.request_id)
 
     @property
     def has_work(self) -> bool:
@@ -102,6 +119,8 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
+        if self.prefix is not None:
+            self.prefix.begin_step()
         budget = cfg.max_num_batched_tokens
         decodes = [r for r in self.running if r.status is RequestStatus.DECODING]
         budget -= len(decodes)
@@ -112,10 +131,14 @@ class Scheduler:
         for r in self.running:
             if r.fork_parent is not None and r.fork_parent not in prefilling:
                 r.fork_parent = None  # its parent was preempted or finished: it prefills on its own
+        admissions: list[Admission] = []
         for r in self.running:
             if budget <= 0:
                 break
             if r.status is RequestStatus.PREFILLING and r.fork_parent is None:
+                if r.request_id in self._rowless:  # it prefills on its own now: a plain row
+                    self._rowless.discard(r.request_id)
+                    admissions.append(Admission(r))
                 chunk = self._chunk(r, budget)
                 prefills.append(chunk)
                 budget -= chunk.end - chunk.start
@@ -142,11 +165,12 @@ class Scheduler:
                 del self.waiting[i]
                 nxt.status = RequestStatus.PREFILLING
                 self.running.append(nxt)
+                self._rowless.add(nxt.request_id)  # its row is a copy of its parent's, made when the parent's prefill ends
                 reserved.append(nxt.reserved_tokens)
                 continue
             if budget <= 0:
                 break
-            if self.running and self._prefix_pending is not None and self._prefix_pending(nxt):
+            if self.running and self.prefix is not None and self.prefix.in_progress(nxt):
                 held.add(nxt.request_id)  # admitted once that KV is cached; the next in line may go first
                 i += 1
                 continue
@@ -158,10 +182,11 @@ class Scheduler:
                             nxt.request_id, cost, self._budget)
             del self.waiting[i]
             nxt.status = RequestStatus.PREFILLING
-            if self._prefix_lookup is not None and nxt.num_computed_tokens == 0:
-                cached = self._prefix_lookup(nxt)  # the runner copies that KV in when it runs the first chunk
-                nxt.num_computed_tokens = cached
-                nxt.num_cached_tokens = max(nxt.num_cached_tokens, min(cached, nxt.num_prompt_tokens))
+            source = self.prefix.match(nxt) if self.prefix is not None else None
+            if source is not None:  # the runner copies that KV in before the first chunk runs
+                nxt.num_computed_tokens = source.num_tokens
+                nxt.num_cached_tokens = max(nxt.num_cached_tokens, min(source.num_tokens, nxt.num_prompt_tokens))
+            admissions.append(Admission(nxt, source))
             self.running.append(nxt)
             reserved.append(nxt.reserved_tokens)
             prefilling.add(nxt.request_id)
@@ -171,7 +196,8 @@ class Scheduler:
         ending = {c.request.request_id: c.request for c in prefills if c.last}
         forks = tuple((ending[r.fork_parent], r) for r in self.running
                       if r.fork_parent is not None and r.fork_parent in ending)
-        return SchedulerOutput(tuple(decodes), tuple(prefills), forks)
+        stores = self.prefix.plan_stores(list(ending.values())) if self.prefix is not None else ()
+        return SchedulerOutput(tuple(decodes), tuple(prefills), forks, tuple(admissions), stores)
 
     def _chunk(self, r: Request, budget: int) -> PrefillChunk:
         # a preempted sequence recomputes the KV of its prompt and generated tokens alike
@@ -186,16 +212,21 @@ class Scheduler:
             if chunk.last and not chunk.request.status.finished:
                 chunk.request.status = RequestStatus.DECODING
         for parent, child in out.forks:
+            self._rowless.discard(child.request_id)
             child.fork_parent = None
             child.num_computed_tokens = parent.num_prompt_tokens
             if not child.status.finished:
                 child.status = RequestStatus.DECODING
         for r in out.decodes:
             r.num_computed_tokens += 1
+        if self.prefix is not None:
+            self.prefix.commit(out.stores, [c.request for c in out.prefills if c.last])
         self._recover_limits()
         done = [r for r in self.running if r.status.finished]
         if done:
             self.running = [r for r in self.running if not r.status.finished]
+            for r in done:
+                self._forget(r)
         return done
 
     def _recover_limits(self, calm: int = 64) -> None:
@@ -222,6 +253,7 @@ class Scheduler:
         self._max_seqs = keep
         self._budget = max(1, min(self._budget, self._kv_cost([r.reserved_tokens for r in self.running])))
         for r in reversed(victims):
+            self._rowless.discard(r.request_id)
             r.status = RequestStatus.WAITING
             r.num_computed_tokens = 0
             self.waiting.appendleft(r)
@@ -229,6 +261,11 @@ class Scheduler:
         for r in restarted:
             r.status = RequestStatus.PREFILLING
             r.num_computed_tokens = 0
+            self._rowless.add(r.request_id)
+        if self.prefix is not None:
+            self.prefix.abort_step(failed.stores)
+            for r in victims + restarted:
+                self._forget(r)
         log.warning("out of memory: %d sequence(s) back to the queue; now at most %d at once",
                     len(victims), self._max_seqs)
         return victims + restarted

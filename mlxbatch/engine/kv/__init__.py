@@ -1,0 +1,90 @@
+"""The running batch's KV on the device: its layout (slots), the prefix cache's block tensors and the copies
+between them.
+
+``KVLayout`` is what the runner and the prefix copies need from a layout. ``SlotBatch`` (fixed slots with per-row
+lengths, ``kv.slots``) is the one there is; a paged layout (blocks read in place by an attention kernel) would be
+another implementation of the same protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from mlxbatch.engine.outputs import Traffic
+
+
+class KVLayout(Protocol):
+    """KV of every admitted sequence, one row each: rows ``[0, n_decode)`` decode, the rest prefill."""
+
+    traffic: Traffic  # what the layout copies and waits for (shared with the runner's step profile)
+    n_decode: int
+    ids: list[str]  # request id per row, in row order (read only)
+
+    def __contains__(self, request_id: str) -> bool: ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the layout's buffers (capacity, not use)."""
+        ...
+
+    def kv_arrays(self) -> list[mx.array]:
+        """Every buffer (to evaluate pending writes)."""
+        ...
+
+    def add(self, request_id: str, kv: Sequence[tuple[mx.array, mx.array]] = (), length: int = 0) -> None:
+        """Admit a sequence as a prefilling row, optionally starting from ``length`` positions of ``kv``."""
+        ...
+
+    def copy_prefixes(self, copies: Sequence[tuple[str, str, int]]) -> None:
+        """(destination, source, n): each new destination row gets the source row's first ``n`` positions."""
+        ...
+
+    def write_blocks(self, targets: Sequence[tuple[str, int]], keys: Sequence[mx.array], values: Sequence[mx.array],
+                     block_size: int) -> None:
+        """Block ``b`` (per layer ``[H, block_size, D]``) goes to row ``targets[b][0]`` from ``targets[b][1]``."""
+        ...
+
+    def arrange(self, request_ids: Sequence[str]) -> None:
+        """Make these prefilling rows contiguous, in this order, right after the decode rows."""
+        ...
+
+    def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]], full: bool = False,
+                offsets: Sequence[int] | None = None) -> mx.array:
+        """Run rows ``[start, start + len(tokens))`` over their new tokens (writing their KV); each row's last output,
+        or every position's with ``full``."""
+        ...
+
+    def advance(self, request_id: str, count: int) -> None:
+        """Commit ``count`` new positions of a row (the step that wrote them succeeded)."""
+        ...
+
+    def promote(self, request_id: str) -> None:
+        """A prefilling row finished its prefill: it joins the decode rows."""
+        ...
+
+    def extract(self, request_id: str) -> list[tuple[mx.array, mx.array]]:
+        """A copy of one row's KV, per layer ``[1, H, length, D]``."""
+        ...
+
+    def row_view(self, request_id: str) -> list[tuple[mx.array, mx.array]]:
+        """Lazy views of one row's KV, per layer; evaluate before the layout is written again."""
+        ...
+
+    def remove_many(self, request_ids: Sequence[str]) -> None:
+        """Retire rows."""
+        ...
+
+    def shrink(self) -> None:
+        """Give back capacity no longer needed."""
+        ...
+
+    def committed(self, request_id: str) -> int:
+        """KV positions of the row committed so far."""
+        ...
+
+    def check(self, expected: dict[str, int]) -> None:
+        """Assert that the rows are exactly ``expected`` (request id -> committed positions)."""
+        ...

@@ -1,0 +1,77 @@
+"""The prefix cache's KV tensors: full prompt blocks, kept after their sequence moved on, addressed by block id.
+
+Owns the block tensors (per layer, ``[blocks, kv_heads, block_size, head_dim]``), grown on demand up to the number
+of blocks the scheduler's ``PrefixIndex`` manages. Which block holds what, who references it and what is evicted
+are the index's books (``engine.sched.prefix``); this store only reads blocks out (``gather``) and writes a row's
+prompt blocks in (``write``), as the ``SchedulerOutput`` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from mlxbatch.engine.outputs import Traffic
+
+
+class PrefixStore:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, bytes_per_token: int,
+                 num_blocks: int, block_size: int, traffic: Traffic | None = None) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.traffic = traffic if traffic is not None else Traffic()
+        self._token_bytes = bytes_per_token
+        self._shape = (kv_heads, block_size, head_dim)
+        self._dtype = dtype
+        self._num_layers = num_layers
+        self._keys: list[mx.array] = []
+        self._values: list[mx.array] = []
+        self._capacity = 0
+        self._dirty = False
+
+    def _ensure(self, max_id: int) -> None:
+        if max_id < self._capacity:
+            return
+        cap = min(self.num_blocks, max(64, 2 * self._capacity, max_id + 1))
+        self.traffic.grown_bytes += self.nbytes
+        self.traffic.resizes += 1
+        for bufs in (self._keys, self._values):
+            if not bufs:
+                bufs.extend(mx.zeros((cap, *self._shape), self._dtype) for _ in range(self._num_layers))
+                continue
+            for i, old in enumerate(bufs):
+                grown = mx.zeros((cap, *self._shape), self._dtype)
+                grown[: old.shape[0]] = old
+                bufs[i] = grown
+        self.traffic.evaluate(self._keys, self._values)
+        self._capacity = cap
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self._keys, *self._values))
+
+    def gather(self, block_ids: Sequence[int]) -> tuple[list[mx.array], list[mx.array]]:
+        """These blocks, in order, per layer ``[blocks, H, block_size, D]`` (one gather per layer, lazy)."""
+        idx = mx.array(list(block_ids), dtype=mx.int32)
+        return [k[idx] for k in self._keys], [v[idx] for v in self._values]
+
+    def write(self, row_kv: Sequence[tuple[mx.array, mx.array]], first_block: int, block_ids: Sequence[int]) -> None:
+        """Copy blocks ``first_block ..`` of a row (per layer ``[1, H, >=length, D]``, lazy views) into ``block_ids``.
+        Evaluated by ``flush``, once for every write of a step."""
+        self._ensure(max(block_ids))
+        B, n = self.block_size, len(block_ids)
+        idx = mx.array(list(block_ids), dtype=mx.int32)
+        start, stop = first_block * B, (first_block + n) * B
+        for layer, (k, v) in enumerate(row_kv):
+            H, D = k.shape[1], k.shape[3]
+            self._keys[layer][idx] = k[0, :, start:stop, :].reshape(H, n, B, D).transpose(1, 0, 2, 3)
+            self._values[layer][idx] = v[0, :, start:stop, :].reshape(H, n, B, D).transpose(1, 0, 2, 3)
+        self.traffic.stored_bytes += n * B * self._token_bytes
+        self._dirty = True
+
+    def flush(self) -> None:
+        """Evaluate pending writes (their sources are lazy views of the running batch's slots)."""
+        if self._dirty:
+            self.traffic.evaluate(self._keys, self._values)
+            self._dirty = False

@@ -1,0 +1,249 @@
+"""Prefix reuse decisions: which KV a new sequence starts from, and which prompt blocks the cache keeps.
+
+Owns the prefix cache's books (a ``BlockPool``: block ids, ref counts, the chained-hash index, LRU) and every
+decision about them, on the scheduler's side of the step (pure Python: the runner only copies what is decided).
+- **At admission** (``match``), two sources; the longer wins. Cached blocks: whole 16-token blocks of earlier
+  prompts, keyed by chained hashes (image hashes at image positions). A running row: a sequence admitted in an
+  earlier step and still running that shares more with the new prompt than the cache's whole blocks (in the plan's
+  order the row before is usually still running): its KV is copied to the token, so the shared prefix's partial last
+  block is not recomputed.
+- **Waiting** (``in_progress``): a sequence whose next prefix blocks an admitted sequence is computing right now can
+  wait a step or two, so the shared prefix is computed once.
+- **Keeping** (``plan_stores`` / ``commit``): a prefill that ends this step offers the blocks of its first
+  ``cache_tokens`` prompt tokens (the plan's retention; ``None`` without a plan offers all); their cache blocks are
+  allocated when the step is scheduled and registered when it succeeded. Then newly admitted planned sequences'
+  blocks past their ``cache_tokens`` are evicted: no later sequence shares them. Without a plan, or while blocks are
+  still referenced, eviction is the pool's LRU.
+A prompt's block hashes are computed once per sequence. Does not own the KV tensors (the runner's prefix store).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mlxbatch.engine.request import Request, RequestStatus
+from mlxbatch.engine.sched.blocks import BLOCK_SIZE, BlockPool, NoFreeBlocks, block_hashes
+from mlxbatch.engine.sched.planner import common_prefix_len
+
+LIVE_SOURCES = 32  # recently admitted sequences tried as running-row prefix sources
+
+
+@dataclass(frozen=True)
+class CachedBlocks:
+    """Copy these cache blocks into the new row's first ``len(block_ids) * block_size`` positions."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class RunningRow:
+    """Copy the first ``num_tokens`` positions of a running sequence's row (committed KV) into the new row."""
+
+    request_id: str
+    num_tokens: int
+
+
+PrefixSource = CachedBlocks | RunningRow
+
+
+@dataclass(frozen=True)
+class BlockStore:
+    """After the step: the sequence's prompt blocks ``first_block ..`` are copied into these cache blocks."""
+
+    request_id: str
+    first_block: int
+    block_ids: tuple[int, ...]
+    hashes: tuple[int, ...]
+
+
+class PrefixIndex:
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, bytes_per_block: int = 0) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(max(1, num_blocks), block_size, bytes_per_block)
+        self._recent: collections.deque[Request] = collections.deque(maxlen=LIVE_SOURCES)
+        self._admitted_at: dict[str, int] = {}  # request id -> the step it was admitted in
+        self._step = 0
+        # block hashes that admitted sequences are computing now (cached once their prefill ends)
+        self._computing: dict[str, list[int]] = {}
+        self._computing_count: collections.Counter[int] = collections.Counter()
+        self._chains: dict[str, list[int]] = {}  # request id -> its tokens' block hashes (until it is freed)
+        self._planned: list[Request] = []  # admitted this step with a plan retention to apply
+        self._held: list[CachedBlocks] = []  # matched this step, retained until the step's stores are allocated
+        self.lookups = 0
+        self.tokens_reused = 0  # prompt tokens whose KV came from the cache
+        self.live_tokens_reused = 0  # ... or from a running row
+        self.plan_evictions = 0  # blocks dropped because the plan said nobody needs them any more
+
+    # -- admission ------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._step += 1
+
+    def match(self, request: Request) -> PrefixSource | None:
+        """Where ``request``'s reused KV comes from (None: nothing to reuse); counts it as admitted this step."""
+        tokens = request.tokens(0, request.num_tokens)
+        chain = self._chain(request)
+        # a scoring sequence must compute the position before its continuation (it predicts the first token)
+        cached = self._cached(tokens if request.score_from is None else tokens[: request.score_from], chain)
+        usable = (len(tokens) - 1) // self.block_size
+        hashes = chain[: min(usable, self._stored_tokens(request) // self.block_size)]
+        self._computing[request.request_id] = hashes
+        self._computing_count.update(hashes)
+        live = self._running_row(request, tokens, cached.num_tokens if cached is not None else 0)
+        self._recent.append(request)
+        self._admitted_at[request.request_id] = self._step
+        if request.cache_tokens is not None:
+            self._planned.append(request)
+        if live is not None:  # a running sequence holds more of this prefix than the cache's whole blocks
+            if cached is not None:
+                self.pool.release(list(cached.block_ids))
+                self.tokens_reused -= cached.num_tokens
+            self.live_tokens_reused += live.num_tokens
+            return live
+        if cached is not None:
+            self._held.append(cached)
+        return cached
+
+    def _cached(self, tokens: Sequence[int], chain: list[int]) -> CachedBlocks | None:
+        usable = (len(tokens) - 1) // self.block_size
+        if usable <= 0:
+            return None
+        self.lookups += 1
+        ids = self.pool.match(chain[:usable])
+        if not ids:
+            return None
+        self.pool.retain(ids)
+        self.tokens_reused += len(ids) * self.block_size
+        return CachedBlocks(tuple(ids), len(ids) * self.block_size)
+
+    def _running_row(self, request: Request, tokens: list[int], at_least: int) -> RunningRow | None:
+        """A sequence admitted in an earlier step and still running whose committed KV shares more than
+        ``at_least`` leading tokens with ``request``. Rows with images are left out: their placeholder tokens do
+        not say which picture they stand for."""
+        if request.media:
+            return None
+        limit = len(tokens) - 1 if request.score_from is None else request.score_from - 1
+        best: RunningRow | None = None
+        for src in self._recent:
+            if src.media or src.status not in (RequestStatus.PREFILLING, RequestStatus.DECODING):
+                continue
+            if self._admitted_at.get(src.request_id, self._step) >= self._step:
+                continue  # admitted this step: its row is not filled before this step's copies
+            if not src.prompt_token_ids or src.prompt_token_ids[0] != tokens[0]:
+                continue
+            n = min(common_prefix_len(tokens, src.prompt_token_ids), src.num_computed_tokens, limit)
+            if n > (best.num_tokens if best else at_least):
+                best = RunningRow(src.request_id, n)
+        return best
+
+    def in_progress(self, request: Request) -> bool:
+        """Whether an admitted sequence is computing the next blocks of ``request``'s prefix right now.
+
+        Admitting it later (once those blocks are cached) computes a shared prefix once instead of once per
+        sequence admitted in the meantime.
+        """
+        if not self._computing_count:
+            return False
+        hashes = self._chain(request)[: (request.num_tokens - 1) // self.block_size]
+        cached = 0
+        for h in hashes:
+            if not self.pool.has(h):
+                break
+            cached += 1
+        return cached < len(hashes) and self._computing_count[hashes[cached]] > 0
+
+    # -- keeping --------------------------------------------------------------------------------------
+    def plan_stores(self, finishing: Sequence[Request]) -> tuple[BlockStore, ...]:
+        """Cache blocks for the prompts whose prefill ends this step (registered by ``commit`` if it succeeds).
+
+        The blocks matched this step are released first: their copies run before this step's stores are written.
+        """
+        for held in self._held:
+            self.pool.release(list(held.block_ids))
+        self._held = []
+        stores = []
+        planned: set[int] = set()
+        for r in finishing:
+            full = self._stored_tokens(r) // self.block_size
+            if full == 0:
+                continue
+            hashes = self._chain(r)[:full]
+            known = 0
+            for h in hashes:
+                if not (self.pool.has(h) or h in planned):
+                    break
+                known += 1
+            self.pool.match(hashes[:known])  # a cached prefix is used again: most recently used
+            new = hashes[known:]
+            if not new:
+                continue
+            try:
+                ids = self.pool.allocate(len(new))
+            except NoFreeBlocks:
+                continue  # everything is in use: keep computing instead
+            planned.update(new)
+            stores.append(BlockStore(r.request_id, known, tuple(ids), tuple(new)))
+        return tuple(stores)
+
+    def commit(self, stores: Sequence[BlockStore], finished_prefills: Sequence[Request]) -> None:
+        """The step succeeded: stored blocks join the index; then the plan's dead prefixes go (after the stores,
+        which may have offered those very blocks again)."""
+        for s in stores:
+            for bid, h in zip(s.block_ids, s.hashes):
+                self.pool.register(bid, h)
+            self.pool.release(list(s.block_ids))  # cached, unreferenced: evictable when space is needed
+        for r in finished_prefills:
+            self._done_computing(r.request_id)
+        for r in self._planned:
+            self._drop_after(r)
+        self._planned = []
+
+    def abort_step(self, stores: Sequence[BlockStore]) -> None:
+        """The step failed: its stores never happened."""
+        for s in stores:
+            self.pool.release(list(s.block_ids))
+        self._planned = []
+
+    def free(self, request_id: str) -> None:
+        self._done_computing(request_id)
+        self._chains.pop(request_id, None)
+        self._admitted_at.pop(request_id, None)
+
+    def _drop_after(self, r: Request) -> None:
+        """Evict the cached blocks of ``r``'s chain past its first ``cache_tokens`` tokens (dead: the plan says no
+        later sequence shares them). Referenced blocks stay."""
+        usable = max(0, (r.num_prompt_tokens - 1) // self.block_size)
+        for h in self._chain(r)[:usable][(r.cache_tokens or 0) // self.block_size:]:
+            bid = self.pool.cached_id(h)
+            if bid is None:
+                break
+            self.plan_evictions += self.pool.evict(bid)
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _chain(self, request: Request) -> list[int]:
+        B = self.block_size
+        chain = self._chains.get(request.request_id)
+        if chain is None or len(chain) < request.num_tokens // B:  # a preempted sequence also has output tokens
+            n = request.num_tokens // B * B
+            chain = self._chains[request.request_id] = block_hashes(request.tokens(0, n), B, request.media)
+        return chain
+
+    @staticmethod
+    def _stored_tokens(request: Request) -> int:
+        """Prompt tokens whose full blocks this sequence offers the cache once its prefill is done."""
+        n = request.num_prompt_tokens
+        return n if request.cache_tokens is None else min(n, request.cache_tokens)
+
+    def _done_computing(self, rid: str) -> None:
+        hashes = self._computing.pop(rid, None)
+        if hashes:
+            self._computing_count.subtract(hashes)
+            self._computing_count += collections.Counter()  # drop zero counts
+
+    def stats(self) -> dict[str, int]:
+        st = self.pool.stats
+        return {"lookups": self.lookups, "tokens_reused": self.tokens_reused + self.live_tokens_reused,
+                "tokens_reused_live": self.live_tokens_reused, "blocks_cached": st.blocks_cached,
+                "evictions": st.evictions, "plan_evictions": self.plan_evictions, "block_size": self.block_size}

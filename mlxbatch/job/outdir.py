@@ -1,0 +1,84 @@
+"""A job's output folder: checked before any work, claimed under the checkpoint lock.
+
+Owns who may write a folder. A path that is a file is refused. A folder belongs to the job that first wrote it
+(its job file and input are recorded in the manifest): another job's folder, or a folder holding files no mlxbatch
+run writes, is refused (naming both jobs) unless the job sets ``output.overwrite: true``. Then another job's
+results are deleted before the run, and other files are left alone (mlxbatch's own names are replaced). A job's
+own folder is resumed, whatever else changed in the job (a renamed job file with the same input is still the
+same job).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from mlxbatch.io import CheckpointStore, OutputError, foreign_files, remove_outputs
+from mlxbatch.job.spec import JobSpec, JobSpecError
+
+log = logging.getLogger(__name__)
+
+JOB_META = "job"
+
+
+def _identity(spec: JobSpec) -> dict[str, Any]:
+    job = spec.source if spec.source.startswith("<") else str(Path(spec.source).resolve())
+    return {"job": job, "input": spec.input.path}
+
+
+def _owner_problem(saved: Any, spec: JobSpec) -> str | None:
+    if not isinstance(saved, dict) or not saved.get("job"):
+        return None  # a folder of an older version, or a manifest rebuilt from the shards: adopt it
+    current = _identity(spec)
+    if saved["job"] == current["job"]:
+        return None
+    if saved.get("input") == current["input"] and not Path(str(saved["job"])).exists():
+        return None  # the job file was renamed or moved
+    return (f"holds the results of another job, {saved['job']} (input {saved.get('input')}), not of "
+            f"{current['job']}: use another output folder, or set output.overwrite: true to replace them")
+
+
+def output_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    """What stops this job from writing its output folder (read-only, no lock: for ``validate`` and ``run``)."""
+    out = spec.output
+    if out.exists() and not out.is_dir():
+        return [("output.path", f"{out} is a file, not a folder")]
+    if spec.overwrite or not out.exists():
+        return []
+    meta = CheckpointStore.peek_meta(out)
+    problem = _owner_problem(meta.get(JOB_META), spec)
+    if problem is not None:
+        return [("output.path", f"{out} {problem}")]
+    foreign = foreign_files(out)
+    if foreign and not meta and not (out / "manifest.json").exists():
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return [("output.path", f"{out} holds files that are not mlxbatch outputs ({shown}): use a new or empty "
+                                "folder, or set output.overwrite: true (mlxbatch's own files are written beside them)")]
+    return []
+
+
+def prepare_output(spec: JobSpec) -> None:
+    """Refuse a folder this job may not write (JobSpecError), then create it (OutputError when it cannot be)."""
+    problems = output_problems(spec)
+    if problems:
+        raise JobSpecError(spec.source, problems)
+    try:
+        spec.output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"output folder {spec.output} cannot be created: {exc.strerror or exc}") from exc
+
+
+def claim_output(spec: JobSpec, store: CheckpointStore) -> None:
+    """Under the store's lock: refuse another job's folder unless overwrite (then empty it), and record this job."""
+    current = _identity(spec)
+    saved = store.get_meta(JOB_META)
+    problem = _owner_problem(saved, spec)
+    if problem is not None:
+        if not spec.overwrite:
+            raise JobSpecError(spec.source, [("output.path", f"{spec.output} {problem}")])
+        log.warning("output.overwrite: removing the results of job %s from %s", saved.get("job"), spec.output)
+        store.reset()
+        remove_outputs(spec.output)
+    if saved != current:
+        store.set_meta(JOB_META, current)

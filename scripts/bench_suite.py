@@ -1,0 +1,157 @@
+"""The GPU suite: every workload of the GPU targets and the decode table in one run, one JSON + one Markdown file.
+
+    python3 scripts/bench.py --section gpu --model 0.5b --commit <sha> --out DIR
+
+For the H200 benchmark machine (one device call, under 10 minutes), where the copy of the tree has no ``.git``:
+the commit is passed in and printed in the header and both files. Sizes are those of the GPU targets in
+../shared/design/benchmarks.md: label 2048 rows, fewshot 2048, chat 1024, unique 1024, then decode at 1/8/64/256
+sequences against mlx-lm's BatchGenerator and a bare mlx-lm forward + argmax of the same model, batch and context.
+
+Every path runs once, after a warm-up on the same workload's first rows (kernels compile on first use on a GPU, and
+a single timed run must not include that), and the engine's construction (with its own warm-up) is not timed.
+Figures per workload: wall and x B1, prefill tokens / trie floor, where the time goes, what the steps moved
+(``Traffic``: KV bytes copied, syncs), the cost per computed prefill token with the cache against without it, and
+working memory against B1's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import bench_workloads as wl
+import mlx.core as mx
+from bench import MB, Bench, Run, Table, agreement, log, ratio, section
+from mlx_lm.models.cache import make_prompt_cache
+
+SIZES = {"label": 2048, "fewshot": 2048, "chat": 1024, "unique": 1024}
+
+
+def _prefill_cost(run: Run) -> float | None:
+    p = run.extra["profile"]
+    return p["prefill_s"] / p["prefill_tokens"] if p["prefill_tokens"] else None
+
+
+def suite_workload(b: Bench, name: str, rows: int) -> tuple[Table, dict]:
+    w = b.workload(name, rows)
+    C = b.concurrency
+    warm = w.subset(list(range(min(64, w.rows))))
+    log(f"{name}: {w.rows} rows, {w.prompt_tokens} prompt tokens (floor {w.trie_floor}); warming up on {warm.rows}")
+    b.run_b1(warm.subset(list(range(16))), C, b.args.prefill_batch)
+    b.run_engine(warm, max_num_seqs=C)
+    b.run_engine(warm, max_num_seqs=C, prefix_cache=False)
+    paths = {"B1": lambda: b.run_b1(w, C, b.args.prefill_batch),
+             "engine": lambda: b.run_engine(w, max_num_seqs=C),
+             "engine-nocache": lambda: b.run_engine(w, name="engine-nocache", max_num_seqs=C, prefix_cache=False)}
+    res = {k: m.median for k, m in b.measure(paths, 1).items()}
+    b1 = res["B1"]
+    b1_over = b1.mlx_peak - b1.mlx_base
+    tab = Table(f"{name}: {w.rows} rows, {w.prompt_tokens} prompt tokens (floor {w.trie_floor}), {w.max_tokens} new",
+                ["path", "wall s", "x B1", "prefill s", "prefill tok", "prefill / floor", "decode s", "host s",
+                 "steps", "moved MB", "stored MB", "syncs", "mem x B1", "agree vs B1"])
+    for path, run in res.items():
+        same, tot = agreement(run.tokens, b1.tokens, w.max_tokens)
+        row = [path, run.wall_s, ratio(b1.wall_s, run.wall_s)]
+        if path == "B1":
+            e = run.extra
+            row += [e["prompt_s"], w.prompt_tokens, ratio(w.prompt_tokens, w.trie_floor), e["decode_s"],
+                    max(0.0, run.wall_s - e["prompt_s"] - e["decode_s"]), e["generation_steps"], None, None, None]
+        else:
+            p = run.extra["profile"]
+            row += [p["prefill_s"], p["prefill_tokens"], ratio(p["prefill_tokens"], w.trie_floor), p["decode_s"],
+                    max(0.0, run.wall_s - p["prefill_s"] - p["decode_s"] - p["sampling_s"]), p["steps"],
+                    p["moved_bytes"] / MB, p["stored_bytes"] / MB, p["syncs"]]
+        row += [ratio(run.mlx_peak - run.mlx_base, b1_over), f"{same}/{tot}"]
+        tab.rows.append(row)
+    cost = ratio(_prefill_cost(res["engine"]), _prefill_cost(res["engine-nocache"]))
+    tab.notes.append(f"prefill cost per computed token, cache on / off: {cost:.2f}" if cost else "")
+    figures = {"rows": w.rows, "floor": w.trie_floor, "x_b1": ratio(b1.wall_s, res["engine"].wall_s),
+               "x_b1_nocache": ratio(b1.wall_s, res["engine-nocache"].wall_s),
+               "prefill_over_floor": ratio(res["engine"].extra["profile"]["prefill_tokens"], w.trie_floor),
+               "prefill_cost_cache_vs_nocache": cost,
+               "memory_x_b1": ratio(res["engine"].mlx_peak - res["engine"].mlx_base, b1_over),
+               "runs": {k: r.as_dict() for k, r in res.items()}}
+    return tab, figures
+
+
+def bare_decode_tps(b: Bench, rows: int, prompt_len: int, new_tokens: int) -> float:
+    """tok/s of a bare mlx-lm forward + argmax loop: the model's own KV cache, one eval per step, no engine."""
+    model = b.model
+    cache = make_prompt_cache(model)
+    y = mx.array(b.workload("short", rows, prompt_len=prompt_len).prompts, dtype=mx.int32)
+    logits = model(y, cache=cache)
+    y = mx.argmax(logits[:, -1, :], axis=-1)[:, None].astype(mx.int32)
+    mx.eval(y)
+    for _ in range(3):  # warm
+        y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1)[:, None].astype(mx.int32)
+        mx.eval(y)
+    t0 = time.perf_counter()
+    for _ in range(new_tokens - 4):
+        y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1)[:, None].astype(mx.int32)
+        mx.eval(y)
+    return rows * (new_tokens - 4) / (time.perf_counter() - t0)
+
+
+def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: int = 128) -> tuple[Table, dict]:
+    tab = Table(f"decode at fixed concurrency: {prompt_len}-token prompts, {new_tokens} new tokens",
+                ["sequences", "engine step tok/s", "engine fwd tok/s", "mlx-lm BatchGenerator tok/s",
+                 "bare forward+argmax tok/s", "step x mlx-lm", "step x bare", "syncs / step"])
+    raw = {}
+    for L in levels:
+        w = b.workload("short", L, prompt_len=prompt_len, max_tokens=new_tokens)
+        cfg = {"max_num_seqs": L, "max_num_batched_tokens": max(2048, L * prompt_len)}
+        warm = wl.Workload("warm-up", w.prompts, 4)
+        b.run_b1(warm, L, L)
+        b.run_engine(warm, **cfg)
+        ref = b.run_b1(w, L, L, name="mlx-lm")
+        eng = b.run_engine(w, **cfg)
+        bare = bare_decode_tps(b, L, prompt_len, new_tokens)
+        p = eng.extra["profile"]
+        decode_steps = max(1, p["steps"] - 1)
+        step = p["decode_tokens"] / max(1e-9, p["total_s"] - p["prefill_s"])
+        fwd = p["decode_tokens"] / max(1e-9, p["decode_s"])
+        ref_tps = ref.extra["decode_tps"]
+        tab.rows.append([L, step, fwd, ref_tps, bare, ratio(step, ref_tps), ratio(step, bare),
+                         p["syncs"] / decode_steps])
+        raw[L] = {"engine_step": step, "engine_fwd": fwd, "mlx_lm": ref_tps, "bare": bare,
+                  "engine_profile": p}
+        log(f"  decode {L}: engine step {step:,.0f} tok/s, mlx-lm {ref_tps:,.0f}, bare {bare:,.0f}")
+    tab.notes.append("engine step = decode tokens / (step time - prefill time): forward, sampling and host work; "
+                     "bare = mlx-lm model + KVCache, forward + argmax + eval per step (what a raw loop gets).")
+    return tab, raw
+
+
+@section("gpu")
+def gpu_suite(b: Bench) -> list[Table]:
+    a = b.args
+    commit = a.commit or "unknown"
+    log(f"GPU suite at commit {commit}")
+    t0 = time.perf_counter()
+    tables, figures = [], {}
+    for name in a.suite_workloads.split(","):
+        tab, fig = suite_workload(b, name, SIZES[name] if a.rows_scale == 1 else max(64, int(SIZES[name] * a.rows_scale)))
+        tables.append(tab)
+        figures[name] = fig
+    levels = [int(x) for x in a.decode_levels.split(",") if x.strip()]
+    if levels:
+        tab, dec = suite_decode(b, levels)
+        tables.append(tab)
+        figures["decode"] = dec
+    summary = Table(f"GPU suite summary at commit {commit}", ["workload", "x B1", "x B1 (no cache)",
+                                                              "prefill / floor", "cost/token cache vs off",
+                                                              "memory x B1"])
+    for name in a.suite_workloads.split(","):
+        f = figures[name]
+        summary.rows.append([name, f["x_b1"], f["x_b1_nocache"], f["prefill_over_floor"],
+                             f["prefill_cost_cache_vs_nocache"], f["memory_x_b1"]])
+    summary.notes.append(f"suite wall time {time.perf_counter() - t0:.0f} s (model build/load not included)")
+    tables.insert(0, summary)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_suite.json").write_text(json.dumps({"commit": commit, "figures": figures}, indent=2, default=str))
+        (out / "gpu_suite.md").write_text(f"GPU figures measured at commit {commit}\n\n"
+                                          + "\n".join(t.render() for t in tables))
+        log(f"wrote {out}/gpu_suite.json and gpu_suite.md")
+    return tables

@@ -1,0 +1,143 @@
+"""Prefix reuse decisions on the scheduler's side, pinned exactly (pure Python, no model): which source a new
+sequence's KV comes from, which blocks a finished prompt fills, what a failed step undoes, and the plan's
+retention."""
+
+from __future__ import annotations
+
+from mlxbatch import SamplingParams
+from mlxbatch.engine.decoding.detok import TextTracker
+from mlxbatch.engine.request import Request, RequestStatus
+from mlxbatch.engine.sched.prefix import BlockStore, CachedBlocks, PrefixIndex, RunningRow
+from mlxbatch.engine.sched.scheduler import Admission, Scheduler, SchedulerConfig
+
+B = 4  # block size of these tests
+
+
+def req(rid: str, tokens: list[int], cache_tokens: int | None = None, max_tokens: int = 4) -> Request:
+    return Request(rid, rid, 0, list(tokens), SamplingParams(max_tokens=max_tokens), 0, frozenset({0}), 4096,
+                   TextTracker(None, incremental=False), cache_tokens=cache_tokens)
+
+
+def admit(ix: PrefixIndex, r: Request):
+    """What the scheduler does when it admits ``r``: the match, then the computed tokens it starts from."""
+    r.status = RequestStatus.PREFILLING
+    source = ix.match(r)
+    r.num_computed_tokens = source.num_tokens if source is not None else 0
+    return source
+
+
+def finish_prefill(ix: PrefixIndex, *rs: Request) -> tuple[BlockStore, ...]:
+    stores = ix.plan_stores(list(rs))
+    for r in rs:
+        r.num_computed_tokens = r.num_prompt_tokens
+        r.status = RequestStatus.DECODING
+    ix.commit(stores, list(rs))
+    ix.pool.check_integrity()
+    return stores
+
+
+def test_a_finished_prompt_fills_its_full_blocks_and_a_later_prompt_starts_from_them():
+    ix = PrefixIndex(16, B)
+    ix.begin_step()
+    a = req("a", list(range(1, 11)))  # 10 tokens: 2 full blocks
+    assert admit(ix, a) is None
+    stores = finish_prefill(ix, a)
+    assert [(s.request_id, s.first_block, len(s.block_ids)) for s in stores] == [("a", 0, 2)]
+    a.status = RequestStatus.FINISHED
+    ix.free("a")
+    ix.begin_step()
+    b = req("b", list(range(1, 9)) + [50, 51, 52])  # shares 8 tokens = 2 blocks
+    src = admit(ix, b)
+    assert src == CachedBlocks(stores[0].block_ids, 8)
+    assert ix.plan_stores([]) == ()  # the matched blocks are released at the end of the step's scheduling
+    ix.pool.check_integrity()
+    assert ix.stats()["tokens_reused"] == 8
+
+
+def test_a_running_row_beats_whole_blocks_but_not_in_the_step_it_was_admitted():
+    ix = PrefixIndex(16, B)
+    ix.begin_step()
+    a = req("a", list(range(1, 20)))
+    admit(ix, a)
+    b = req("b", list(range(1, 15)) + [99])
+    assert admit(ix, b) is None  # a was admitted this very step: its row holds nothing yet
+    ix.plan_stores([])
+    a.num_computed_tokens = 19  # a's prefill ran (still running: it decodes now)
+    a.status = RequestStatus.DECODING
+    ix.begin_step()
+    c = req("c", list(range(1, 15)) + [77])
+    assert admit(ix, c) == RunningRow("a", 14)  # to the token, beyond the cache's whole blocks
+    assert ix.stats()["tokens_reused_live"] == 14
+
+
+def test_a_failed_step_registers_nothing_and_frees_its_blocks():
+    ix = PrefixIndex(8, B)
+    ix.begin_step()
+    a = req("a", list(range(1, 13)))
+    admit(ix, a)
+    stores = ix.plan_stores([a])
+    assert sum(len(s.block_ids) for s in stores) == 3
+    ix.abort_step(stores)
+    ix.pool.check_integrity()
+    assert ix.pool.stats.blocks_cached == 0 and ix.pool.num_available == 8
+
+
+def test_two_prompts_finishing_in_one_step_store_a_shared_block_once():
+    ix = PrefixIndex(16, B)
+    ix.begin_step()
+    a, b = req("a", list(range(1, 10))), req("b", list(range(1, 5)) + [60, 61, 62, 63, 64])
+    admit(ix, a)
+    admit(ix, b)
+    stores = finish_prefill(ix, a, b)
+    assert [(s.request_id, s.first_block, len(s.block_ids)) for s in stores] == [("a", 0, 2), ("b", 1, 1)]
+    assert ix.pool.stats.blocks_cached == 3
+
+
+def test_the_plan_drops_a_prefix_past_what_later_rows_share():
+    ix = PrefixIndex(16, B)
+    ix.begin_step()
+    a = req("a", list(range(1, 14)), cache_tokens=4)  # later rows share its first block only
+    admit(ix, a)
+    finish_prefill(ix, a)
+    assert ix.pool.stats.blocks_cached == 1 and ix.plan_evictions == 0
+    ix.begin_step()
+    b = req("b", list(range(1, 14)), cache_tokens=None)  # no plan: offers every block...
+    admit(ix, b)
+    finish_prefill(ix, b)
+    assert ix.pool.stats.blocks_cached == 3
+    ix.begin_step()
+    c = req("c", list(range(1, 14)) + [5], cache_tokens=4)  # ...and a planned row admitted later drops them again
+    admit(ix, c)
+    ix.plan_stores([])
+    ix.commit((), [])
+    assert ix.pool.stats.blocks_cached == 1 and ix.plan_evictions == 2
+
+
+def test_a_sequence_waits_while_its_prefix_is_being_computed():
+    ix = PrefixIndex(16, B)
+    ix.begin_step()
+    a = req("a", list(range(1, 30)))
+    admit(ix, a)
+    ix.plan_stores([])
+    assert ix.in_progress(req("b", list(range(1, 20)) + [9]))
+    assert not ix.in_progress(req("c", [5] + list(range(1, 20))))
+    finish_prefill(ix, a)
+    assert not ix.in_progress(req("b", list(range(1, 20)) + [9]))  # its blocks are cached now
+
+
+def test_scheduler_output_lists_admissions_with_sources_and_the_stores():
+    ix = PrefixIndex(32, B)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=64),
+                  lambda lengths: sum(lengths), ix)
+    s.add(req("a", list(range(1, 14))))
+    out = s.schedule()
+    assert out.admissions == (Admission(out.prefills[0].request, None),)
+    assert [(st.request_id, len(st.block_ids)) for st in out.stores] == [("a", 3)]  # 13 tokens: 3 full blocks
+    for c in out.prefills:
+        c.request.append(7, None)
+    s.finish_step(out)
+    s.add(req("b", list(range(1, 14)) + [40, 41]))
+    out = s.schedule()
+    (adm,) = out.admissions
+    assert adm.request.request_id == "b" and adm.source == RunningRow("a", 13)  # more than the 3 cached blocks
+    assert [(c.request.request_id, c.start) for c in out.prefills] == [("b", 13)]

@@ -1,0 +1,182 @@
+"""What a step moves scales with the rows and tokens it moves, never with slot capacity, cache size or the rows
+already running.
+
+Two measures per operation: the engine's own counters (``Traffic``: bytes copied, syncs) and what MLX really
+allocated while the operation ran (peak minus active memory before it). The second catches copies nobody counts:
+an in-place update whose buffer cannot be donated (because a lazy view of it is still alive) copies the whole
+buffer, a gather over the whole capacity instead of the used positions, a growth that is not amortised. On a GPU
+such a copy costs milliseconds per step while every CPU timing stays put; here it shows as bytes.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.kv.prefix_store import PrefixStore
+from mlxbatch.engine.kv.slots import SlotBatch
+from mlxbatch.engine.outputs import Traffic
+from mlxbatch.types import SamplingParams
+
+L, H, D = 2, 2, 32  # the tiny model's KV geometry
+POS_BYTES = 2 * L * H * D * 4  # one position of one row, keys and values of every layer, float32
+SLACK = 1 << 20  # index arrays, small temporaries
+
+
+def _allocated(fn) -> int:
+    """Bytes MLX allocated beyond what was active before ``fn`` (its transient and new memory)."""
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    fn()
+    mx.synchronize()
+    return mx.get_peak_memory() - before
+
+
+def _batch(batched: bool, rows_cap: int, pos_cap: int, running: int) -> SlotBatch:
+    """A slot batch grown to the given capacity, with ``running`` decoding rows of 300 positions each and a source
+    row ``src`` of 200 committed positions."""
+    b = SlotBatch(L, Traffic())
+    b.batched_moves = batched
+    b.allocate(H, D, mx.float32)
+    b._ensure(rows_cap, pos_cap)
+    for i in range(running):
+        b.add(f"run{i}")
+        b.advance(f"run{i}", 300)
+        b.promote(f"run{i}")
+    b.add("src")
+    b.advance("src", 200)
+    b.promote("src")
+    mx.eval(b.kv_arrays())
+    return b
+
+
+def _operations(b: SlotBatch) -> dict[str, tuple[Traffic, int]]:
+    """Each row operation of an admission step: (counted traffic, bytes really allocated)."""
+    out = {}
+
+    def measure(name, fn):
+        before = b.traffic.snapshot()
+
+        def run():
+            fn()
+            mx.eval(b.kv_arrays())
+
+        alloc = _allocated(run)
+        out[name] = (b.traffic.since(before), alloc)
+
+    new = [f"new{i}" for i in range(4)]
+
+    def admit():
+        for rid in new:
+            b.add(rid)
+
+    measure("add", admit)
+    measure("copy_prefixes", lambda: b.copy_prefixes([(rid, "src", 64 + 16 * i) for i, rid in enumerate(new)]))
+    blocks = [mx.ones((6, H, 16, D)) for _ in range(L)]
+    b.add("hit")
+    measure("write_blocks", lambda: b.write_blocks([("hit", 16 * j) for j in range(6)], blocks, blocks, 16))
+    b.advance("hit", 96)
+    measure("arrange", lambda: b.arrange(list(reversed(new)) + ["hit"]))
+    measure("promote", lambda: b.promote(new[-1]))
+    measure("remove_many", lambda: b.remove_many([new[0], "src"]))
+    return out
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["per-row moves (CPU)", "batched moves (GPU path)"])
+def test_row_operations_scale_with_what_moves(batched):
+    small = _operations(_batch(batched, rows_cap=8, pos_cap=512, running=0))
+    # 16x the rows, 4x the positions: a copy that scales with capacity allocates 64x more
+    large = _operations(_batch(batched, rows_cap=128, pos_cap=2048, running=0))
+    crowded = _operations(_batch(batched, rows_cap=128, pos_cap=2048, running=100))
+    capacity_bytes = 128 * 2048 * POS_BYTES
+    for name, (traffic, alloc) in small.items():
+        assert alloc <= 2 * traffic.moved_bytes + SLACK, (name, alloc, traffic.moved_bytes)
+        for other in (large, crowded):
+            t2, a2 = other[name]
+            assert (t2.moved_bytes, t2.syncs, t2.grown_bytes) == (traffic.moved_bytes, traffic.syncs, traffic.grown_bytes), name
+            # what MLX allocated is bounded by what the operation moves, whatever the capacity or the running rows
+            assert a2 <= 2 * t2.moved_bytes + SLACK, (name, a2, t2.moved_bytes)
+            assert a2 < capacity_bytes // 8, (name, a2)
+    moved = {name: t.moved_bytes for name, (t, _) in small.items()}
+    assert moved["copy_prefixes"] == sum(64 + 16 * i for i in range(4)) * POS_BYTES or batched
+    if batched:  # one gather + scatter for all rows: each row copies the longest prefix's positions
+        assert moved["copy_prefixes"] == 4 * (64 + 16 * 3) * POS_BYTES
+        assert small["copy_prefixes"][0].syncs == 1
+    assert moved["write_blocks"] == 6 * 16 * POS_BYTES
+    assert moved["add"] == 0
+
+
+def test_a_lazy_view_alive_across_a_row_copy_shows_as_a_whole_buffer_copy():
+    """The measure the tests above rely on does see the copy they guard against."""
+    b = _batch(True, rows_cap=128, pos_cap=2048, running=0)
+    b.add("dst")
+    view = b.row_view("src")  # a lazy slice of every buffer: their updates can no longer happen in place
+    alloc = _allocated(lambda: (b.copy_prefixes([("dst", "src", 64)]), mx.eval(b.kv_arrays())))
+    del view
+    assert alloc >= 128 * 2048 * POS_BYTES // 2
+
+
+def test_prefix_store_write_and_gather_scale_with_blocks_not_cache_size():
+    def run(num_blocks: int, filled: int) -> tuple[Traffic, int, int]:
+        tr = Traffic()
+        store = PrefixStore(L, H, D, mx.float32, POS_BYTES, num_blocks, 16, tr)
+        row = [(mx.ones((1, H, 2048, D)), mx.ones((1, H, 2048, D))) for _ in range(L)]
+        mx.eval(row)
+        for first in range(0, filled, 64):  # other prompts' blocks first
+            store.write(row, 0, range(first, first + 64))
+        store.flush()
+        before = tr.snapshot()
+        ids = list(range(filled, filled + 10))
+        alloc_write = _allocated(lambda: (store.write(row, 2, ids), store.flush()))
+        alloc_gather = _allocated(lambda: mx.eval(store.gather(ids)))
+        return tr.since(before), alloc_write, alloc_gather
+
+    small = run(64, 0)  # the store's first write allocates it (64 blocks)
+    large = run(4096, 1984)  # 31 prompts of 64 blocks: a store grown to 2048 blocks, nearly full
+    assert small[0].stored_bytes == large[0].stored_bytes == 160 * POS_BYTES
+    assert large[0].resizes == 0 and large[0].syncs == 1
+    for t, a_write, a_gather in (small, large):
+        assert a_write <= 2 * t.stored_bytes + t.grown_bytes + 64 * 16 * POS_BYTES + SLACK, a_write
+        assert a_gather <= 2 * 160 * POS_BYTES + SLACK, a_gather
+    assert large[1] <= 2 * large[0].stored_bytes + SLACK
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["per-row moves (CPU)", "batched moves (GPU path)"])
+def test_engine_run_moves_the_same_after_earlier_work(tiny_loaded, batched):
+    """State left by earlier runs (grown slots, a full cache) changes neither what a run copies nor its syncs."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    shared = list(range(100, 180))
+    prompts = [shared + list(range(300 + 7 * i, 300 + 7 * i + 5 + i % 4)) for i in range(12)]
+    other = [[(7 * i + 13 * j) % 900 + 50 for j in range(400)] for i in range(24)]
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, prefill_chunk_size=64, warm_up=False)
+
+    def measured(eng: Engine) -> tuple[Traffic, list]:
+        before = eng.core.runner.traffic.snapshot()
+        outs = eng.generate(prompts, params)
+        return eng.core.runner.traffic.since(before), [o.completions[0].token_ids for o in outs]
+
+    with Engine(tiny_loaded, cfg) as fresh:
+        fresh.core.runner.batch.batched_moves = batched
+        t_fresh, out_fresh = measured(fresh)
+    with Engine(tiny_loaded, cfg) as used:
+        used.core.runner.batch.batched_moves = batched
+        used.generate(other, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        t_used, out_used = measured(used)
+    assert out_used == out_fresh
+    assert t_fresh.moved_bytes > 0 and t_fresh.stored_bytes > 0
+    # a fresh engine grows its buffers during the run (one sync each); the used one already has them
+    assert (t_used.moved_bytes, t_used.stored_bytes, t_used.syncs - t_used.resizes) == (
+        t_fresh.moved_bytes, t_fresh.stored_bytes, t_fresh.syncs - t_fresh.resizes)
+
+
+def test_warm_up_takes_every_step_path(tiny_loaded):
+    """The GPU warm-up (run on CPU here) copies prefixes from the cache and from running rows, moves rows and forks:
+    the kernels of all those paths are compiled before a real step needs them."""
+    from mlxbatch.engine import EngineCore
+
+    report = EngineCore(tiny_loaded, EngineConfig(warm_up=False)).warm_up_paths()
+    assert report.steps > 3 and report.cached_tokens >= 48
+    assert report.profile["moved_bytes"] > 0 and report.profile["stored_bytes"] > 0

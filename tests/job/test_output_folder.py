@@ -1,0 +1,163 @@
+"""The output folder: whose it is, what happens when it is locked, full, a file, or edited under the job's feet."""
+
+from __future__ import annotations
+
+import base64
+import errno
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from jobkit import texts, write_job, write_jsonl
+
+from mlxbatch.cli import main
+from mlxbatch.io import CheckpointError, CheckpointStore
+from mlxbatch.job.runner import JobRunner
+from mlxbatch.job.spec import JobSpecError, load_job
+from mlxbatch.job.validate import validate_job
+
+
+def run(job, check=True):
+    return JobRunner(validate_job(job) if check else load_job(job), progress=False).run()
+
+
+def results(out):
+    return {r["id"]: r for r in pq.read_table(out / "results.parquet").to_pylist()}
+
+
+def two_jobs(tmp_path, model):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    data_a = write_jsonl(tmp_path / "a" / "in.jsonl", texts(6))
+    data_b = write_jsonl(tmp_path / "b" / "other.jsonl", texts(4))
+    out = tmp_path / "out"
+    return write_job(tmp_path / "a", model, data_a, out), write_job(tmp_path / "b", model, data_b, out), out
+
+
+def test_another_jobs_folder_is_refused_naming_both_unless_overwrite(tmp_path, tiny_model_path):
+    job_a, job_b, out = two_jobs(tmp_path, tiny_model_path)
+    run(job_a)
+    before = (out / "results.parquet").read_bytes()
+    res = CliRunner().invoke(main, ["validate", str(job_b)])
+    assert res.exit_code == 2 and "output.path" in res.output, res.output
+    assert str(job_a) in res.output and str(job_b) in res.output and "overwrite" in res.output
+    with pytest.raises(JobSpecError, match="another job") as refused:
+        run(job_b, check=False)  # the run itself checks too, under the lock
+    assert str(job_a) in str(refused.value)
+    assert (out / "results.parquet").read_bytes() == before and (out / "_SUCCESS").exists()
+    # overwrite: the folder becomes job b's, job a's results are gone
+    write_job(tmp_path / "b", tiny_model_path, tmp_path / "b" / "other.jsonl", out,
+              output={"path": str(out), "overwrite": True})
+    report = run(job_b).report
+    assert report["rows"]["resumed"] == 0 and len(results(out)) == 4
+    with CheckpointStore(out) as store:
+        assert store.num_records == 4 and not list((out / "shards").glob("corrupt/*"))
+
+
+def test_the_same_job_under_a_new_file_name_resumes(tmp_path, tiny_model_path):
+    job_a, _, out = two_jobs(tmp_path, tiny_model_path)
+    run(job_a)
+    renamed = job_a.rename(job_a.with_name("renamed.yaml"))
+    assert run(renamed).report["rows"]["resumed"] == 6
+
+
+def test_a_folder_of_other_files_is_refused_unless_overwrite(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(3))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out")
+    with pytest.raises(JobSpecError, match=r"not mlxbatch outputs \(notes.txt\)"):
+        run(job)
+    run(write_job(tmp_path, tiny_model_path, data, tmp_path / "out", output={"path": str(tmp_path / "out"),
+                                                                            "overwrite": True}))
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine" and len(results(tmp_path / "out")) == 3
+
+
+def test_an_output_path_that_is_a_file_is_refused_by_validate_and_run(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(3))
+    (tmp_path / "out").write_text("not a folder")
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out")
+    res = CliRunner().invoke(main, ["validate", str(job)])
+    assert res.exit_code == 2 and "output.path" in res.output and "is a file" in res.output, res.output
+    with pytest.raises(JobSpecError, match="is a file"):
+        run(job, check=False)
+
+
+def test_a_locked_folder_is_left_as_it_was(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(3))
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out")
+    run(job)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from mlxbatch.io import CheckpointStore; "
+                               f"s = CheckpointStore({str(tmp_path / 'out')!r}); print('held', flush=True); "
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        res = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
+    finally:
+        holder.communicate(b"", timeout=30)
+    assert res.exit_code == 1, res.output
+    assert f"in use by another mlxbatch run (pid {holder.pid})" in res.output, res.output
+    assert (tmp_path / "out" / "_SUCCESS").exists(), "a refused run must not touch the finished folder"
+
+
+def test_a_filesystem_without_locks_is_named(tmp_path, monkeypatch):
+    import mlxbatch.io.checkpoint as checkpoint
+
+    def no_locks(fd, op):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(checkpoint.fcntl, "flock", no_locks)  # what flock says on an SMB mount
+    with pytest.raises(CheckpointError, match="filesystem does not support file locking") as info:
+        CheckpointStore(tmp_path)
+    assert "another" not in str(info.value)
+
+
+def test_an_edited_column_the_prompt_does_not_use_shows_its_new_value(tmp_path, tiny_model_path):
+    rows = [{**r, "note": "old"} for r in texts(5)]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out")
+    run(job)
+    before = results(tmp_path / "out")
+    rows[2]["note"] = "new"
+    write_jsonl(data, rows)
+    report = run(job).report
+    after = results(tmp_path / "out")
+    assert report["rows"]["finished_this_run"] == 0  # not part of the key: the row does not run again
+    assert after["row-0002"]["note"] == "new" and after["row-0002"]["text"] == before["row-0002"]["text"]
+    assert [r["note"] for r in after.values()] == ["old", "old", "new", "old", "old"]
+
+
+def _limit_file_size(limit: int):
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+@pytest.mark.parametrize("big", ["inputs", "logprobs"])  # a big input column, or big results (Parquet itself)
+def test_a_full_disk_while_the_results_are_written_is_a_clear_error_and_leaves_nothing(tmp_path, tiny_model_path,
+                                                                                        big):
+    rows = texts(40)
+    sampling = {"temperature": 0, "max_tokens": 4}
+    if big == "inputs":
+        rows = [{**r, "blob": base64.b64encode(os.urandom(6000)).decode()} for r in rows]
+    else:
+        sampling = {"temperature": 0, "max_tokens": 24, "logprobs": 20, "ignore_eos": True}
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_path, data, out, sampling=sampling, checkpoint={"every_rows": 4})
+    cmd = [sys.executable, "-m", "mlxbatch.cli", "run", str(job), "--no-progress"]
+    full = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=_limit_file_size(120_000))
+    assert full.returncode == 1, full.stderr
+    assert "could not write" in full.stderr and "results.parquet" in full.stderr, full.stderr
+    assert "Traceback" not in full.stderr
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp")), sorted(p.name for p in out.iterdir())
+    assert not (out / "_SUCCESS").exists()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "done: 40 rows" in again.stdout and len(results(out)) == 40
