@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import RayError
 
 from mlxbatch.engine import resolve_path
+from mlxbatch.job.executor import ExecutorError
 from mlxbatch.job.spec import JobSpec
 
 
@@ -62,9 +63,14 @@ def connected(address: str | None, actors: int | None, num_cpus: float) -> Itera
     if address is None and not os.environ.get("RAY_ADDRESS"):
         need = math.ceil((actors or 1) * num_cpus)
         kwargs.update(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False)
-    ray.init(address=address, **kwargs)
-    for s, h in handlers.items():
-        signal.signal(s, h)
+    try:
+        ray.init(address=address, **kwargs)
+    except Exception as exc:  # a bad address, no cluster there, a temp dir Ray cannot use, ...
+        where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+        raise ExecutorError(f"could not connect to {where}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

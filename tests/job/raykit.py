@@ -45,8 +45,21 @@ PROMPT = "{{ preamble }}\nQuestion: {{ q }}\nAnswer:"
 
 
 def cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``mlxbatch ARGS`` in a subprocess (``env``: the whole environment; default: this one's)."""
     return subprocess.Popen([sys.executable, "-m", "mlxbatch.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+                            stderr=subprocess.PIPE, env=os.environ if env is None else env)
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of processes whose command line contains ``text`` (Linux /proc)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and text in (d / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:

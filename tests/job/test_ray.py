@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -20,6 +21,7 @@ from raykit import (
     grouped_rows,
     manifest_rows,
     outputs,
+    processes_mentioning,
     shard_records,
     wait_for,
 )
@@ -186,6 +188,10 @@ def test_the_command_line_switches_executors(tmp_path, tiny_model_path):
     assert with_executor(spec, "ray", "10.0.0.1:6379").executor.address == "10.0.0.1:6379"
     rc, err = finish(cli(["run", str(tmp_path / "j" / "job.yaml"), "--ray", "--local"]))
     assert rc == 2 and "not both" in err
+    deep = tmp_path / ("d" * 100)  # a temp dir whose socket paths Ray cannot use: a clear error, no traceback
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(deep)}
+    rc, err = finish(cli(["run", str(tmp_path / "j" / "job.yaml"), "--ray", "--no-progress"], env))
+    assert rc == 1 and "could not connect to a local Ray cluster" in err and "Traceback" not in err, err
 
 
 def test_image_rows_run_on_actors_as_on_one_machine(cluster, tmp_path, tiny_vlm_path):
@@ -216,3 +222,28 @@ def test_actors_the_cluster_cannot_place_are_given_up_with_a_clear_error(cluster
     with pytest.raises(ExecutorError, match="did not load the model within 2 s"):
         JobRunner(validate_job(job), progress=False).run()
     assert read_progress(job.parent / "out")["state"] == "stopped"
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="looks for leftover Ray processes in /proc")
+def test_a_run_on_its_own_local_cluster_stops_cleanly_on_sigterm(tmp_path_factory, long_data, tiny_model_path):
+    """--ray without an address starts a cluster for the run; SIGTERM still finishes the shard and exits 130 (Ray's
+    own SIGTERM handler is undone), the cluster goes with the run, and the job resumes on one machine."""
+    root, path, expected = long_data
+    job = _job(root, "own-cluster", tiny_model_path, path, executor={"actors": 1, "num_cpus": 1}, engine=SLOW,
+               sampling=LONG)
+    out = job.parent / "out"
+    tmp_path = tmp_path_factory.mktemp("s")  # short: Ray's socket paths live under it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(tmp_path)}
+    proc = cli(["run", str(job), "--ray", "--no-progress"], env)
+    assert wait_for(lambda: manifest_rows(out) >= 10, proc, timeout=240), finish(proc)[1]
+    proc.send_signal(signal.SIGTERM)
+    rc, err = finish(proc)
+    assert rc == 130 and "resume" in err, err
+    assert read_progress(out)["state"] == "stopped"
+    deadline = time.monotonic() + 30
+    while processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:  # raylet, gcs, workers
+        time.sleep(0.5)
+    assert not processes_mentioning(str(tmp_path))
+    rc, err = finish(cli(["run", str(job), "--local", "--no-progress"]))
+    assert rc == 0, err
+    assert outputs(out, 300) == expected and read_progress(out) is None
