@@ -19,6 +19,7 @@ from mlxbatch.io.readers import InputFormat, InputSpec, ResolvedInput, count_row
 from mlxbatch.io.records import InputRow, ResultRecord
 from mlxbatch.io.schema import SHARD_SCHEMA, from_arrow, to_arrow
 from mlxbatch.io.writers import (
+    PROGRESS_NAME,
     ExpectedRow,
     FinalOutputs,
     clear_success,
@@ -30,7 +31,7 @@ from mlxbatch.io.writers import (
 )
 
 __all__ = [
-    "SHARD_SCHEMA", "CheckpointError", "CheckpointStore", "DuplicateIdTracker", "ExpectedRow", "FinalOutputs",
+    "PROGRESS_NAME", "SHARD_SCHEMA", "CheckpointError", "CheckpointStore", "DuplicateIdTracker", "ExpectedRow", "FinalOutputs",
     "IncompleteResultsError", "InputError", "InputFormat", "InputRow", "InputSpec", "OpenAIBatchOutputs",
     "OutputError", "RecoveryReport", "ResolvedInput", "ResultRecord", "ShardInfo", "canonical_params",
     "clear_success", "count_rows", "finalize", "foreign_files", "from_arrow", "mark_success", "open_reader", "remove_outputs",

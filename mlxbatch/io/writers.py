@@ -39,11 +39,12 @@ logger = logging.getLogger(__name__)
 RESULTS_NAME = "results.parquet"
 REPORT_NAME = "report.json"
 SUCCESS_NAME = "_SUCCESS"
+PROGRESS_NAME = "progress.json"  # a distributed run's per-actor progress while it runs (job.progress writes it)
 DEFAULT_ROW_GROUP_SIZE = 10_000
 MISSING_ERROR = "no result: the row was not processed"
 _EXPECTED_CHUNK = 65_536
 _INPUTS_SPOOL = ".inputs.arrow" + TMP_SUFFIX  # the current input columns while results.parquet is written
-OUTPUT_FILES = (RESULTS_NAME, REPORT_NAME, SUCCESS_NAME, OUTPUT_NAME, ERRORS_NAME)
+OUTPUT_FILES = (RESULTS_NAME, REPORT_NAME, SUCCESS_NAME, OUTPUT_NAME, ERRORS_NAME, PROGRESS_NAME)
 _OWN_NAMES = frozenset(OUTPUT_FILES) | {MANIFEST_NAME, SHARDS_DIR, ".lock"}
 
 # Result columns after ``id``, ``key`` and the input columns; logprobs only when some row has them. The records'

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlxbatch.io import PROGRESS_NAME
 from mlxbatch.io.atomic import atomic_write_json
 
-PROGRESS_NAME = "progress.json"
 STALE_S = 60.0  # no update for this long: the driver has probably stopped
 
 
