@@ -99,15 +99,25 @@ def _done_line(report: dict[str, Any], out_dir: str) -> str:
 @click.argument("job_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when on a terminal).")
 @_job_options
-def run(job_file: Path, progress: bool | None, sets: tuple[str, ...], limit: int | None, output: Path | None) -> None:
-    """Run JOB_FILE; run it again after a crash to resume where it stopped."""
+@click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+              help="Run on engine actors on a Ray cluster: ADDRESS, else executor.address, else $RAY_ADDRESS, "
+                   "else a local cluster (needs mlxbatch[ray]).")
+@click.option("--local", is_flag=True, help="Run in this process even if the job file says executor.kind: ray.")
+def run(job_file: Path, progress: bool | None, sets: tuple[str, ...], limit: int | None, output: Path | None,
+        ray_address: str | None, local: bool) -> None:
+    """Run JOB_FILE; run it again after a crash to resume where it stopped (with or without --ray)."""
     from mlxbatch.job.awake import keep_awake
     from mlxbatch.job.runner import JobRunner
+    from mlxbatch.job.spec import with_executor
     from mlxbatch.job.validate import validate_job
 
     try:
+        if ray_address is not None and local:
+            raise click.UsageError("give --ray or --local, not both")
+        spec = with_executor(validate_job(job_file, _overrides(sets, limit, output)),
+                             "local" if local else "ray" if ray_address is not None else None, ray_address or None)
         with keep_awake():  # macOS: no idle sleep while the job runs (caffeinate)
-            result = JobRunner(validate_job(job_file, _overrides(sets, limit, output)), progress=progress).run()
+            result = JobRunner(spec, progress=progress).run()
     except MlxbatchError as exc:
         _fail(exc)
     click.echo(_done_line(result.report, result.out_dir))

@@ -45,9 +45,9 @@ if [ -e .venv ] && ! "$PY" scripts/check_platform.py --venv .venv; then rm -rf .
 [ -x .venv/bin/python ] || { echo "mlxbatch setup: creating .venv with $("$PY" -V 2>&1) ($PY)"; "$PY" -m venv .venv; }
 .venv/bin/python -m pip install -q --upgrade pip
 case "$backend" in
-  metal) extra="dev,vlm" ;;
-  cuda13) extra="cuda13,dev,vlm" ;;
-  *) extra="cpu,dev,vlm" ;;
+  metal) extra="dev,vlm,ray" ;;
+  cuda13) extra="cuda13,dev,vlm,ray" ;;
+  *) extra="cpu,dev,vlm,ray" ;;
 esac
 .venv/bin/python -m pip install -q -e ".[$extra]"
 echo "mlxbatch setup: done (backend: $backend). Try: .venv/bin/mlxbatch generate --model smollm2 'Name three colours.'"

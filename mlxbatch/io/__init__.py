@@ -28,6 +28,7 @@ from mlxbatch.io.readers import (
 from mlxbatch.io.records import InputRow, ResultRecord
 from mlxbatch.io.schema import SHARD_SCHEMA, from_arrow, to_arrow
 from mlxbatch.io.writers import (
+    PROGRESS_NAME,
     ExpectedRow,
     FinalOutputs,
     clear_success,
@@ -39,7 +40,7 @@ from mlxbatch.io.writers import (
 )
 
 __all__ = [
-    "SHARD_SCHEMA", "CheckpointError", "CheckpointStore", "DuplicateIdTracker", "ExpectedRow", "FinalOutputs",
+    "PROGRESS_NAME", "SHARD_SCHEMA", "CheckpointError", "CheckpointStore", "DuplicateIdTracker", "ExpectedRow", "FinalOutputs",
     "IncompleteResultsError", "InputError", "InputFormat", "InputRow", "InputSpec", "OpenAIBatchOutputs",
     "OutputError", "RecoveryReport", "ResolvedInput", "ResultRecord", "ShardInfo", "canonical_params",
     "clear_success", "count_rows", "finalize", "foreign_files", "from_arrow", "input_schema", "mark_success",

@@ -40,15 +40,17 @@ logger = logging.getLogger(__name__)
 RESULTS_NAME = "results.parquet"
 REPORT_NAME = "report.json"
 SUCCESS_NAME = "_SUCCESS"
+PROGRESS_NAME = "progress.json"  # a distributed run's per-actor progress (job.actor_progress)
 DEFAULT_ROW_GROUP_SIZE = 10_000
 MISSING_ERROR = "no result: the row was not processed"
 _EXPECTED_CHUNK = 65_536
 _INPUTS_SPOOL = ".inputs.arrow" + TMP_SUFFIX  # the current input columns while results.parquet is written
-OUTPUT_FILES = (RESULTS_NAME, REPORT_NAME, SUCCESS_NAME, OUTPUT_NAME, ERRORS_NAME)
+OUTPUT_FILES = (RESULTS_NAME, REPORT_NAME, SUCCESS_NAME, OUTPUT_NAME, ERRORS_NAME, PROGRESS_NAME)
 _OWN_NAMES = frozenset(OUTPUT_FILES) | {MANIFEST_NAME, SHARDS_DIR, ".lock"}
 
 # Result columns after ``id``, ``key`` and the input columns; logprobs only when some row has them. The records'
-# ``extra`` JSON (task results: n > 1 samples, parsed JSON, scores) becomes one typed column per key, at the end.
+# ``extra`` JSON (task results: n > 1 samples, parsed JSON, scores) becomes one typed column per key, at the end
+# (keys starting with "_" stay in the shards only).
 _HEAD = [pa.field("id", pa.string()), pa.field("key", pa.string())]
 _TAIL = [
     pa.field("text", pa.string()), pa.field("finish_reason", pa.string()),
@@ -260,8 +262,9 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
     for part in _chunks(n, row_group_size):  # first pass: the expanded columns' names and types
         got = index.gather(sel.positions[part], ["inputs", "extra"] if has_extra else ["inputs"])
         planner.observe(_inputs_of(got, sel, part))
-        if has_extra:
-            extra_planner.observe(decode_inputs(got.column("extra").to_pylist()))
+        if has_extra:  # keys starting with "_" are checkpoint bookkeeping (e.g. the engine actor): not output
+            extra_planner.observe([{k: v for k, v in d.items() if not k.startswith("_")}
+                                   for d in decode_inputs(got.column("extra").to_pylist())])
     inputs = planner.columns()
     # task results (n > 1 samples, parsed JSON, scores, ...) become typed columns at the end, named by their key
     extras = [c for c in extra_planner.columns() if c.name not in {i.out_name for i in inputs}] if has_extra else []

@@ -101,6 +101,15 @@ class RowFeed:
             n += isinstance(item, Submit)
         return out
 
+    def take_window(self) -> list[Submit | Failed | Resumed]:
+        """The rest of the current window in plan order, or the next whole window when none is left: the rows one
+        partitioning covers (engines sharing a job split a window, never a prefix group across two windows)."""
+        if not self._queue and not self.exhausted:
+            self._read_window()
+        out = list(self._queue)
+        self._queue.clear()
+        return out
+
     def _read_window(self) -> None:
         runnable: list[tuple[int, PreparedRow]] = []
         imaged: list[tuple[int, PreparedRow]] = []  # decoded only when submitted (pictures are big): not planned

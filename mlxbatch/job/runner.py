@@ -1,7 +1,8 @@
-"""The job loop: read -> prepare -> skip done -> engine -> checkpoint -> final outputs.
+"""The job loop: read -> prepare -> skip done -> executor -> checkpoint -> final outputs.
 
 Owns one run of a job. The output folder is checked and locked before anything in it changes or a model loads
-(``job.outdir``). Rows stream in with bounded memory (at most a few batches in flight), finished results are
+(``job.outdir``). Rows stream in with bounded memory (at most a few batches in flight) to an executor
+(``job.executor``: this process's engine, or engine actors on a Ray cluster), finished results are
 checkpointed in atomic shards every N rows or T seconds, and only when every row is done (and every shard still
 matches its checksum: a shard that does not is set aside and its rows redone) are the final Parquet, the OpenAI
 Batch output, the run report and the success marker written, all under the lock. SIGINT/SIGTERM finish the
@@ -27,9 +28,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from mlxbatch.config import EngineConfig
-from mlxbatch.engine import REGISTRY, EngineCore, ModelSpec
-from mlxbatch.errors import InvalidRequestError, MlxbatchError
+from mlxbatch.errors import MlxbatchError
 from mlxbatch.io import (
     CheckpointError,
     CheckpointStore,
@@ -49,15 +48,15 @@ from mlxbatch.io import (
     write_report,
 )
 from mlxbatch.job.error_rate import ErrorRate
-from mlxbatch.job.feed import Failed, Resumed, RowFeed
-from mlxbatch.job.media import ImageError
+from mlxbatch.job.executor import Executor, ExecutorError, ModelInfo, open_executor
+from mlxbatch.job.feed import Resumed, RowFeed
 from mlxbatch.job.outdir import claim_output, prepare_output
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.progress import Progress
 from mlxbatch.job.report import RunStats, summarize_results
 from mlxbatch.job.spec import JobSpec
 from mlxbatch.job.status import JOB_SPEC_META
-from mlxbatch.job.tasks import output_columns, prompt_text, record_for, submit
+from mlxbatch.job.tasks import output_columns, prompt_text, record_for
 from mlxbatch.job.validate import input_spec
 from mlxbatch.types import RequestOutput
 
@@ -133,8 +132,6 @@ class JobRunner:
         spec = self.spec
         is_openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(input_spec(spec)))
         old = self._install_signals()
-        model_spec = ModelSpec(spec.model.path, spec.model.dtype, spec.model.adapter, spec.model.trust_remote_code)
-        user = f"job:{spec.output}"
         progress = Progress(self.progress, None)
         try:
             prepare_output(spec)
@@ -143,27 +140,24 @@ class JobRunner:
                 clear_success(spec.output)
                 previous = _previous_report(spec.output)
                 progress.loading(spec.model.path)
-                loaded = REGISTRY.acquire(model_spec, user)
-                try:
-                    self._save_job_meta(store, loaded)
-                    stats = self._generate(store, loaded, is_openai)
+                with open_executor(spec) as executor:  # this process's engine, or engine actors on a Ray cluster
+                    model = executor.model
+                    self._save_job_meta(store, model)
+                    stats = self._generate(store, executor, is_openai)
                     for _ in range(REDO_PASSES):  # shards that no longer match their checksum: redo their rows
                         if not store.verify():
                             break
                         log.warning("checkpoint shards changed on disk were set aside; redoing their rows")
-                        self._generate(store, loaded, is_openai, stats)
-                    preparer = RowPreparer(spec, loaded.identity, is_openai, loaded.vlm is not None,
-                                           loaded.context_length)
+                        self._generate(store, executor, is_openai, stats)
+                    preparer = RowPreparer(spec, model.identity, is_openai, model.takes_images, model.context_length)
                     final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns,
-                                     **output_columns(spec, loaded.tokenizer, self._input_schema()))
+                                     **output_columns(spec, model.tokenizer, self._input_schema()))
                     stats.final_rows = final.rows
-                finally:
-                    REGISTRY.release(model_spec, user)
                 if is_openai:
                     write_openai_batch_output(final.results_path, spec.output)
                 stats.disk = summarize_results(final.results_path)
                 stats.accuracy = stats.disk.accuracy
-                report = stats.report(spec, loaded, previous)
+                report = stats.report(spec, model, previous)
                 write_report(spec.output, report)
                 write_dataset_card(spec.output)
                 limit = ErrorRate(spec.max_error_rate)
@@ -185,7 +179,7 @@ class JobRunner:
     def _input_schema(self) -> Any:
         return input_schema(input_spec(self.spec))
 
-    def _save_job_meta(self, store: CheckpointStore, loaded: Any) -> None:
+    def _save_job_meta(self, store: CheckpointStore, model: ModelInfo) -> None:
         """The job as this run parsed it (command-line changes included) and what of the model its keys depend on
         (identity, whether it takes images, its context), so ``mlxbatch status OUT`` can tell current records from
         stale ones without the command line or the model. (The folder's owner, ``job.outdir``'s record, is kept
@@ -193,24 +187,19 @@ class JobRunner:
         spec = self.spec
         raw = json.loads(json.dumps(spec.raw or {}, default=str))
         meta = {"source": spec.source, "base_dir": str(spec.base_dir or Path.cwd()), "raw": raw,
-                "model_identity": loaded.identity, "takes_images": loaded.vlm is not None,
-                "context_length": loaded.context_length}
+                "model_identity": model.identity, "takes_images": model.takes_images,
+                "context_length": model.context_length}
         if store.get_meta(JOB_SPEC_META) != meta:
             store.set_meta(JOB_SPEC_META, meta)
 
-    def _generate(self, store: CheckpointStore, loaded: Any, is_openai: bool,
+    def _generate(self, store: CheckpointStore, executor: Executor, is_openai: bool,
                   redo_of: RunStats | None = None) -> RunStats:
         """Run every row whose current key is not checkpointed. ``redo_of``: a second pass adding to those stats
         (its resumed rows were counted by the first)."""
         spec = self.spec
-        self._tokenizer = loaded.tokenizer
-        e = spec.engine
-        core = EngineCore(loaded, EngineConfig(max_num_seqs=e.max_num_seqs,
-                                               max_num_batched_tokens=e.max_num_batched_tokens,
-                                               prefill_chunk_size=e.prefill_chunk_size,
-                                               kv_memory_fraction=e.kv_memory_fraction,
-                                               prefix_cache=e.prefix_cache, seed=spec.seed))
-        preparer = RowPreparer(spec, loaded.identity, is_openai, loaded.vlm is not None, loaded.context_length)
+        model = executor.model
+        self._tokenizer = model.tokenizer
+        preparer = RowPreparer(spec, model.identity, is_openai, model.takes_images, model.context_length)
         done = store.done_keys()
         if redo_of is None:
             total = count_rows(input_spec(spec))
@@ -222,14 +211,11 @@ class JobRunner:
         errors = ErrorRate(spec.max_error_rate)
         bar = Progress(self.progress and redo_of is None, stats.total)
         bar.start()
-        pending: dict[str, PreparedRow] = {}
-        order: dict[str, int] = {}  # key -> input position of the rows in flight
         buffer: list[ResultRecord] = []
         last_flush = time.monotonic()
         self._save_plan_params(store)
-        feed = RowFeed(self._rows(), preparer, loaded.tokenizer, done,
+        feed = RowFeed(self._rows(), preparer, model.tokenizer, done,
                        window=self.spec.plan.window, planned=self.spec.plan.enabled, done_errors=store.error_keys())
-        max_inflight = 4 * e.max_num_seqs
 
         def flush() -> None:
             nonlocal last_flush
@@ -246,67 +232,50 @@ class JobRunner:
 
         try:
             while True:
-                if len(pending) <= max_inflight // 2 and not feed.finished and self._stop_signal is None:
+                if not feed.finished and self._stop_signal is None:
                     skipped = feed.skipped
-                    for item in feed.take(max_inflight - len(pending)):
+                    for item in executor.take(feed):  # rows go to the engine(s); the feed's other items come back
                         if isinstance(item, Resumed):
                             errors.finished(item.index, item.error)
-                            continue
-                        if isinstance(item, Failed):
-                            finish(self._record(item.prep, None, loaded.identity, item.error, item.kind), item.index)
-                            continue
-                        prep = item.prep
-                        try:
-                            submit(core, prep, item.token_ids, item.cache_tokens)
-                        except InvalidRequestError as exc:
-                            kind = "constraint" if exc.field == "constraint" else "request"
-                            finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", kind),
-                                   item.index)
-                            continue
-                        except ImageError as exc:
-                            finish(self._record(prep, None, loaded.identity, f"{prep.row_id}: {exc}", "image"),
-                                   item.index)
-                            continue
-                        pending[prep.key] = prep
-                        order[prep.key] = item.index
+                        else:
+                            finish(self._record(item.prep, None, model.identity, item.error, item.kind), item.index)
                     if redo_of is None:
                         stats.skipped += feed.skipped - skipped
                     bar.skipped(feed.skipped - skipped)
-                if pending and self._stop_signal is None:
-                    for delta in core.step():
-                        if delta.output is not None and delta.request_id in pending:
-                            finish(self._record(pending.pop(delta.request_id), delta.output, loaded.identity),
-                                   order.pop(delta.request_id))
+                if executor.busy and self._stop_signal is None:
+                    for f in executor.poll():
+                        finish(self._record(f.prep, f.output, model.identity, f.error, f.error_kind, f.worker),
+                               f.index)
                 now = time.monotonic()
                 if len(buffer) >= spec.checkpoint.every_rows or now - last_flush >= spec.checkpoint.every_seconds:
                     flush()
-                bar.show(stats, len(pending), core)
+                bar.show(stats, executor.in_flight, executor)
                 if errors.exceeded():
                     flush()
                     raise JobFailed(f"{errors.message(errors.rows, errors.errors, str(spec.output))}. Errors by kind "
                                     f"this run: {dict(stats.errors_by_kind)}")
                 if self._stop_signal is not None:
-                    for key in list(pending):
-                        core.abort(key)
+                    executor.abort()
                     flush()
                     raise JobInterrupted(f"stopped by signal {self._stop_signal}; {stats.finished} rows "
                                          f"checkpointed in {spec.output}. Run the same command to resume.")
-                if feed.finished and not pending:
+                if feed.finished and not executor.busy:
                     flush()
                     break
         except KeyboardInterrupt:  # a second interrupt without exit_on_second_signal: stop now, keep what finished
-            for key in list(pending):
-                core.abort(key)
+            executor.abort()
             flush()
             raise JobInterrupted(f"interrupted; {stats.finished} rows checkpointed in {spec.output}. Run the same "
                                  "command to resume.") from None
+        except ExecutorError:
+            flush()  # what finished before the engines were lost is kept
+            raise
         finally:
-            bar.show(stats, len(pending), core, force=True)
+            bar.show(stats, executor.in_flight, executor, force=True)
             bar.close()
+            stats.engine = executor.stats()  # the executor's whole life: every pass
             if redo_of is None:
-                stats.engine = core.stats()
                 stats.plan = feed.stats.as_dict()
-            core.shutdown()
         return stats
 
     def _save_plan_params(self, store: CheckpointStore) -> None:
@@ -322,15 +291,19 @@ class JobRunner:
                 self.spec.plan, window=int(saved["window"]), enabled=bool(saved["enabled"])))
 
     def _record(self, prep: PreparedRow, out: RequestOutput | None, model_identity: str,
-                error: str | None = None, error_kind: str | None = None) -> ResultRecord:
+                error: str | None = None, error_kind: str | None = None, worker: str | None = None) -> ResultRecord:
         params = prep.params_json
         model = f"{self.spec.model.path}@{model_identity}"
         prompt = prompt_text(self.spec, prep, self._tokenizer) if self.spec.task.keep_prompt else None
         if out is None:
-            return ResultRecord.failed(prep.row_id, prep.key, error or "unknown error", error_kind or "error",
-                                       inputs=prep.inputs, model=model, params=params,
-                                       extra={"rendered_prompt": prompt} if prompt is not None else {})
-        return record_for(prep, out, model, self.spec.task, prompt)
+            record = ResultRecord.failed(prep.row_id, prep.key, error or "unknown error", error_kind or "error",
+                                         inputs=prep.inputs, model=model, params=params,
+                                         extra={"rendered_prompt": prompt} if prompt is not None else {})
+        else:
+            record = record_for(prep, out, model, self.spec.task, prompt)
+        if worker is not None:  # which engine actor ran it: kept in the shards, never in results.parquet
+            record = dataclasses.replace(record, extra={**record.extra, "_worker": worker})
+        return record
 
 
 def _previous_report(out_dir: Path) -> dict[str, Any] | None:

@@ -1,7 +1,8 @@
 """JobSpec: the job file, parsed and validated in exactly one place.
 
 Owns the YAML schema: the file as a whole (its top-level keys, keys given twice, the order its sections are parsed
-in) and the ``JobSpec`` assembled from its sections (``job.spec_sections``: each section's keys, types and checks).
+in) and the ``JobSpec`` assembled from its sections (``job.spec_sections``: each section's keys, types and checks;
+``job.spec_executor``: the executor section).
 Every problem is reported with its key path and reason (all of them at once) before any model loads; a key given
 twice in one mapping is a problem too (YAML would silently keep the last). Structural checks live here; checks that
 need the input data (template fields no row provides) live in ``job.validate``.
@@ -18,6 +19,7 @@ import yaml
 
 from mlxbatch.errors import MlxbatchError
 from mlxbatch.job.overrides import JobOverrides, apply_overrides
+from mlxbatch.job.spec_executor import ExecutorSection, parse_executor, with_executor
 from mlxbatch.job.spec_sections import (
     SAMPLING_KEYS,
     Checker,
@@ -41,9 +43,9 @@ from mlxbatch.job.spec_sections import (
     resolve_path,
 )
 
-__all__ = ["SAMPLING_KEYS", "CheckpointSection", "EngineSection", "InputSection", "JobSpec", "JobSpecError",
-           "ModelSection", "PlanSection", "PromptSection", "SamplingSection", "TaskSection", "constraint_from",
-           "load_job", "parse_job"]
+__all__ = ["SAMPLING_KEYS", "CheckpointSection", "EngineSection", "ExecutorSection", "InputSection", "JobSpec",
+           "JobSpecError", "ModelSection", "PlanSection", "PromptSection", "SamplingSection", "TaskSection",
+           "constraint_from", "load_job", "parse_job", "with_executor"]
 
 
 class JobSpecError(MlxbatchError):
@@ -70,12 +72,13 @@ class JobSpec:
     plan: PlanSection = PlanSection()
     task: TaskSection = TaskSection()
     overwrite: bool = False  # output.overwrite: take over a folder holding another job's results or other files
+    executor: ExecutorSection = ExecutorSection()  # where rows run: this process or engine actors (Ray)
     raw: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # the mapping it was parsed from
     base_dir: Path | None = field(default=None, compare=False, repr=False)  # relative paths are relative to it
 
 
 _TOP = {"model", "input", "prompt", "sampling", "output", "checkpoint", "engine", "seed", "max_error_rate", "plan", "task",
-        "score"}
+        "score", "executor"}
 
 
 def load_job(path: str | Path, overrides: JobOverrides | None = None) -> JobSpec:
@@ -151,8 +154,9 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     max_error_rate = c.typed(raw, "<top>", "max_error_rate", float, 0.1)
     if not 0 <= max_error_rate <= 1:
         c.bad("max_error_rate", f"must be in [0, 1], got {max_error_rate}")
+    executor = parse_executor(c, raw)
     c.problems = [(k.replace("<top>.", ""), r) for k, r in c.problems]
     if c.problems:
         raise JobSpecError(source, c.problems)
     return JobSpec(source, model, inp, prompt, sampling, resolve_path(base, out_path), checkpoint, engine, seed,
-                   max_error_rate, plan, task, overwrite, raw=raw, base_dir=base)
+                   max_error_rate, plan, task, overwrite, executor, raw=raw, base_dir=base)

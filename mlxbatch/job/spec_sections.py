@@ -4,13 +4,14 @@ constraint, checkpoint, engine, plan), and the ``Checker`` that collects every p
 Owns what each section's keys mean: their types, defaults and checks. A parser reports problems to the checker and
 returns its section (with defaults where a value was bad), so every problem of a file is found in one pass.
 ``job.spec`` owns the file as a whole (top-level keys, keys given twice, the order sections are parsed in) and
-assembles the ``JobSpec``.
+assembles the ``JobSpec``; ``job.spec_executor`` holds the executor section.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,9 @@ class Checker:
     def bad(self, key: str, reason: str) -> None:
         self.problems.append((key, reason))
 
-    def section(self, raw: dict[str, Any], name: str, shorthand: str | None = None) -> dict[str, Any]:
+    def section(self, raw: dict[str, Any], name: str, shorthand: str | None = None,
+                keys: Collection[str] | None = None) -> dict[str, Any]:
+        """The mapping ``raw[name]``, its unknown keys reported (``keys``: the known ones, else the section's)."""
         value = raw.get(name)
         if value is None:
             return {}
@@ -123,9 +126,10 @@ class Checker:
         if not isinstance(value, dict):
             self.bad(name, f"expected a mapping, got {type(value).__name__}")
             return {}
+        known = _SECTIONS.get(name) if keys is None else keys
         for key in value:
-            if name in _SECTIONS and key not in _SECTIONS[name]:
-                self.bad(f"{name}.{key}", f"unknown key (expected one of: {', '.join(sorted(_SECTIONS[name]))})")
+            if known is not None and key not in known:
+                self.bad(f"{name}.{key}", f"unknown key (expected one of: {', '.join(sorted(known))})")
         return value
 
     def typed(self, sec: dict[str, Any], path: str, key: str, kind: type | tuple[type, ...], default: Any) -> Any:

@@ -9,7 +9,7 @@ recorded). A folder without a recorded job falls back to the newest record of ea
 
 Strictly read-only and lock-free, so it works while a run is writing the folder: it reads the shard files
 directly and skips (and reports) any that do not open as a complete Arrow file; repairing is left to the
-next run.
+next run. A distributed run's progress file (``job.actor_progress``) adds a line per engine actor.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from mlxbatch.errors import MlxbatchError
 from mlxbatch.io import InputFormat, open_reader, resolve_inputs
+from mlxbatch.job.actor_progress import progress_lines, read_progress
 from mlxbatch.job.prepare import RowPreparer
 from mlxbatch.job.spec import JobSpec, load_job, parse_job
 from mlxbatch.job.validate import input_spec
@@ -153,6 +154,9 @@ def _summary(out_dir: Path, current: list[_Record], stale: int, total: int | Non
     if unreadable:
         lines.append(f"  shards that do not open (cut short by a crash; the next run redoes their rows): "
                      f"{', '.join(unreadable)}")
+    progress = read_progress(out_dir)  # a distributed run: per engine actor
+    if progress is not None and not complete:
+        lines += progress_lines(progress)
     if report and complete:
         work = report.get("last_work_run") or {}
         lines.append(f"  last run that did work: {work.get('finished', report['rows'].get('finished_this_run'))} "
@@ -161,4 +165,4 @@ def _summary(out_dir: Path, current: list[_Record], stale: int, total: int | Non
     return {"complete": complete, "rows_done": done, "total_rows": total, "percent": percent,
             "checkpointed_rows": done, "stale_records": stale, "shards": shards, "errors": errors,
             "errors_by_kind": dict(kinds), "unreadable_shards": unreadable, "counted_against": against,
-            "report": report, "summary": "\n".join(lines)}
+            "report": report, "progress": progress, "summary": "\n".join(lines)}

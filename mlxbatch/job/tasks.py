@@ -1,6 +1,7 @@
 """What a row asks of the engine, and what the engine's output becomes in the results.
 
-Owns the two task kinds of a job. ``generate``: text, with ``n`` samples as a list column and, under an output
+Owns the two task kinds of a job, and ``RowTask``: what one row asks of an engine (it crosses to an engine in
+another process; ``submit`` queues it, the plan's retention included for both kinds). ``generate``: text, with ``n`` samples as a list column and, under an output
 constraint, a check that the text really matches (the match in a ``parsed`` column: the JSON value, a struct
 typed from the schema, or the text of a choice / regex); a row whose output still does not match (cut by
 ``max_tokens``) is an error row of kind ``truncated`` or ``unparsed`` that keeps its text; with ``output.gold``,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -24,25 +26,45 @@ from mlxbatch.io import ResultRecord
 from mlxbatch.job.media import encode_row
 from mlxbatch.job.prepare import PreparedRow
 from mlxbatch.job.spec import JobSpec, TaskSection
-from mlxbatch.types import FinishReason, OutputConstraint, RequestOutput
+from mlxbatch.types import FinishReason, OutputConstraint, RequestOutput, SamplingParams
 
 _MAX_DEPTH = 16
 
 
-def submit(core: EngineCore, prep: PreparedRow, token_ids: list[int] | None, cache_tokens: int | None) -> None:
+@dataclass(frozen=True)
+class RowTask:
+    """What one row asks of an engine: everything the engine needs and nothing more (no input columns), so it
+    can cross to an engine in another process. The engine's request id is the row's result key."""
+
+    key: str
+    row_id: str  # for error messages
+    token_ids: list[int] | None  # None for a row with images: it is encoded when submitted
+    params: SamplingParams
+    cache_tokens: int | None = None  # the plan's retention (None when planning is off)
+    candidates: tuple[str, ...] | None = None  # task score
+    prompt: Any = None  # rows with images only: the rendered prompt the images go with
+    images: tuple[Any, ...] = ()  # io.images.ImageRef
+
+    @classmethod
+    def of(cls, prep: PreparedRow, token_ids: list[int] | None, cache_tokens: int | None) -> RowTask:
+        return cls(prep.key, prep.row_id, token_ids, prep.params, cache_tokens, prep.candidates,
+                   prep.prompt if prep.images else None, prep.images)
+
+
+def submit(core: EngineCore, task: RowTask) -> None:
     """Queue one row. Raises InvalidRequestError when the engine rejects it, ImageError when an image does not
     decode (the caller records a row error). Rows with images are encoded here, as they are submitted, so only
     the rows in flight hold decoded pictures."""
-    if prep.images:
-        if prep.candidates is not None:
-            raise InvalidRequestError("images", len(prep.images), "task score takes text rows only")
-        core.add_request(encode_row(core, prep.prompt, prep.images), prep.params, request_id=prep.key)
+    if task.images:
+        if task.candidates is not None:
+            raise InvalidRequestError("images", len(task.images), "task score takes text rows only")
+        core.add_request(encode_row(core, task.prompt, task.images), task.params, request_id=task.key)
         return
-    assert token_ids is not None
-    if prep.candidates is not None:
-        core.add_score_request(token_ids, prep.candidates, request_id=prep.key, cache_tokens=cache_tokens)
+    assert task.token_ids is not None
+    if task.candidates is not None:
+        core.add_score_request(task.token_ids, task.candidates, request_id=task.key, cache_tokens=task.cache_tokens)
     else:
-        core.add_request(token_ids, prep.params, request_id=prep.key, cache_tokens=cache_tokens)
+        core.add_request(task.token_ids, task.params, request_id=task.key, cache_tokens=task.cache_tokens)
 
 
 def _check(text: str, constraint: OutputConstraint, finish: FinishReason | None,

@@ -1,0 +1,73 @@
+"""One engine actor of a distributed run: an mlxbatch engine owning one device, inside a Ray worker process.
+
+Owns the remote side of the Ray executor's protocol. The model loads once, in ``__init__`` (``import mlxbatch``,
+which every import of this module runs first, preloads OpenBLAS before MLX). ``advance(tasks)`` queues the rows it
+is sent and steps the engine until a share of what it holds has finished (or a time budget passes), then returns the
+finished rows and the engine's counters; the driver sends the next rows with its next call, so an actor holds at
+most the driver's in-flight bound and rows arrive in the order the driver sends them (plan order). Nothing here
+imports Ray: the driver (``job.ray_exec``) makes the class remote, and the class works in-process too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mlxbatch.job.executor import RowDone, RowEngine, engine_config, model_spec, tokenizer_fingerprint
+from mlxbatch.job.spec import EngineSection, ModelSection
+from mlxbatch.job.tasks import RowTask
+
+MIN_ADVANCE_S = 0.05  # an advance call returns early (enough finished) only after this long
+
+
+@dataclass(frozen=True)
+class ActorInfo:
+    name: str
+    host: str
+    pid: int
+    device: str
+    blas: str | None
+    identity: str  # the model identity: part of every result key, so every actor must agree
+    dtype: str
+    tokenizer: str  # tokenizer_fingerprint: the driver tokenizes, so it must agree too
+    takes_images: bool
+    context_length: int
+
+
+@dataclass(frozen=True)
+class Advance:
+    done: list[RowDone]
+    stats: dict[str, Any]  # the engine's counters (EngineCore.stats)
+    busy_s: float  # time this engine spent stepping, in all
+
+
+class EngineActor:
+    def __init__(self, name: str, model: ModelSection, engine: EngineSection, seed: int) -> None:
+        from mlxbatch.engine import load_model
+
+        self.name = name
+        self.loaded = load_model(model_spec(model))
+        self.engine = RowEngine(self.loaded, engine_config(engine, seed))
+
+    def info(self) -> ActorInfo:
+        dev = self.engine.core.worker.device
+        m = self.loaded
+        return ActorInfo(self.name, socket.gethostname(), os.getpid(), dev.kind, dev.blas, m.identity, m.dtype,
+                         tokenizer_fingerprint(m.tokenizer), m.vlm is not None, m.context_length)
+
+    def advance(self, tasks: list[RowTask], budget_s: float, return_after: int) -> Advance:
+        """Queue ``tasks``, then step until ``return_after`` rows have finished (after at least MIN_ADVANCE_S),
+        ``budget_s`` has passed, or nothing is left."""
+        for task in tasks:
+            self.engine.submit(task)
+        done: list[RowDone] = []
+        t0 = time.perf_counter()
+        while self.engine.has_work:
+            done += self.engine.step()
+            elapsed = time.perf_counter() - t0
+            if elapsed >= budget_s or (len(done) >= return_after and elapsed >= MIN_ADVANCE_S):
+                break
+        return Advance(done, self.engine.stats(), self.engine.busy_s)

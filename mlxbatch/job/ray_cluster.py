@@ -1,0 +1,77 @@
+"""A Ray cluster for the Ray executor: connecting (or starting one on this machine), sizing the actor pool, and the
+model's tokenizer for the driver.
+
+Owns the driver's side of Ray's process: ``connected`` joins the cluster at an address (or ``$RAY_ADDRESS``, or
+starts a local one with enough logical CPUs for the actors) and leaves it afterwards only if it joined; Ray's own
+SIGTERM handler is undone so the run loop's signal handling stays in charge. The driver loads the tokenizer
+only (no weights): it tokenizes and plans, the actors run the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+
+from mlxbatch.engine import resolve_path
+from mlxbatch.job.executor import ExecutorError
+from mlxbatch.job.spec import JobSpec
+
+
+def kill(handle: Any) -> None:
+    try:
+        ray.kill(handle, no_restart=True)
+    except (RayError, ValueError):  # already gone
+        pass
+
+
+def fitting_actors(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> int:
+    """As many actors as the cluster's resources hold (at least one)."""
+    total = ray.cluster_resources()
+    wanted = {"CPU": num_cpus, "GPU": num_gpus, **resources}
+    fits = [int(total.get(name, 0) // amount) for name, amount in wanted.items() if amount > 0]
+    return max(1, min(fits, default=1))
+
+
+def driver_tokenizer(spec: JobSpec) -> Any:
+    """The model's tokenizer without its weights: the driver tokenizes and plans, the actors run the model."""
+    from mlx_lm.utils import load_tokenizer
+
+    m = spec.model
+    source = resolve_path(m.path)  # a folder, or a hub id (mlx-lm then fetches the tokenizer files only)
+    return load_tokenizer(Path(source) if Path(source).exists() else source,
+                          {"trust_remote_code": m.trust_remote_code})  # always explicit: transformers never asks
+
+
+@contextmanager
+def connected(address: str | None, actors: int | None, num_cpus: float) -> Iterator[str]:
+    """Ray, connected (a local cluster when no address is given and $RAY_ADDRESS is unset); shut down after only
+    when this block connected. Ray's own SIGTERM handler is undone: the run loop's handlers stay in charge."""
+    if ray.is_initialized():
+        yield ray.get_runtime_context().gcs_address
+        return
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "namespace": "mlxbatch"}
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        need = math.ceil((actors or 1) * num_cpus)
+        kwargs.update(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False)
+    try:
+        ray.init(address=address, **kwargs)
+    except Exception as exc:  # a bad address, no cluster there, a temp dir Ray cannot use, ...
+        where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+        raise ExecutorError(f"could not connect to {where}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()

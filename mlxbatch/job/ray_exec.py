@@ -1,0 +1,342 @@
+"""The Ray executor: one job's rows over engine actors on a Ray cluster, with this process as the only writer.
+
+Owns the driver side of a distributed run. Each window of the plan is cut into prefix-local units
+(``job.partition``) and queued largest first; an actor with room takes the next unit and its rows go to it in plan
+order, at most ``4 x max_num_seqs`` in flight per actor (``ray_actor.EngineActor.advance``: one call out per actor,
+the next sent as soon as one returns). Finished rows come back here and the run loop checkpoints them, so shards,
+keys and final outputs are a single-machine run's. An idle actor with nothing queued takes the tail of the busiest
+actor's unsent rows (cut at a weak link), so a window ends together.
+
+Failures: an actor that dies (or whose call fails) loses only the rows it held unreturned; they go to the front of
+the queue for the others, and a replacement actor starts while ``max_restarts`` allows. A result for a row that was
+given to another actor is dropped, so no row is recorded twice. The driver's own death leaves the checkpoint: the
+next run, with or without Ray, resumes it. ``progress.json`` (``job.actor_progress``) shows each actor while the
+run goes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+
+from mlxbatch.engine import common_prefix_len
+from mlxbatch.job.actor_progress import clear_progress, write_progress
+from mlxbatch.job.engine_stats import merge_engine_stats
+from mlxbatch.job.executor import ExecutorError, Finished, ModelInfo, tokenizer_fingerprint
+from mlxbatch.job.feed import Failed, Resumed, RowFeed, Submit
+from mlxbatch.job.partition import prefix_units, random_units, row_cost, split_for_steal
+from mlxbatch.job.ray_actor import ActorInfo, Advance, EngineActor
+from mlxbatch.job.ray_cluster import connected, driver_tokenizer, fitting_actors, kill
+from mlxbatch.job.spec import JobSpec
+from mlxbatch.job.tasks import RowTask
+
+log = logging.getLogger(__name__)
+
+ADVANCE_BUDGET_S = 0.5  # an actor reports back at least this often
+PROGRESS_EVERY_S = 1.0
+POLL_WAIT_S = 0.05
+
+
+@dataclasses.dataclass
+class Slot:
+    """One engine actor as the driver sees it: what it was given and what it did."""
+
+    name: str
+    handle: Any
+    state: str = "starting"  # starting | ready | dead
+    call: Any = None  # the pending info() / advance() call
+    info: ActorInfo | None = None
+    units: deque[list[Submit]] = dataclasses.field(default_factory=deque)  # taken, not sent yet (plan order)
+    in_flight: dict[str, Submit] = dataclasses.field(default_factory=dict)  # sent, not returned (in send order)
+    last_ids: list[int] = dataclasses.field(default_factory=list)  # the last row sent (for the prefill floor)
+    rows: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    floor_tokens: int = 0  # prefill this actor cannot avoid: each row's tokens beyond what the previous one shares
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)  # the engine's latest counters
+    busy_s: float = 0.0
+    error: str | None = None
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def queued(self) -> int:
+        return sum(len(u) for u in self.units)
+
+    def summary(self) -> dict[str, Any]:
+        i = self.info
+        prefill = int(self.engine.get("profile", {}).get("prefill_tokens", 0))
+        return {"name": self.name, "state": self.state, "host": i.host if i else None, "pid": i.pid if i else None,
+                "device": i.device if i else None, "blas": i.blas if i else None, "rows": self.rows,
+                "errors": self.errors, "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+                "floor_tokens": self.floor_tokens, "prefill_tokens": prefill,
+                "prefill_over_floor": round(prefill / self.floor_tokens, 4) if self.floor_tokens else None,
+                "busy_s": round(self.busy_s, 3), "error": self.error}
+
+
+class RayExecutor:
+    def __init__(self, spec: JobSpec, tokenizer: Any, address: str | None) -> None:
+        self.spec, self.tokenizer, self.address = spec, tokenizer, address
+        x = spec.executor
+        self.n_actors = x.actors or fitting_actors(x.num_cpus, x.num_gpus, x.resources)
+        self.restarts_left = self.n_actors if x.max_restarts is None else x.max_restarts
+        self.limit = 4 * spec.engine.max_num_seqs
+        self.slots: list[Slot] = []
+        self.queue: deque[list[Submit]] = deque()  # units not taken by an actor yet (plan order inside each)
+        self.feed_done = False
+        self.started_at = time.time()
+        self._last_progress = 0.0
+        self._fingerprint = tokenizer_fingerprint(tokenizer)
+        self.model: ModelInfo | None = None
+        for _ in range(self.n_actors):
+            self._start()
+
+    # -- actors -----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        x, name = self.spec.executor, f"actor-{len(self.slots)}"
+        options = {"num_cpus": x.num_cpus, "num_gpus": x.num_gpus, "max_restarts": 0, "max_task_retries": 0}
+        if x.resources:
+            options["resources"] = dict(x.resources)
+        handle = ray.remote(EngineActor).options(**options).remote(name, self.spec.model, self.spec.engine,
+                                                                     self.spec.seed)
+        slot = Slot(name, handle)
+        slot.call = handle.info.remote()
+        self.slots.append(slot)
+
+    def await_ready(self) -> None:
+        """Wait until every actor loaded the model; those that did not within ``start_timeout_s`` are given up."""
+        while any(s.state == "starting" for s in self.slots):
+            self.poll(wait_s=1.0)
+
+    def _ready(self, slot: Slot, info: ActorInfo) -> None:
+        slot.info = info
+        problem = None
+        if info.tokenizer != self._fingerprint:
+            problem = "its tokenizer encodes differently from the driver's (another model folder on that node?)"
+        elif self.model is not None and info.identity != self.model.identity:
+            problem = f"its model identity {info.identity} differs from {self.model.identity} (another model?)"
+        if problem:
+            self._lost(slot, f"refused on {info.host}: {problem}", replace=False)
+            return
+        if self.model is None:
+            self.model = ModelInfo(info.identity, info.dtype, self.tokenizer, info.takes_images, info.context_length)
+        slot.state = "ready"
+        log.info("%s ready on %s (pid %d, %s, BLAS %s)", slot.name, info.host, info.pid, info.device, info.blas)
+
+    def _lost(self, slot: Slot, why: str, replace: bool = True) -> None:
+        """An actor is gone: the rows it held unreturned go back to the front of the queue for the others."""
+        slot.state, slot.error, slot.call = "dead", why, None
+        rows = list(slot.in_flight.values()) + (slot.units.popleft() if slot.units else [])
+        for unit in reversed(slot.units):
+            self.queue.appendleft(unit)
+        if rows:
+            self.queue.appendleft(rows)
+        requeued = len(rows) + sum(len(u) for u in slot.units)
+        slot.in_flight.clear()
+        slot.units.clear()
+        kill(slot.handle)
+        log.warning("engine actor %s lost (%s); its %d unfinished rows go to the other actors", slot.name, why,
+                    requeued)
+        if replace and self.restarts_left > 0:
+            self.restarts_left -= 1
+            self._start()
+        if all(s.state == "dead" for s in self.slots):
+            raise ExecutorError(f"every engine actor is gone (last: {slot.name}: {why}); finished rows are "
+                                f"checkpointed in {self.spec.output}: run the job again to resume")
+
+    # -- rows in ----------------------------------------------------------------------------------
+    def take(self, feed: RowFeed) -> list[Failed | Resumed]:
+        other: list[Failed | Resumed] = []
+        low_water = self.limit * sum(s.state != "dead" for s in self.slots)
+        while not feed.finished and sum(len(u) for u in self.queue) < low_water:
+            rows: list[Submit] = []
+            for item in feed.take_window():
+                if isinstance(item, Submit):
+                    rows.append(item)
+                else:
+                    other.append(item)
+            self.queue.extend(self._units(rows))
+        self.feed_done = feed.finished
+        self._dispatch()
+        return other
+
+    def _units(self, rows: list[Submit]) -> list[list[Submit]]:
+        if not rows:
+            return []
+        links = [r.cache_tokens or 0 for r in rows]
+        costs = [row_cost(len(r.token_ids or ()), links[i - 1] if i else 0,
+                          0 if r.prep.candidates is not None else r.prep.params.max_tokens * r.prep.params.n)
+                 for i, r in enumerate(rows)]
+        if self.spec.executor.partition == "random":
+            units = random_units([r.prep.key for r in rows], costs, self.n_actors)
+        else:
+            units = prefix_units(links, costs, self.n_actors)
+        return [[rows[i] for i in u.rows] for u in units]
+
+    def _next_rows(self, slot: Slot, n: int) -> list[Submit]:
+        """Up to ``n`` rows for ``slot``: its own unsent rows, then whole units from the queue (or stolen) while they
+        keep it within an even share of what is left once the input is all read (the tail: a small job is not all
+        taken by the first actor to ask)."""
+        left = sum(len(u) for u in self.queue) + sum(len(s.in_flight) + s.queued for s in self.slots)
+        even = -(-left // max(1, sum(s.state == "ready" for s in self.slots)))
+        out: list[Submit] = []
+        while len(out) < n:
+            if not slot.units:
+                held = len(slot.in_flight) + len(out)
+                if held and self.feed_done and self.queue and held + len(self.queue[0]) > even:
+                    break
+                unit = self.queue.popleft() if self.queue else None if held >= even else self._steal(slot)
+                if unit is None:
+                    break
+                slot.units.append(unit)
+            head = slot.units[0]
+            k = n - len(out)
+            out += head[:k]
+            del head[:k]
+            if not head:
+                slot.units.popleft()
+        return out
+
+    def _steal(self, thief: Slot) -> list[Submit] | None:
+        """Unsent rows of the busiest actor for an idle one, once nothing else is left to hand out."""
+        if not self.feed_done:
+            return None
+        victim = max((s for s in self.slots if s is not thief and s.state == "ready"), key=lambda s: s.queued,
+                     default=None)
+        if victim is None or victim.queued < 2 * self.limit:
+            return None
+        if len(victim.units) > 1:
+            return victim.units.pop()
+        head = victim.units[0]
+        cut = split_for_steal([r.cache_tokens or 0 for r in head])
+        stolen = head[cut:]
+        del head[cut:]
+        return stolen
+
+    def _send(self, slot: Slot) -> None:
+        tasks = []
+        for r in self._next_rows(slot, self.limit - len(slot.in_flight)):
+            slot.in_flight[r.prep.key] = r
+            ids = r.token_ids or []
+            slot.floor_tokens += len(ids) - common_prefix_len(slot.last_ids, ids)
+            slot.last_ids = ids
+            tasks.append(RowTask.of(r.prep, r.token_ids, r.cache_tokens))
+        if tasks or slot.in_flight:
+            slot.call = slot.handle.advance.remote(tasks, ADVANCE_BUDGET_S, max(1, self.limit // 4))
+
+    def _dispatch(self) -> None:
+        for slot in self.slots:
+            if slot.state == "ready" and slot.call is None:
+                self._send(slot)
+
+    # -- rows out ---------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue) or any(s.in_flight or s.units for s in self.slots)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(s.in_flight) for s in self.slots)
+
+    def poll(self, wait_s: float = POLL_WAIT_S) -> list[Finished]:
+        calls = {s.call: s for s in self.slots if s.call is not None}
+        finished: list[Finished] = []
+        if not calls:
+            time.sleep(wait_s)  # nothing out: rows wait for an actor to free up or start
+        else:
+            ready, rest = ray.wait(list(calls), num_returns=1, timeout=wait_s)
+            if ready and rest:
+                ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+            for ref in ready:
+                slot = calls[ref]
+                slot.call = None
+                try:
+                    result = ray.get(ref)
+                except RayError as exc:
+                    self._lost(slot, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}")
+                    continue
+                if isinstance(result, ActorInfo):
+                    self._ready(slot, result)
+                else:
+                    finished += self._returned(slot, result)
+                    self._send(slot)  # the next rows go out before this process writes anything
+        timeout = self.spec.executor.start_timeout_s
+        for slot in self.slots:
+            if slot.state == "starting" and time.monotonic() - slot.started > timeout:
+                self._lost(slot, f"did not load the model within {timeout:.0f} s (no room on the cluster?)", False)
+        self._dispatch()
+        if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
+            self.write_progress("running")
+        return finished
+
+    def _returned(self, slot: Slot, adv: Advance) -> list[Finished]:
+        out = []
+        for d in adv.done:
+            row = slot.in_flight.pop(d.key, None)
+            if row is None:  # given to another actor meanwhile: that one's result counts
+                continue
+            slot.rows += 1
+            slot.errors += d.error is not None
+            if d.output is not None:
+                slot.prompt_tokens += d.output.prompt_tokens
+                slot.generated_tokens += d.output.generated_tokens
+            out.append(Finished(row.prep, d.output, row.index, d.error, d.error_kind, slot.name))
+        slot.engine, slot.busy_s = adv.stats, adv.busy_s
+        return out
+
+    def abort(self) -> None:
+        for slot in self.slots:
+            if slot.state != "dead":
+                kill(slot.handle)
+                slot.state, slot.call = "dead", None
+
+    # -- reporting --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        stats = merge_engine_stats([s.engine for s in self.slots if s.engine])
+        actors = [s.summary() for s in self.slots]
+        stats["executor"] = {"kind": "ray", "address": self.address, "partition": self.spec.executor.partition,
+                             "actors": actors, "floor_tokens": sum(a["floor_tokens"] for a in actors),
+                             "prefill_tokens": sum(a["prefill_tokens"] for a in actors)}
+        return stats
+
+    def write_progress(self, state: str) -> None:
+        self._last_progress = time.monotonic()
+        actors = [{**s.summary(), "in_flight": len(s.in_flight), "queued": s.queued} for s in self.slots]
+        write_progress(self.spec.output, {
+            "executor": "ray", "state": state, "address": self.address, "started_at": self.started_at,
+            "driver": {"host": socket.gethostname(), "pid": os.getpid()},
+            "rows_done": sum(s.rows for s in self.slots), "rows_queued": sum(len(u) for u in self.queue),
+            "actors": actors})
+
+    def shutdown(self) -> None:
+        self.abort()
+
+
+@contextmanager
+def open_ray_executor(spec: JobSpec) -> Iterator[RayExecutor]:
+    x = spec.executor
+    clear_progress(spec.output)
+    tokenizer = driver_tokenizer(spec)
+    with connected(x.address, x.actors, x.num_cpus) as address:
+        executor = RayExecutor(spec, tokenizer, address)
+        ok = False
+        try:
+            executor.await_ready()
+            yield executor
+            ok = True
+        finally:
+            executor.shutdown()
+            if ok:
+                clear_progress(spec.output)
+            else:
+                executor.write_progress("stopped")

@@ -1,0 +1,125 @@
+"""Executors without Ray: prefix-local partitions, merged engine counters, the executor section, the progress file,
+and a single-machine run that never imports Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jobkit import texts, write_job, write_jsonl
+
+from mlxbatch.job.actor_progress import progress_lines, read_progress, write_progress
+from mlxbatch.job.engine_stats import merge_engine_stats
+from mlxbatch.job.partition import (
+    prefix_groups,
+    prefix_units,
+    random_units,
+    span_cost,
+    split_for_steal,
+    split_group,
+)
+from mlxbatch.job.spec import JobSpecError, parse_job
+
+BASE = {"model": "m", "input": "in.jsonl", "prompt": "{{ x }}", "output": "out"}
+
+
+def test_prefix_groups_end_at_rows_that_share_nothing_with_the_next():
+    assert prefix_groups([30, 30, 0, 0, 20, 0]) == [(0, 3), (3, 4), (4, 6)]
+    assert prefix_groups([5, 5]) == [(0, 2)]  # a window may end inside a group (images come after)
+
+
+def test_a_group_larger_than_a_share_is_cut_at_its_weakest_link():
+    # 12 rows: two sub-groups of 6 sharing 100 tokens each, joined by a 20-token system prompt at row 5 -> 6
+    links = [100] * 5 + [20] + [100] * 5 + [0]
+    assert split_group(links, 0, 12, share=7) == [(0, 6), (6, 12)]  # not at 7 (the middle of a sub-group)
+    assert split_group(links, 0, 12, share=12) == [(0, 12)]
+    pieces = split_group([50] * 99 + [0], 0, 100, share=30)
+    assert len(pieces) == 4 and pieces[0][0] == 0 and pieces[-1][1] == 100
+    assert all(b[0] == a[1] for a, b in zip(pieces, pieces[1:])) and max(e - s for s, e in pieces) <= 30
+
+
+def test_units_keep_groups_whole_and_come_largest_first():
+    links = [40, 40, 40, 0, 0, 10, 0, 0]
+    costs = [100, 60, 60, 60, 80, 50, 50, 90]
+    units = prefix_units(links, costs, engines=2)
+    assert sorted(r for u in units for r in u.rows) == list(range(8))
+    assert units[0].rows == (0, 1, 2, 3) and [u.cost for u in units] == sorted((u.cost for u in units), reverse=True)
+    assert all(list(u.rows) == list(range(u.rows[0], u.rows[-1] + 1)) for u in units)  # contiguous, plan order
+    assert span_cost(links, costs, 2, 4) == 60 + 60 + 40  # a cut-out piece recomputes what it shared
+
+
+@given(st.lists(st.integers(0, 64), min_size=1, max_size=300), st.integers(1, 16))
+def test_units_cover_every_row_once_and_split_only_groups_larger_than_a_share(links, engines):
+    units = prefix_units(links, [1] * len(links), engines)
+    assert sorted(r for u in units for r in u.rows) == list(range(len(links)))
+    share = -(-len(links) // engines)
+    for s, e in prefix_groups(links):
+        holders = {i for i, u in enumerate(units) if s in u.rows or e - 1 in u.rows}
+        if e - s <= share:
+            assert len(holders) == 1
+    assert max(len(u.rows) for u in units) <= share
+
+
+def test_random_units_deal_by_key_and_keep_plan_order():
+    keys = [f"k{i}" for i in range(200)]
+    units = random_units(keys, [1] * 200, engines=4)
+    assert len(units) == 4 and sorted(r for u in units for r in u.rows) == list(range(200))
+    assert all(list(u.rows) == sorted(u.rows) for u in units)
+    assert units == random_units(keys, [1] * 200, engines=4)  # deterministic
+
+
+def test_a_steal_cuts_near_the_middle_at_a_weak_link():
+    assert split_for_steal([9, 9, 9, 9, 1, 9, 9, 9, 9, 0]) == 5
+    assert split_for_steal([0, 0]) == 1
+
+
+def test_engine_counters_of_actors_merge_into_one_report():
+    a = {"profile": {"prefill_tokens": 10, "decode_s": 1.5}, "kv_budget_bytes": 100, "kv_bytes": 10, "preemptions": 1,
+         "prefix_cache": {"tokens_reused": 5, "block_size": 16}, "vision_cache": None, "device": "cpu"}
+    b = {**a, "profile": {"prefill_tokens": 32, "decode_s": 0.5}, "vision_cache": {"hits": 3, "misses": 1,
+                                                                                  "hit_rate": 0.75}}
+    m = merge_engine_stats([a, b])
+    assert m["profile"] == {"prefill_tokens": 42, "decode_s": 2.0} and m["kv_budget_bytes"] == 200
+    assert m["prefix_cache"] == {"tokens_reused": 10, "block_size": 16} and m["device"] == "cpu"
+    assert m["vision_cache"] == {"hits": 3, "misses": 1, "hit_rate": 0.75} and merge_engine_stats([]) == {}
+
+
+def test_the_executor_section_is_checked_with_key_paths(tmp_path):
+    (tmp_path / "in.jsonl").write_text("{}\n")
+    spec = parse_job({**BASE, "executor": {"kind": "ray", "actors": 3, "num_gpus": 1, "resources": {"mac": 1}}},
+                     base_dir=tmp_path)
+    x = spec.executor
+    assert (x.kind, x.actors, x.num_gpus, x.resources, x.partition) == ("ray", 3, 1.0, {"mac": 1}, "prefix")
+    assert parse_job(BASE, base_dir=tmp_path).executor.kind == "local"
+    with pytest.raises(JobSpecError) as err:
+        parse_job({**BASE, "executor": {"kind": "spark", "actors": 0, "num_cpus": -1, "partition": "hash",
+                                        "resources": {"mac": "one"}, "workers": 2}}, base_dir=tmp_path)
+    keys = {k for k, _ in err.value.problems}
+    assert keys == {"executor.kind", "executor.actors", "executor.num_cpus", "executor.partition",
+                    "executor.resources.mac", "executor.workers"}
+
+
+def test_the_progress_file_says_when_its_driver_stopped_updating(tmp_path):
+    actor = {"name": "actor-0", "state": "ready", "host": "h", "pid": 7, "rows": 3, "errors": 1, "in_flight": 2,
+             "queued": 4, "generated_tokens": 9, "prefill_tokens": 30, "floor_tokens": 20}
+    write_progress(tmp_path, {"executor": "ray", "state": "running", "actors": [actor]})
+    lines = progress_lines(read_progress(tmp_path))
+    assert "1/1 actors live" in lines[0] and "may have stopped" not in lines[0]
+    assert "actor-0" in lines[2] and "3 rows (1 errors), 2 in flight" in lines[2] and "prefill/floor 1.50" in lines[2]
+    old = {**read_progress(tmp_path), "updated_at": time.time() - 3600}
+    assert "may have stopped" in progress_lines(old)[0]
+
+
+def test_a_single_machine_run_never_imports_ray(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(6))
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", executor={"actors": 2})  # kind: local
+    code = ("import sys; from mlxbatch.cli import main; sys.argv = ['mlxbatch', 'run', sys.argv[1], '--no-progress']\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+            "assert 'ray' not in sys.modules, 'ray was imported'\nprint('no ray')")
+    res = subprocess.run([sys.executable, "-c", code, str(job)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "no ray" in res.stdout, res.stderr
+    assert (tmp_path / "out" / "_SUCCESS").exists()

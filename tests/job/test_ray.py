@@ -1,0 +1,249 @@
+"""The Ray executor on a local Ray cluster this module starts once: the same outputs as a single-machine run, prefix
+groups kept on one actor, an actor killed mid-job, a driver killed and resumed with and without Ray."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from jobkit import write_job, write_jsonl
+from raykit import (
+    PROMPT,
+    cli,
+    exactly_once,
+    finish,
+    grouped_rows,
+    manifest_rows,
+    outputs,
+    processes_mentioning,
+    shard_records,
+    wait_for,
+)
+
+from mlxbatch.job.actor_progress import read_progress
+from mlxbatch.job.runner import JobFailed, JobRunner
+from mlxbatch.job.spec import with_executor
+from mlxbatch.job.status import read_status
+from mlxbatch.job.validate import validate_job
+
+ray = pytest.importorskip("ray")
+
+ROWS_PER_TOPIC, ALONE = 24, 24
+N = 4 * ROWS_PER_TOPIC + ALONE
+RAY = {"kind": "ray", "actors": 2, "num_cpus": 0.5, "max_restarts": 1, "start_timeout_s": 240}
+SLOW = {"max_num_seqs": 2}  # not part of the key: same outputs, a job long enough to hit mid-way
+LONG = {"temperature": 0.8, "max_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One local cluster for the module (fractional CPUs per actor: two actors and the driver fit 2 cores)."""
+    ray.init(num_cpus=2, _temp_dir=str(tmp_path_factory.mktemp("r")), include_dashboard=False,
+             namespace="mlxbatch-tests", logging_level=logging.WARNING)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, tiny_model_path):
+    """The input, and the outputs of an unbroken single-machine run of it."""
+    root = tmp_path_factory.mktemp("rayjob")
+    path = write_jsonl(root / "in.jsonl", grouped_rows(ROWS_PER_TOPIC, ALONE))
+    ref = _job(root, "reference", tiny_model_path, path, executor={"kind": "local"})
+    report = JobRunner(validate_job(ref), progress=False).run().report
+    return root, path, outputs(ref.parent / "out", N), report
+
+
+@pytest.fixture(scope="module")
+def long_data(tmp_path_factory, tiny_model_path):
+    """A longer job (300 rows, 24 tokens each) and its single-machine outputs: long enough to hit mid-way."""
+    root = tmp_path_factory.mktemp("rayjob-long")
+    path = write_jsonl(root / "in.jsonl", grouped_rows(60, 60))
+    ref = _job(root, "reference", tiny_model_path, path, sampling=LONG)
+    JobRunner(validate_job(ref), progress=False).run()
+    return root, path, outputs(ref.parent / "out", 300)
+
+
+def _job(root: Path, name: str, model: Path, data: Path, **overrides) -> Path:
+    d = root / name
+    d.mkdir()
+    return write_job(d, model, data, d / "out", prompt={"template": PROMPT}, checkpoint={"every_rows": 5},
+                     **overrides)
+
+
+def _topics(out: Path) -> dict[str, set[str]]:
+    """The actors each prefix group's rows ran on."""
+    groups: dict[str, set[str]] = {}
+    for r in shard_records(out):
+        groups.setdefault(r["id"].split("-")[0], set()).add(r["worker"])
+    return groups
+
+
+def test_two_actors_give_the_single_machine_results_with_prefix_groups_on_one_actor(cluster, data, tiny_model_path):
+    root, path, expected, local_report = data
+    job = _job(root, "two-actors", tiny_model_path, path, executor=RAY)
+    report = JobRunner(validate_job(job), progress=False).run().report
+    out = job.parent / "out"
+    assert outputs(out, N) == expected  # ids, keys, texts, errors: exactly the single-machine run's
+    assert pq.read_schema(out / "results.parquet") == pq.read_schema(root / "reference" / "out" / "results.parquet")
+    assert set(report) == set(local_report) and (out / "_SUCCESS").exists() and read_progress(out) is None
+    exactly_once(out)
+    groups = _topics(out)
+    assert all(len(groups[t]) == 1 for t in ("astro", "baking", "chess", "diving")), groups  # never split
+    assert set().union(*groups.values()) == {"actor-0", "actor-1"}  # both actors worked
+    ex = report["engine"]["executor"]
+    assert [a["rows"] for a in ex["actors"]] and sum(a["rows"] for a in ex["actors"]) == N
+    assert all(a["prefill_tokens"] > 0 and a["blas"] for a in ex["actors"])
+    # prefix reuse survived the split: the actors' floors add up to about the single-machine plan's
+    assert ex["floor_tokens"] <= 1.1 * report["plan"]["distinct_tokens"], (ex, report["plan"])
+
+    rnd = _job(root, "random", tiny_model_path, path, executor={**RAY, "partition": "random"})
+    rreport = JobRunner(validate_job(rnd), progress=False).run().report
+    assert outputs(rnd.parent / "out", N) == expected
+    assert any(len(w) > 1 for t, w in _topics(rnd.parent / "out").items() if t != "alone")  # groups spread
+    assert rreport["engine"]["executor"]["floor_tokens"] > 1.15 * ex["floor_tokens"]  # each group prefilled twice
+
+
+def test_row_errors_and_max_error_rate_work_across_actors(cluster, tmp_path, tiny_model_path):
+    rows = grouped_rows(4, 12)
+    rows[2] = {"id": "no-field", "preamble": "x"}  # render error (on the driver)
+    rows[5] = {**rows[5], "q": "word " * 6000}  # longer than the context: refused by an actor's engine
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    local = _job(tmp_path, "local", tiny_model_path, data, max_error_rate=0.5)
+    distributed = _job(tmp_path, "ray", tiny_model_path, data, executor=RAY, max_error_rate=0.5)
+    JobRunner(validate_job(local), progress=False).run()
+    report = JobRunner(validate_job(distributed), progress=False).run().report
+    got, want = outputs(distributed.parent / "out", len(rows)), outputs(local.parent / "out", len(rows))
+    assert got == want
+    assert {v[5] for v in got.values() if v[4]} == {"render", "request"} and report["rows"]["errors"] == 2
+
+    bad = [{**r, "q": "word " * 6000} if i % 2 else r for i, r in enumerate(grouped_rows(10, 20))]
+    job = _job(tmp_path, "too-many", tiny_model_path, write_jsonl(tmp_path / "bad.jsonl", bad), executor=RAY)
+    with pytest.raises(JobFailed, match="max_error_rate"):
+        JobRunner(validate_job(job), progress=False).run()
+    out = job.parent / "out"
+    assert manifest_rows(out) >= 20 and not (out / "_SUCCESS").exists()
+    assert read_progress(out)["state"] == "stopped"  # the actors were let go; status shows where it stopped
+
+
+def test_an_actor_killed_mid_job_loses_only_its_unfinished_rows(cluster, long_data, tiny_model_path):
+    root, path, expected = long_data
+    job = _job(root, "kill-actor", tiny_model_path, path, executor=RAY, engine=SLOW, sampling=LONG)
+    out = job.parent / "out"
+    proc = cli(["run", str(job), "--ray", cluster, "--no-progress"])
+
+    def victim():
+        p = read_progress(out)
+        busy = [a for a in (p or {}).get("actors", []) if a["state"] == "ready" and a["rows"] >= 5 and a["in_flight"]]
+        return busy[0] if busy and manifest_rows(out) >= 10 else None
+
+    target = wait_for(victim, proc)
+    assert target is not None, finish(proc)[1]
+    status = read_status(out)  # while it runs: one line per actor
+    assert "distributed run" in status["summary"] and "actor-0" in status["summary"] and "actor-1" in status["summary"]
+    os.kill(target["pid"], signal.SIGKILL)
+    rc, err = finish(proc)
+    assert rc == 0, err
+    assert outputs(out, 300) == expected
+    exactly_once(out)
+    actors = {a["name"]: a for a in json.loads((out / "report.json").read_text())["engine"]["executor"]["actors"]}
+    dead = actors[target["name"]]
+    assert dead["state"] == "dead" and "Died" in dead["error"] and "actor-2" in actors  # a replacement started
+    kept = sum(r["worker"] == target["name"] for r in shard_records(out))
+    assert kept == dead["rows"] > 0  # what it finished before dying was kept, not redone
+
+
+def test_a_killed_driver_leaves_a_job_the_next_run_resumes_with_or_without_ray(cluster, data, tiny_model_path):
+    root, path, expected, _ = data
+    job = _job(root, "kill-driver", tiny_model_path, path, executor={k: v for k, v in RAY.items() if k != "kind"},
+               engine=SLOW)
+    out = job.parent / "out"
+    for target in (15, 50):  # kill a distributed driver twice: the second run resumes the first
+        proc = cli(["run", str(job), "--ray", cluster, "--no-progress"])
+        assert wait_for(lambda t=target: manifest_rows(out) >= t, proc), finish(proc)[1]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not (out / "_SUCCESS").exists() and read_progress(out)["state"] == "running"  # left behind
+        assert "distributed run" in read_status(out)["summary"]
+    done_before = len(shard_records(out))  # the manifest may lag: a renamed shard is adopted on the next open
+    rc, err = finish(cli(["run", str(job), "--no-progress"]))  # the job file says local: the single machine
+    assert rc == 0, err
+    assert outputs(out, N) == expected
+    exactly_once(out)
+    report = json.loads((out / "report.json").read_text())
+    assert report["rows"]["resumed"] == done_before and "executor" not in report["engine"]
+    assert read_progress(out) is None
+
+
+def test_the_command_line_switches_executors(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", grouped_rows(1, 1))
+    spec = validate_job(_job(tmp_path, "j", tiny_model_path, data, executor=RAY))
+    assert spec.executor.kind == "ray" and with_executor(spec, "local").executor.kind == "local"
+    assert with_executor(spec, "ray", "10.0.0.1:6379").executor.address == "10.0.0.1:6379"
+    rc, err = finish(cli(["run", str(tmp_path / "j" / "job.yaml"), "--ray", "--local"]))
+    assert rc == 64 and "not both" in err  # a usage error (exit 64 since #15)
+    deep = tmp_path / ("d" * 100)  # a temp dir whose socket paths Ray cannot use: a clear error, no traceback
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(deep)}
+    rc, err = finish(cli(["run", str(tmp_path / "j" / "job.yaml"), "--ray", "--no-progress"], env))
+    assert rc == 1 and "could not connect to a local Ray cluster" in err and "Traceback" not in err, err
+
+
+def test_image_rows_run_on_actors_as_on_one_machine(cluster, tmp_path, tiny_vlm_path):
+    from test_vlm_job import ASK, image_folder
+
+    image_folder(tmp_path)
+    rows = [{"id": "a", "images": "pics/p1.png", "question": "What is it?"},
+            {"id": "two", "images": ["pics/p2.png", "pics/p3.png"], "question": "Compare them."},
+            {"id": "text", "question": "No picture here; name a fruit."},
+            {"id": "truncated", "images": "pics/truncated.png", "question": "What is it?"}]
+    data = write_jsonl(tmp_path / "data" / "in.jsonl", rows)
+    want = got = None
+    for name, executor in (("local", {"kind": "local"}), ("ray", RAY)):
+        job = write_job(tmp_path / "data", tiny_vlm_path, data, tmp_path / name, prompt=ASK, executor=executor,
+                        max_error_rate=1.0)
+        job.rename(tmp_path / f"{name}.yaml")
+        JobRunner(validate_job(tmp_path / f"{name}.yaml"), progress=False).run()
+        want, got = got, outputs(tmp_path / name, len(rows))
+    assert got == want and got["truncated"][5] == "image" and got["a"][1]
+
+
+def test_actors_the_cluster_cannot_place_are_given_up_with_a_clear_error(cluster, tmp_path, tiny_model_path):
+    from mlxbatch.job.executor import ExecutorError
+
+    data = write_jsonl(tmp_path / "in.jsonl", grouped_rows(2, 2))
+    job = _job(tmp_path, "no-room", tiny_model_path, data,
+               executor={**RAY, "resources": {"a-mac-we-do-not-have": 1}, "start_timeout_s": 2})
+    with pytest.raises(ExecutorError, match="did not load the model within 2 s"):
+        JobRunner(validate_job(job), progress=False).run()
+    assert read_progress(job.parent / "out")["state"] == "stopped"
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="looks for leftover Ray processes in /proc")
+def test_a_run_on_its_own_local_cluster_stops_cleanly_on_sigterm(tmp_path_factory, long_data, tiny_model_path):
+    """--ray without an address starts a cluster for the run; SIGTERM still finishes the shard and exits 130 (Ray's
+    own SIGTERM handler is undone), the cluster goes with the run, and the job resumes on one machine."""
+    root, path, expected = long_data
+    job = _job(root, "own-cluster", tiny_model_path, path, executor={"actors": 1, "num_cpus": 1}, engine=SLOW,
+               sampling=LONG)
+    out = job.parent / "out"
+    tmp_path = tmp_path_factory.mktemp("s")  # short: Ray's socket paths live under it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(tmp_path)}
+    proc = cli(["run", str(job), "--ray", "--no-progress"], env)
+    assert wait_for(lambda: manifest_rows(out) >= 10, proc, timeout=240), finish(proc)[1]
+    proc.send_signal(signal.SIGTERM)
+    rc, err = finish(proc)
+    assert rc == 130 and "resume" in err, err
+    assert read_progress(out)["state"] == "stopped"
+    deadline = time.monotonic() + 30
+    while processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:  # raylet, gcs, workers
+        time.sleep(0.5)
+    assert not processes_mentioning(str(tmp_path))
+    rc, err = finish(cli(["run", str(job), "--local", "--no-progress"]))
+    assert rc == 0, err
+    assert outputs(out, 300) == expected and read_progress(out) is None
