@@ -1,5 +1,5 @@
 """Executors without Ray: prefix-local partitions, merged engine counters, the executor section, the progress file,
-and a single-machine run that never imports Ray."""
+a single-machine run that never imports Ray, and the plan's retention reaching the engine for every row kind."""
 
 from __future__ import annotations
 
@@ -123,3 +123,38 @@ def test_a_single_machine_run_never_imports_ray(tmp_path, tiny_model_path):
     res = subprocess.run([sys.executable, "-c", code, str(job)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "no ray" in res.stdout, res.stderr
     assert (tmp_path / "out" / "_SUCCESS").exists()
+
+
+def test_the_plan_s_retention_reaches_the_engine_for_generate_and_score_rows(tiny_model_path):
+    """A RowTask's ``cache_tokens`` goes to ``add_request`` and to ``add_score_request`` alike, on the engine every
+    executor uses (``RowEngine``: the local executor's, and an engine actor's, run here in process as Ray runs it)."""
+    from mlxbatch.job.ray_actor import EngineActor
+    from mlxbatch.job.spec import EngineSection, ModelSection
+    from mlxbatch.job.tasks import RowTask
+    from mlxbatch.types import SamplingParams
+
+    actor = EngineActor("actor-0", ModelSection(str(tiny_model_path)), EngineSection(max_num_seqs=4), seed=0)
+    core, seen = actor.engine.core, {}
+
+    def spying(name):
+        real = getattr(core, name)
+
+        def spy(*args, **kwargs):
+            seen[kwargs["request_id"]] = (name, kwargs.get("cache_tokens"))
+            return real(*args, **kwargs)
+
+        return spy
+
+    for name in ("add_request", "add_score_request"):
+        setattr(core, name, spying(name))  # an instance attribute of our own engine: records, then calls the real one
+    ids = actor.loaded.tokenizer.encode("Is the sky blue? Answer:")
+    tasks = [RowTask("gen", "gen", ids, SamplingParams(max_tokens=2), cache_tokens=len(ids) - 2),
+             RowTask("score", "score", ids, SamplingParams(), cache_tokens=len(ids) - 1, candidates=(" yes", " no"))]
+    done = actor.advance(tasks, budget_s=30.0, return_after=2).done
+    while len(done) < 2:
+        done += actor.advance([], budget_s=30.0, return_after=2).done
+    assert seen == {"gen": ("add_request", len(ids) - 2), "score": ("add_score_request", len(ids) - 1)}
+    by_key = {d.key: d for d in done}
+    assert by_key["gen"].error is None and by_key["gen"].output.generated_tokens == 2
+    assert by_key["score"].error is None and len(by_key["score"].output.completions) == 2
+    actor.engine.shutdown()
