@@ -137,14 +137,23 @@ def gpu_suite(b: Bench) -> list[Table]:
     log(f"GPU suite at commit {commit}")
     t0 = time.perf_counter()
     tables, figures = [], {}
+    partial = Path(a.out) / "gpu_suite.partial.md" if a.out else None
+
+    def keep(tab: Table) -> None:  # each table as soon as it is measured: a run cut short keeps what it did
+        tables.append(tab)
+        if partial is not None:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            with partial.open("a") as f:
+                f.write(tab.render() + "\n")
+
     for name in a.suite_workloads.split(","):
         tab, fig = suite_workload(b, name, suite_rows(a.suite_rows, a.rows_scale, name))
-        tables.append(tab)
+        keep(tab)
         figures[name] = fig
     levels = [int(x) for x in a.decode_levels.split(",") if x.strip()]
     if levels:
         tab, dec = suite_decode(b, levels)
-        tables.append(tab)
+        keep(tab)
         figures["decode"] = dec
     summary = Table(f"GPU suite summary at commit {commit}", ["workload", "x B1", "x B1 (no cache)",
                                                               "prefill / floor", "cost/token cache vs off",
