@@ -75,10 +75,12 @@ class EngineCore:
         if self.config.prefix_cache:
             blocks = max(1, (self.config.prefix_cache_bytes or min(budget // 4, 2 << 30)) // block_bytes)
         self.runner = ModelRunner(loaded.model, self.worker.geometry, blocks, BLOCK_SIZE, vlm=loaded.vlm,
-                                  vision_cache_bytes=self.config.vision_cache_bytes)
+                                  vision_cache_bytes=self.config.vision_cache_bytes,
+                                  batch_invariant=self.config.batch_invariant)
         step_tokens = self.config.max_num_batched_tokens or (2048 if self.worker.device.kind == "cpu" else 8192)
         self.scheduler = Scheduler(
-            SchedulerConfig(self.config.max_num_seqs, step_tokens, self.config.prefill_chunk_size, budget),
+            SchedulerConfig(self.config.max_num_seqs, step_tokens, self.config.prefill_chunk_size, budget,
+                            self.runner.invariant_slice),
             self.runner.kv_cost, PrefixIndex(blocks, BLOCK_SIZE, block_bytes) if blocks else None)
         self._groups: dict[str, _Group] = {}
         self._aborted: set[str] = set()  # groups aborted since the last step
