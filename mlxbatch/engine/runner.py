@@ -22,7 +22,7 @@ from mlxbatch.engine.decoding.sampling import SampleRow, sample
 from mlxbatch.engine.decoding.structured import Matcher, SequenceGrammars
 from mlxbatch.engine.kv import KVLayout, reuse
 from mlxbatch.engine.kv.fixed_forwards import FixedForwards
-from mlxbatch.engine.kv.invariant import InvariantSlots, shapes_for
+from mlxbatch.engine.kv.invariant import InvariantSlots, shapes_for, smallest_linear_out
 from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.model.split import split_model
@@ -66,7 +66,8 @@ class ModelRunner:
             assert isinstance(slots, InvariantSlots)
             body, head = (self._split.body, self._split.head) if self._split else (model, None)
             device = "cpu" if mx.default_device() == mx.cpu else "gpu"
-            self._fixed = FixedForwards(slots, shapes_for(device, geometry.dtype), body, head, self.profile)
+            shapes = shapes_for(device, geometry.dtype, smallest_linear_out(model))
+            self._fixed = FixedForwards(slots, shapes, body, head, self.profile)
         # prefill chunks and reused prefixes start at multiples of this (0: anywhere), for the scheduler
         self.invariant_slice = self._fixed.shapes.slice_tokens if self._fixed is not None else 0
         self.batch: KVLayout = slots

@@ -195,7 +195,7 @@ def _output_table(gathered: pa.Table, sel: _Selection, part: slice, inputs: list
 def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[ExpectedRow] | None,
              keep_columns: Sequence[str] | None = None, *, row_group_size: int = DEFAULT_ROW_GROUP_SIZE,
              include_logprobs: bool | None = None, allow_missing: bool = False,
-             filename: str = RESULTS_NAME) -> FinalOutputs:
+             filename: str = RESULTS_NAME, metadata: Mapping[str, str] | None = None) -> FinalOutputs:
     """Write ``results.parquet``: one row per expected row, in the order given, streamed from the shards.
 
     ``expected`` is the current job's rows in input order as ``ExpectedRow(row_id, key)``; pass a generator
@@ -207,12 +207,13 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
     which writes them with ``error_kind == "missing"``. ``include_logprobs`` None: when any record has them.
     Memory: ~50 bytes per expected row plus one row group; shards (and the expected rows' inputs, spooled to a
     temporary Arrow file) stay memory-mapped. A write that fails raises ``OutputError`` and leaves no file behind.
+    ``metadata`` goes into the Parquet schema's key-value metadata (e.g. ``mlxbatch.batch_invariant``).
     """
     out = Path(out_dir)
     spool = _InputsSpool(out / _INPUTS_SPOOL)
     try:
         return _finalize(store, out, expected, keep_columns, row_group_size, include_logprobs, allow_missing,
-                         filename, spool)
+                         filename, spool, metadata)
     except OSError as exc:
         raise OutputError(f"could not write {out / filename}: {_reason(exc)}. Nothing was left behind and the "
                           "checkpoint is intact: free some space and run the job again") from exc
@@ -222,7 +223,8 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
 
 def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow] | None,
               keep_columns: Sequence[str] | None, row_group_size: int, include_logprobs: bool | None,
-              allow_missing: bool, filename: str, spool: _InputsSpool) -> FinalOutputs:
+              allow_missing: bool, filename: str, spool: _InputsSpool,
+              metadata: Mapping[str, str] | None = None) -> FinalOutputs:
     index = ShardIndex(list(store.iter_tables()))
     sel = _select(index, expected, spool)
     n = len(sel.positions)
@@ -246,7 +248,7 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
     has_logprobs = index.column_has_values("logprobs") if include_logprobs is None else include_logprobs
     tail = [f for f in _TAIL if (f.name != "logprobs" or has_logprobs) and f.name != "extra"]
     schema = pa.schema(_HEAD + [pa.field(c.out_name, c.type) for c in inputs] + tail
-                       + [pa.field(c.out_name, c.type) for c in extras])
+                       + [pa.field(c.out_name, c.type) for c in extras], metadata=dict(metadata or {}))
     needed = ["row_id", "key", "inputs"] + [f.name for f in tail] + (["extra"] if extras else [])
 
     error_rows = 0

@@ -41,6 +41,7 @@ class RunStats:
     engine: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
     accuracy: dict[str, Any] | None = None  # task score with an answer column: over every row of the results
+    batch_invariant: bool = False  # every output row computed with engine.batch_invariant (this run and earlier ones)
 
     def add(self, record: ResultRecord) -> None:
         self.finished += 1
@@ -66,6 +67,7 @@ class RunStats:
             "output": str(spec.output),
             "model": {"path": spec.model.path, "identity": loaded.identity, "dtype": loaded.dtype},
             "device": self.engine.get("device"),
+            "batch_invariant": self.batch_invariant,
             "host": platform.node(),
             "rows": {"output": self.final_rows, "finished_this_run": self.finished, "resumed": self.skipped,
                      "ok": self.finished - self.errors, "errors": self.errors},

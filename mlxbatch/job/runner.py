@@ -111,7 +111,8 @@ class JobRunner:
                         self._generate(store, loaded, is_openai, stats)
                     preparer = RowPreparer(spec, loaded.identity, is_openai, loaded.vlm is not None,
                                            loaded.context_length)
-                    final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns)
+                    final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns,
+                                     metadata={"mlxbatch.batch_invariant": str(stats.batch_invariant).lower()})
                     stats.final_rows = final.rows
                     stats.accuracy = accuracy(final.results_path)
                 finally:
@@ -146,7 +147,8 @@ class JobRunner:
                                                max_num_batched_tokens=e.max_num_batched_tokens,
                                                prefill_chunk_size=e.prefill_chunk_size,
                                                kv_memory_fraction=e.kv_memory_fraction,
-                                               prefix_cache=e.prefix_cache, seed=spec.seed))
+                                               prefix_cache=e.prefix_cache, batch_invariant=e.batch_invariant,
+                                               seed=spec.seed))
         preparer = RowPreparer(spec, loaded.identity, is_openai, loaded.vlm is not None, loaded.context_length)
         done = store.done_keys()
         stats = redo_of or RunStats(total=count_rows(self._input_spec()), resumed_shards=len(store.shards))
@@ -158,6 +160,7 @@ class JobRunner:
         buffer: list[ResultRecord] = []
         last_flush = last_log = time.monotonic()
         self._save_plan_params(store)
+        stats.batch_invariant = self._record_invariance(store)
         feed = RowFeed(open_reader(self._input_spec()), preparer, loaded.tokenizer, done,
                        window=self.spec.plan.window, planned=self.spec.plan.enabled, done_errors=store.error_keys())
         max_inflight = 4 * e.max_num_seqs
@@ -249,6 +252,19 @@ class JobRunner:
             log.warning("resuming with the plan of the first run %s (the job file now says %s)", saved, current)
             self.spec = dataclasses.replace(self.spec, plan=dataclasses.replace(
                 self.spec.plan, window=int(saved["window"]), enabled=bool(saved["enabled"])))
+
+    def _record_invariance(self, store: CheckpointStore) -> bool:
+        """Whether every row of the output is computed batch-invariant: this run has ``engine.batch_invariant`` and
+        so had every earlier run that checkpointed rows here (kept in the manifest)."""
+        flag = self.spec.engine.batch_invariant
+        prior = store.get_meta("batch_invariant")
+        now = flag and (prior if prior is not None else not store.shards)
+        if prior != now:
+            store.set_meta("batch_invariant", now)
+        if flag and not now:
+            log.warning("engine.batch_invariant: rows checkpointed by an earlier run without it keep their results, "
+                        "so the output as a whole is not batch-invariant (output.overwrite: true recomputes them)")
+        return now
 
     def _record(self, prep: PreparedRow, out: RequestOutput | None, model_identity: str,
                 error: str | None = None, error_kind: str | None = None) -> ResultRecord:

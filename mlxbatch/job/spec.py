@@ -76,6 +76,7 @@ class EngineSection:  # the defaults are EngineConfig's (one definition)
     prefill_chunk_size: int = EngineConfig.prefill_chunk_size
     kv_memory_fraction: float = EngineConfig.kv_memory_fraction
     prefix_cache: bool = EngineConfig.prefix_cache
+    batch_invariant: bool = EngineConfig.batch_invariant
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,8 @@ _SECTIONS: dict[str, set[str]] = {
     "output": {"path", "choice", "regex", "json_schema", "constraint_column", "overwrite"},
     "score": {"candidates", "answer"},
     "checkpoint": {"every_rows", "every_seconds"},
-    "engine": {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_memory_fraction", "prefix_cache"},
+    "engine": {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_memory_fraction", "prefix_cache",
+               "batch_invariant"},
     "plan": {"enabled", "window"},
 }
 _FORMATS = {"auto", "jsonl", "parquet", "hf", "openai-batch"}

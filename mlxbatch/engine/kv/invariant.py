@@ -39,8 +39,8 @@ import mlx.core as mx
 from mlxbatch.engine.kv.slot_forward import plan_forward
 from mlxbatch.engine.kv.slots import POSITION_STEP, SlotBatch
 
-MIN_KV_WIDTH = 256
-CPU_FLOAT32_MIN_TOKENS = 32  # OpenBLAS's small-matrix kernel runs when M * N_out <= 1200: 32 covers N_out >= 38
+KV_WIDTH_STEP = 256
+OPENBLAS_SMALL_MN = 1200  # OpenBLAS (0.3.x, x86-64) runs x @ W.T through its small-matrix kernel when M * N <= this
 ENV_OVERRIDE = "MLXBATCH_INVARIANT_SHAPES"  # e.g. "slice=64,decode=128,prefill=8,head=128" (measurement only)
 
 
@@ -56,8 +56,12 @@ class Shapes:
         assert self.slice_tokens >= 1 and min(self.decode_rows, self.prefill_rows, self.head_rows) >= 1
 
     def kv_width(self, n: int) -> int:
-        """Keys read by queries whose row holds ``n`` positions after the forward: 256, 384, 512, 768, 1024, ..."""
-        width = MIN_KV_WIDTH
+        """Keys read by queries whose row holds ``n`` positions after the forward: a multiple of 256 up to 1024,
+        then 1536, 2048, 3072, 4096, ... (coarse enough that rows share forwards, fine enough that little of the
+        attention reads padding)."""
+        if n <= 1024:
+            return max(KV_WIDTH_STEP, -(-n // KV_WIDTH_STEP) * KV_WIDTH_STEP)
+        width = 1024
         while width < n:
             width = width * 3 // 2 if width & (width - 1) == 0 else width // 3 * 4
         return width
@@ -91,11 +95,14 @@ class Shapes:
         return out
 
 
-def shapes_for(device: str, dtype: str) -> Shapes:
-    """The fixed shapes on this device (``MLXBATCH_INVARIANT_SHAPES`` overrides them, for measurements)."""
+def shapes_for(device: str, dtype: str, smallest_out: int) -> Shapes:
+    """The fixed shapes on this device for a model whose narrowest linear layer has ``smallest_out`` outputs
+    (``MLXBATCH_INVARIANT_SHAPES`` overrides them, for measurements)."""
     if device == "cpu":
-        floor = CPU_FLOAT32_MIN_TOKENS if dtype == "float32" else 1
         slice_tokens = 16
+        # float32 goes through OpenBLAS: at least enough token rows that no linear layer takes its small-matrix
+        # kernel; MLX's own bfloat16 / float16 GEMM reduces in one order whatever M (no floor needed)
+        floor = OPENBLAS_SMALL_MN // max(1, smallest_out) + 1 if dtype == "float32" else 1
         shapes = Shapes(slice_tokens, floor, -(-floor // slice_tokens), floor, exact=False)
     else:  # GPU: kernels are chosen by shape, so every forward has one of these shapes exactly
         shapes = Shapes(64, 128, 8, 128, exact=True)
@@ -106,6 +113,14 @@ def shapes_for(device: str, dtype: str) -> Shapes:
         shapes = replace(shapes, **{names[k.strip()]: int(v) for k, v in kv.items() if k.strip() in names},
                          **({"exact": kv["exact"].strip() in ("1", "true")} if "exact" in kv else {}))
     return shapes
+
+
+def smallest_linear_out(model: Any) -> int:
+    """Outputs of the model's narrowest linear layer (its matmuls' smallest ``N``)."""
+    import mlx.nn as nn
+
+    outs = [m.weight.shape[0] for m in model.modules() if isinstance(m, nn.Linear | nn.QuantizedLinear)]
+    return min(outs, default=1)
 
 
 def grouped_order(ids: Sequence[str], key: Callable[[str], Hashable]) -> list[str]:
