@@ -22,7 +22,7 @@ from mlxbatch.engine.decoding.sampling import SampleRow, sample
 from mlxbatch.engine.decoding.structured import Matcher, SequenceGrammars
 from mlxbatch.engine.kv import KVLayout, reuse
 from mlxbatch.engine.kv.fixed_forwards import FixedForwards
-from mlxbatch.engine.kv.invariant import InvariantSlots, shapes_for, smallest_linear_out
+from mlxbatch.engine.kv.invariant import InvariantSlots, check_rows, shapes_for, smallest_linear_out
 from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.model.split import split_model
@@ -67,6 +67,9 @@ class ModelRunner:
             body, head = (self._split.body, self._split.head) if self._split else (model, None)
             device = "cpu" if mx.default_device() == mx.cpu else "gpu"
             shapes = shapes_for(device, geometry.dtype, smallest_linear_out(model))
+            failed = check_rows(body, head, shapes)
+            if failed:
+                raise InvalidRequestError("batch_invariant", True, f"cannot hold on this device: {failed}")
             self._fixed = FixedForwards(slots, shapes, body, head, self.profile)
         # prefill chunks and reused prefixes start at multiples of this (0: anywhere), for the scheduler
         self.invariant_slice = self._fixed.shapes.slice_tokens if self._fixed is not None else 0

@@ -123,6 +123,39 @@ def smallest_linear_out(model: Any) -> int:
     return min(outs, default=1)
 
 
+def check_rows(body: Any, head: Any, shapes: Shapes, vocab_size: int = 16) -> str | None:
+    """Test the assumption the shapes rest on, once, on this device: a row's output does not change with the rows
+    beside it, its position among them, or (``exact`` off) their number above the floor. Returns what failed (None:
+    it held). A few small forwards of the body (``T = 1``, no cache, token ids below ``vocab_size``) and of the head."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def two_ways(rows: int) -> tuple[mx.array, mx.array, int]:
+        """Token ids for ``rows`` rows, and for ``n`` rows holding the first one's token at row ``n // 2``."""
+        n = rows if shapes.exact else 2 * rows + 3
+        a = rng.integers(0, vocab_size, size=(rows, 1))
+        b = rng.integers(0, vocab_size, size=(n, 1))
+        b[n // 2, 0] = a[0, 0]
+        return mx.array(a, dtype=mx.int32), mx.array(b, dtype=mx.int32), n // 2
+
+    def same(out_a: mx.array, out_b: mx.array, at: int) -> bool:
+        mx.eval(out_a, out_b)
+        return np.array_equal(np.array(out_a[0].astype(mx.float32)), np.array(out_b[at].astype(mx.float32)))
+
+    try:
+        a, b, at = two_ways(shapes.decode_rows)
+        if not same(body(a), body(b), at):
+            return f"the model gives a row other bits among other rows ({a.shape[0]} vs {b.shape[0]} rows)"
+        if head is not None:
+            a, b, at = two_ways(shapes.head_rows)
+            if not same(head(body(a)), head(body(b)), at):  # the body's rows are checked above: this is the head's
+                return f"the LM head gives a row other bits among other rows ({a.shape[0]} vs {b.shape[0]} rows)"
+    except (TypeError, ValueError):  # a body that needs more than token ids: nothing to check this way
+        return None
+    return None
+
+
 def grouped_order(ids: Sequence[str], key: Callable[[str], Hashable]) -> list[str]:
     """``ids`` reordered so that equal keys are contiguous (in sorted key order), leaving every id already inside
     its key's block where it is (row moves copy KV: only misplaced rows move)."""
