@@ -67,12 +67,12 @@ class Shapes:
         return width
 
     def kv_cost_positions(self, reserved: Sequence[int]) -> int:
-        """KV positions the slot buffers hold for sequences of these reserved lengths (rows x the widest key
-        width, in whole position steps)."""
+        """KV positions the slot buffers hold for sequences of these reserved lengths: their rows plus the padding
+        rows a forward may run past them, times the widest key width (in whole position steps)."""
         if not reserved:
             return 0
         width = self.kv_width(max(reserved) + self.slice_tokens)
-        return len(reserved) * -(-width // POSITION_STEP) * POSITION_STEP
+        return (len(reserved) + self.decode_rows) * -(-width // POSITION_STEP) * POSITION_STEP
 
     def spans(self, members: Sequence[int], rows: int) -> list[tuple[int, int]]:
         """Row ranges ``[lo, hi)`` of the forwards that run these rows (sorted row indices). ``exact``: ranges of
