@@ -127,6 +127,27 @@ def test_row_alone_equals_row_in_any_batch(tiny_loaded, tiny_bf16, dtype):
         assert generate(loaded, [prompts[i]], [ps[i]], max_num_seqs=1) == [batch[i]], i
 
 
+def test_exact_row_tiles_as_on_a_gpu(tiny_loaded, monkeypatch):
+    """The GPU policy (every forward exactly so many rows; 64-token slices, so cached blocks are reused four at a
+    time), run on the CPU: rows alone, batched over several decode tiles, and after cache hits agree bitwise."""
+    from mlxbatch.engine.kv.invariant import InvariantSlots
+
+    monkeypatch.setenv("MLXBATCH_INVARIANT_SHAPES", "slice=64,decode=12,prefill=3,head=12,exact=1")
+    shapes, real = set(), InvariantSlots.forward_fixed
+
+    def recorded(self, model, start, tokens, offsets, kv_width):
+        shapes.add((len(tokens), len(tokens[0])))
+        return real(self, model, start, tokens, offsets, kv_width)
+
+    monkeypatch.setattr(InvariantSlots, "forward_fixed", recorded)
+    prompts, ps = rows(30, seed=8, shared=150), params(30, max_tokens=6)
+    batch = generate(tiny_loaded, prompts, ps, max_num_seqs=30)
+    assert shapes == {(12, 1), (3, 64)}  # every decode forward 12 rows, every prefill forward 3 slices of 64
+    assert generate(tiny_loaded, prompts, ps, max_num_seqs=5, prefix_cache=False) == batch
+    for i in (0, 7):
+        assert generate(tiny_loaded, [prompts[i]], [ps[i]], max_num_seqs=1) == [batch[i]], i
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_row_alone_equals_row_in_a_batch(dtype):
     from mlxbatch.models.smollm2 import ensure_smollm2

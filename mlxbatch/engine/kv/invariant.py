@@ -11,7 +11,7 @@ pass to two at ~1024 keys and pick their split by ``N``) and the query width (``
 queries). So in these forwards:
 
 - **Key width.** A row's queries read exactly ``kv_width(n)`` keys, where ``n`` is the row's own length after the
-  forward (a bucket: 256, 384, 512, 768, 1024, 1536, ...), through an array mask. Rows of different buckets never
+  forward (a bucket: 256, 512, 768, 1024, 1536, 2048, ...), through an array mask. Rows of different buckets never
   share a forward.
 - **Query width.** Decode runs ``T = 1``; prefill runs slices of exactly ``slice_tokens`` tokens (the last one
   right-padded), starting at multiples of ``slice_tokens``, so a position is always computed in the same slice,
@@ -22,9 +22,10 @@ queries). So in these forwards:
   kernel (measured: one result class for every ``M`` from 10 to 2048), and MLX's own bfloat16/float16 CPU GEMM
   reduces in a fixed order whatever ``M`` (no floor needed).
 
-What stays backend-specific is only the assumption these rules rest on: a kernel's per-row result is a function of
-the call's shapes, not of the row's position in the batch or of other rows' values (true of every GEMM without
-cross-row reductions and of attention kernels, which treat batch entries independently).
+The rules rest on one assumption: a kernel's per-row result is a function of the call's shapes, not of the row's
+position in the batch or of other rows' values (true of every GEMM without cross-row reductions and of attention
+kernels, which treat batch entries independently). ``check_rows`` tests it once per engine; what differs per backend
+is only which shapes must be fixed exactly (``shapes_for``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import mlx.core as mx
 
 from mlxbatch.engine.kv.slot_forward import plan_forward
 from mlxbatch.engine.kv.slots import POSITION_STEP, SlotBatch
+from mlxbatch.engine.sched.blocks import BLOCK_SIZE
 
 KV_WIDTH_STEP = 256
 OPENBLAS_SMALL_MN = 1200  # OpenBLAS (0.3.x, x86-64) runs x @ W.T through its small-matrix kernel when M * N <= this
@@ -112,6 +114,9 @@ def shapes_for(device: str, dtype: str, smallest_out: int) -> Shapes:
         kv = dict(part.split("=") for part in spec.split(",") if part)
         shapes = replace(shapes, **{names[k.strip()]: int(v) for k, v in kv.items() if k.strip() in names},
                          **({"exact": kv["exact"].strip() in ("1", "true")} if "exact" in kv else {}))
+    if shapes.slice_tokens % BLOCK_SIZE:
+        raise ValueError(f"{ENV_OVERRIDE}: slice={shapes.slice_tokens} must be a multiple of the prefix cache's "
+                         f"{BLOCK_SIZE}-token blocks")
     return shapes
 
 
