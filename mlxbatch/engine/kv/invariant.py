@@ -199,6 +199,13 @@ class InvariantSlots(SlotBatch):
         self._pass = plan_forward(start, offsets, T, self.batched_moves, kv_width=kv_width)
         return model(mx.array([list(t) for t in tokens], dtype=mx.int32), cache=self.layers)
 
+    def shrink(self) -> None:
+        """Give capacity back only once no row is left: forwards run past the last row (padding rows) and read key
+        widths past the longest row, so shrinking to the rows and positions in use would regrow (copy every buffer)
+        at the next step."""
+        if not self.ids:
+            super().shrink()
+
     def frontier(self, row: int) -> int:
         """Where a padding write into ``row`` harms nothing: its committed length (0 past the last row)."""
         return self.lengths[row] if row < len(self.ids) else 0
