@@ -204,6 +204,16 @@ def test_scores_alone_equal_scores_in_a_batch(tiny_loaded):
     assert [scores([it], max_num_seqs=1)[0] for it in items[:3]] == together[:3]
 
 
+def test_constrained_rows_alone_equal_constrained_rows_in_a_batch(tiny_loaded):
+    from mlxbatch.types import OutputConstraint
+
+    prompts = rows(8, seed=9)
+    ps = [SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i, max_tokens=12, logprobs=1,
+                         constraint=OutputConstraint.regex("[a-z]{2,8}( [a-z]{2,8})?")) for i in range(8)]
+    batch = generate(tiny_loaded, prompts, ps, max_num_seqs=8)
+    assert [generate(tiny_loaded, [prompts[i]], [ps[i]], max_num_seqs=1)[0] for i in (0, 3)] == [batch[0], batch[3]]
+
+
 # -- preemption ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fail_at", [3, 9])
