@@ -14,6 +14,7 @@ class EngineConfig:
     ``kv_memory_fraction`` of the memory the worker finds available (after the weights) goes to KV — the running
     rows' slots and the prefix and vision caches together — unless ``kv_budget_bytes`` sets the slots' budget
     outright (the caches then come on top). ``max_num_seqs`` caps concurrency on top of memory.
+    ``batch_invariant`` makes each row's outputs independent of the batch (docs/architecture.md, "Batch invariance").
     """
 
     max_num_seqs: int = 32
@@ -26,6 +27,9 @@ class EngineConfig:
     seed: int | None = None  # engine-wide seed: unseeded requests derive theirs from it and their id
     vision_cache_bytes: int = 1 << 30  # vision-language models: image features kept by content hash (0: none)
     warm_up: bool = True
+    # every row's tokens and logprobs bitwise identical whatever shares its batch, cache hits, preemption and
+    # max_num_seqs: fixed forward shapes (engine.kv.invariant); costs speed, so off by default
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):

@@ -78,10 +78,11 @@ class EngineCore:
         self._limits = MemoryLimits(dev.kind)
         self._limits.apply(dev.total_memory, self.worker.weights_bytes + mem.total)
         self.runner = ModelRunner(loaded.model, geo, mem.prefix_blocks, BLOCK_SIZE, vlm=loaded.vlm,
-                                  vision_cache_bytes=mem.vision_cache_bytes)
+                                  vision_cache_bytes=mem.vision_cache_bytes,
+                                  batch_invariant=self.config.batch_invariant)
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, mem.step_tokens, self.config.prefill_chunk_size,
-                            mem.slot_budget),
+                            mem.slot_budget, self.runner.invariant_slice),
             self.runner.kv_cost,
             PrefixIndex(mem.prefix_blocks, BLOCK_SIZE, block_bytes) if mem.prefix_blocks else None)
         self._groups: dict[str, _Group] = {}

@@ -6,7 +6,8 @@ gets a cost function (``kv_cost``) to admit by memory, and it decides every reus
 ``SchedulerOutput`` lists (new rows' prefixes, finished prompts' blocks). All decoding sequences run as one batched
 forward; prefill chunks run batched too, in groups of similar length so right-padding stays small; the rows whose
 next token is due are sampled together. KV positions are committed only when the whole step succeeded, so a failed
-(out-of-memory) step leaves nothing half-counted.
+(out-of-memory) step leaves nothing half-counted. With ``batch_invariant`` the forwards run in fixed shapes instead
+(``kv.fixed_forwards``: slices, key widths and row tiles fixed by each row alone); sampling and commit are shared.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import mlx.core as mx
 from mlxbatch.engine.decoding.sampling import SampleRow, sample
 from mlxbatch.engine.decoding.structured import Matcher, SequenceGrammars
 from mlxbatch.engine.kv import KVLayout, reuse
+from mlxbatch.engine.kv.fixed_forwards import FixedForwards
+from mlxbatch.engine.kv.invariant import InvariantSlots, check_rows, shapes_for, smallest_linear_out
 from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.model.split import split_model
@@ -28,7 +31,7 @@ from mlxbatch.engine.outputs import RunnerOutput, RunnerStats, ScoredTokens, Ste
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sched.scheduler import PrefillChunk, SchedulerOutput
 from mlxbatch.engine.vision.rows import RowInput, VisionLanguageRows
-from mlxbatch.errors import OutOfMemoryError
+from mlxbatch.errors import InvalidRequestError, OutOfMemoryError
 from mlxbatch.types import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -45,7 +48,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 class ModelRunner:
     def __init__(self, model: Any, geometry: KVGeometry, prefix_blocks: int = 0, block_size: int = 16,
-                 vlm: Any = None, vision_cache_bytes: int = 1 << 30) -> None:
+                 vlm: Any = None, vision_cache_bytes: int = 1 << 30, batch_invariant: bool = False) -> None:
         self.model = model
         self._split = split_model(model)
         # vision-language models: rows are fed embeddings and multimodal positions instead of token ids
@@ -54,8 +57,22 @@ class ModelRunner:
         dtype = getattr(mx, geometry.dtype)
         self.profile = StepProfile()
         self.traffic = self.profile.traffic  # the layout and the prefix store count their copies and syncs here
-        slots = SlotBatch(geometry.num_layers, self.traffic)
+        self._fixed: FixedForwards | None = None  # batch-invariant mode: fixed-shape forwards
+        slots = (InvariantSlots if batch_invariant else SlotBatch)(geometry.num_layers, self.traffic)
         slots.allocate(geometry.kv_heads, geometry.head_dim, dtype)
+        if batch_invariant:
+            if vlm is not None:
+                raise InvalidRequestError("batch_invariant", True, "is not supported for vision-language models yet")
+            assert isinstance(slots, InvariantSlots)
+            body, head = (self._split.body, self._split.head) if self._split else (model, None)
+            device = "cpu" if mx.default_device() == mx.cpu else "gpu"
+            shapes = shapes_for(device, geometry.dtype, smallest_linear_out(model))
+            failed = check_rows(body, head, shapes)
+            if failed:
+                raise InvalidRequestError("batch_invariant", True, f"cannot hold on this device: {failed}")
+            self._fixed = FixedForwards(slots, shapes, body, head, self.profile)
+        # prefill chunks and reused prefixes start at multiples of this (0: anywhere), for the scheduler
+        self.invariant_slice = self._fixed.shapes.slice_tokens if self._fixed is not None else 0
         self.batch: KVLayout = slots
         self._store = (PrefixStore(geometry.num_layers, geometry.kv_heads, geometry.head_dim, dtype,
                                    geometry.bytes_per_token, prefix_blocks, block_size, self.traffic)
@@ -66,6 +83,8 @@ class ModelRunner:
         self._grammars = SequenceGrammars()  # structured outputs: constrained sequences' matchers
 
     def kv_cost(self, reserved_lengths: list[int]) -> int:
+        if self._fixed is not None:
+            return self._fixed.shapes.kv_cost_positions(reserved_lengths) * self.geometry.bytes_per_token
         return SlotBatch.cost_positions(reserved_lengths) * self.geometry.bytes_per_token
 
     def set_constraint(self, request_id: str, matcher: Matcher | None) -> None:
@@ -96,6 +115,8 @@ class ModelRunner:
             raise
 
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if self._fixed is not None:
+            return self._execute_fixed(out)
         prof, batch = self.profile, self.batch
         scored: dict[str, ScoredTokens] = {}
         due: list[Request] = []
@@ -143,6 +164,23 @@ class ModelRunner:
                     self.traffic.evaluate(batch.kv_arrays())
                 prof.prefill_tokens += sum(c.end - c.start for c in group)
             prof.prefill_s += time.perf_counter() - t0
+        return self._sample_commit(out, due, logits, scored)
+
+    def _execute_fixed(self, out: SchedulerOutput) -> RunnerOutput:
+        """The step in batch-invariant mode: fixed-shape forwards, then the shared sampling and commit."""
+        fx = self._fixed
+        assert fx is not None and len(out.decodes) == self.batch.n_decode, "every decoding sequence runs every step"
+        step = fx.run(out.decodes, out.prefills, lambda: reuse.admit(self.batch, self._store, out.admissions))
+        scored: dict[str, ScoredTokens] = {}
+        if step.score_hidden:
+            lg = fx.logits(step.score_hidden).astype(mx.float32)
+            scored = score_positions(lg, step.score_targets, step.score_owners, self.traffic)
+        return self._sample_commit(out, step.due, [fx.logits(step.hidden)] if step.due else [], scored)
+
+    def _sample_commit(self, out: SchedulerOutput, due: list[Request], logits: list[mx.array],
+                       scored: dict[str, ScoredTokens]) -> RunnerOutput:
+        """Sample every due row (forked samples from their parent's logits), then commit the step."""
+        prof = self.profile
         if not due:
             self._commit(out)
             return RunnerOutput(scored=scored)
@@ -194,16 +232,7 @@ class ModelRunner:
         if rows:
             h = out[mx.array(rows), mx.array(cols)]
             lg = (head(h) if head is not None else h).astype(mx.float32)
-            tgt = mx.array(targets, dtype=mx.int32)
-            chosen = mx.take_along_axis(lg - mx.logsumexp(lg, axis=-1, keepdims=True), tgt[:, None], axis=-1)[:, 0]
-            greedy = mx.argmax(lg, axis=-1) == tgt
-            self.traffic.evaluate(chosen, greedy)
-            per_row: dict[str, tuple[list[TokenLogprob], list[bool]]] = {}
-            for rid, t, lp, g in zip(owners, targets, chosen.tolist(), greedy.tolist()):
-                lps, flags = per_row.setdefault(rid, ([], []))
-                lps.append(TokenLogprob(t, lp))
-                flags.append(bool(g))
-            scored.update({rid: ScoredTokens(tuple(lps), tuple(fl)) for rid, (lps, fl) in per_row.items()})
+            scored.update(score_positions(lg, targets, owners, self.traffic))
         if not last:
             return out[:0, 0]
         h_last = out[mx.array(last), mx.array([len(tokens[i]) - 1 for i in last])]
@@ -259,6 +288,20 @@ class ModelRunner:
         self.batch.remove_many(request_ids)
         if request_ids:
             self.batch.shrink()
+
+
+def score_positions(lg: mx.array, targets: list[int], owners: list[str], traffic: Any) -> dict[str, ScoredTokens]:
+    """Each scored position's log-probability of its target and whether the target is the argmax, per owner."""
+    tgt = mx.array(targets, dtype=mx.int32)
+    chosen = mx.take_along_axis(lg - mx.logsumexp(lg, axis=-1, keepdims=True), tgt[:, None], axis=-1)[:, 0]
+    greedy = mx.argmax(lg, axis=-1) == tgt
+    traffic.evaluate(chosen, greedy)
+    per_row: dict[str, tuple[list[TokenLogprob], list[bool]]] = {}
+    for rid, t, lp, g in zip(owners, targets, chosen.tolist(), greedy.tolist()):
+        lps, flags = per_row.setdefault(rid, ([], []))
+        lps.append(TokenLogprob(t, lp))
+        flags.append(bool(g))
+    return {rid: ScoredTokens(tuple(lps), tuple(fl)) for rid, (lps, fl) in per_row.items()}
 
 
 def _pad_groups(chunks: tuple[PrefillChunk, ...], max_waste: float = 0.25) -> list[list[PrefillChunk]]:

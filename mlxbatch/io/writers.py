@@ -214,7 +214,8 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
              include_logprobs: bool | None = None, allow_missing: bool = False,
              filename: str = RESULTS_NAME, input_types: Mapping[str, pa.DataType] | None = None,
              extra_types: Mapping[str, pa.DataType] | None = None,
-             token_text: Callable[[int], str] | None = None) -> FinalOutputs:
+             token_text: Callable[[int], str] | None = None,
+             metadata: Mapping[str, str] | None = None) -> FinalOutputs:
     """Write ``results.parquet``: one row per expected row, in the order given, streamed from the shards.
 
     ``expected`` is the current job's rows in input order as ``ExpectedRow(row_id, key)``; pass a generator
@@ -229,12 +230,14 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
     each logprob's token string next to its id.
     Memory: ~50 bytes per expected row plus one row group; shards (and the expected rows' inputs, spooled to a
     temporary Arrow file) stay memory-mapped. A write that fails raises ``OutputError`` and leaves no file behind.
+    ``metadata`` goes into the Parquet schema's key-value metadata (e.g. ``mlxbatch.batch_invariant``).
     """
     out = Path(out_dir)
     spool = _InputsSpool(out / _INPUTS_SPOOL)
     try:
         return _finalize(store, out, expected, keep_columns, row_group_size, include_logprobs, allow_missing,
-                         filename, spool, input_types=input_types, extra_types=extra_types, token_text=token_text)
+                         filename, spool, input_types=input_types, extra_types=extra_types, token_text=token_text,
+                         metadata=metadata)
     except OSError as exc:
         raise OutputError(f"could not write {out / filename}: {_reason(exc)}. Nothing was left behind and the "
                           "checkpoint is intact: free some space and run the job again") from exc
@@ -246,7 +249,7 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
               keep_columns: Sequence[str] | None, row_group_size: int, include_logprobs: bool | None,
               allow_missing: bool, filename: str, spool: _InputsSpool, *,
               input_types: Mapping[str, pa.DataType] | None, extra_types: Mapping[str, pa.DataType] | None,
-              token_text: Callable[[int], str] | None) -> FinalOutputs:
+              token_text: Callable[[int], str] | None, metadata: Mapping[str, str] | None = None) -> FinalOutputs:
     index = ShardIndex(list(store.iter_tables()))
     sel = _select(index, expected, spool)
     n = len(sel.positions)
@@ -273,7 +276,7 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
     if token_text is not None:
         tail = [pa.field("logprobs", LOGPROBS_TEXT_TYPE) if f.name == "logprobs" else f for f in tail]
     schema = pa.schema(_HEAD + [pa.field(c.out_name, c.type) for c in inputs] + tail
-                       + [pa.field(c.out_name, c.type) for c in extras])
+                       + [pa.field(c.out_name, c.type) for c in extras], metadata=dict(metadata or {}))
     needed = ["row_id", "key", "inputs"] + [f.name for f in tail] + (["extra"] if extras else [])
 
     error_rows = 0

@@ -69,14 +69,11 @@ class Eta:
 
 
 def _engine(spec: JobSpec, loaded: Any) -> Any:
-    from mlxbatch.config import EngineConfig
     from mlxbatch.engine import EngineCore
+    from mlxbatch.job.executor import engine_config
 
     e = spec.engine
-    return EngineCore(loaded, EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-                                           prefill_chunk_size=e.prefill_chunk_size,
-                                           kv_memory_fraction=e.kv_memory_fraction, prefix_cache=e.prefix_cache,
-                                           seed=spec.seed))
+    return EngineCore(loaded, engine_config(e, spec.seed))
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,7 @@ def model_spec(m: ModelSection) -> ModelSpec:
 def engine_config(e: EngineSection, seed: int) -> EngineConfig:
     return EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                         prefill_chunk_size=e.prefill_chunk_size, kv_memory_fraction=e.kv_memory_fraction,
-                        prefix_cache=e.prefix_cache, seed=seed)
+                        prefix_cache=e.prefix_cache, batch_invariant=e.batch_invariant, seed=seed)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -87,6 +87,7 @@ class RunStats:
     plan: dict[str, Any] = field(default_factory=dict)
     accuracy: dict[str, Any] | None = None  # over every row of the results (all runs)
     disk: DiskSummary | None = None  # the final results file, once written
+    batch_invariant: bool = False  # every output row computed with engine.batch_invariant (this run and earlier ones)
 
     def add(self, record: ResultRecord) -> None:
         self.finished += 1
@@ -146,6 +147,7 @@ class RunStats:
             "output": str(spec.output),
             "model": {"path": spec.model.path, "identity": loaded.identity, "dtype": loaded.dtype},
             "device": self.engine.get("device"),
+            "batch_invariant": self.batch_invariant,
             "host": platform.node(),
             "rows": rows,
             "errors_by_kind": disk.errors_by_kind if disk else dict(self.errors_by_kind),

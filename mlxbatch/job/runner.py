@@ -151,7 +151,8 @@ class JobRunner:
                         self._generate(store, executor, is_openai, stats)
                     preparer = RowPreparer(spec, model.identity, is_openai, model.takes_images, model.context_length)
                     final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns,
-                                     **output_columns(spec, model.tokenizer, self._input_schema()))
+                                     **output_columns(spec, model.tokenizer, self._input_schema()),
+                                     metadata={"mlxbatch.batch_invariant": str(stats.batch_invariant).lower()})
                     stats.final_rows = final.rows
                 if is_openai:
                     write_openai_batch_output(final.results_path, spec.output)
@@ -214,6 +215,7 @@ class JobRunner:
         buffer: list[ResultRecord] = []
         last_flush = time.monotonic()
         self._save_plan_params(store)
+        stats.batch_invariant = self._record_invariance(store)
         feed = RowFeed(self._rows(), preparer, model.tokenizer, done,
                        window=self.spec.plan.window, planned=self.spec.plan.enabled, done_errors=store.error_keys())
 
@@ -289,6 +291,19 @@ class JobRunner:
             log.warning("resuming with the plan of the first run %s (the job file now says %s)", saved, current)
             self.spec = dataclasses.replace(self.spec, plan=dataclasses.replace(
                 self.spec.plan, window=int(saved["window"]), enabled=bool(saved["enabled"])))
+
+    def _record_invariance(self, store: CheckpointStore) -> bool:
+        """Whether every row of the output is computed batch-invariant: this run has ``engine.batch_invariant`` and
+        so had every earlier run that checkpointed rows here (kept in the manifest)."""
+        flag = self.spec.engine.batch_invariant
+        prior = store.get_meta("batch_invariant")
+        now = flag and (prior if prior is not None else not store.shards)
+        if prior != now:
+            store.set_meta("batch_invariant", now)
+        if flag and not now:
+            log.warning("engine.batch_invariant: rows checkpointed by an earlier run without it keep their results, "
+                        "so the output as a whole is not batch-invariant (output.overwrite: true recomputes them)")
+        return now
 
     def _record(self, prep: PreparedRow, out: RequestOutput | None, model_identity: str,
                 error: str | None = None, error_kind: str | None = None, worker: str | None = None) -> ResultRecord:

@@ -71,6 +71,7 @@ class EngineSection:  # the defaults are EngineConfig's (one definition)
     prefill_chunk_size: int = EngineConfig.prefill_chunk_size
     kv_memory_fraction: float | None = EngineConfig.kv_memory_fraction  # None: the device's default share
     prefix_cache: bool = EngineConfig.prefix_cache
+    batch_invariant: bool = EngineConfig.batch_invariant
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,8 @@ _SECTIONS: dict[str, set[str]] = {
     "output": {"path", "choice", "regex", "json_schema", "constraint_column", "overwrite", "gold", "keep_prompt"},
     "score": {"candidates", "answer"},
     "checkpoint": {"every_rows", "every_seconds"},
-    "engine": {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_memory_fraction", "prefix_cache"},
+    "engine": {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_memory_fraction", "prefix_cache",
+               "batch_invariant"},
     "plan": {"enabled", "window"},
 }
 _FORMATS = {"auto", "jsonl", "parquet", "hf", "openai-batch"}

@@ -29,6 +29,7 @@ def test_problems_are_reported_with_key_paths(tmp_path, tiny_model_path):
     raw["sampling"]["temperature"] = -1
     raw["sampling"]["top_q"] = 0.5
     raw["engine"]["max_num_seqs"] = "many"
+    raw["engine"]["batch_invariant"] = "yes"
     raw["checkpoint"]["every_rows"] = 0
     raw["input"]["format"] = "csv"
     raw["max_error_rate"] = 2
@@ -36,7 +37,8 @@ def test_problems_are_reported_with_key_paths(tmp_path, tiny_model_path):
     res = _validate(job)
     assert res.exit_code == 2
     for needle in ["inptu: unknown key", "sampling.temperature: must be >= 0", "sampling.top_q: unknown key",
-                   "engine.max_num_seqs: expected int, got str", "checkpoint.every_rows: must be > 0",
+                   "engine.max_num_seqs: expected int, got str", "engine.batch_invariant: expected bool, got str",
+                   "checkpoint.every_rows: must be > 0",
                    "input.format: expected one of", "max_error_rate: must be in [0, 1]"]:
         assert needle in res.output, (needle, res.output)
 

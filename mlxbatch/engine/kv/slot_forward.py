@@ -32,10 +32,19 @@ class ForwardPass:
         return (mx.arange(self.t_used)[None, None, :] <= self.q_pos[:, :, None])[:, None, :, :]
 
 
-def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes: bool) -> ForwardPass:
+def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes: bool,
+                 kv_width: int | None = None) -> ForwardPass:
+    """The plan of one forward pass. ``kv_width`` (batch-invariant passes, ``kv.invariant``): the queries read
+    exactly that many key positions, always through an array mask, so the attention's shapes and kernel depend on
+    the rows' own lengths only, never on the longest row beside them."""
     n, T = len(offsets), width
     off = mx.array(list(offsets), dtype=mx.int32)
     q_pos = off[:, None] + mx.arange(T)[None, :]  # [n, T]
+    if kv_width is not None:
+        fp = ForwardPass(start, start + n, tuple(offsets), T, kv_width, off, q_pos, None, "scatter", None)
+        mode = "slice" if len(set(offsets)) == 1 else "rows" if T > 1 and not batched_writes else "scatter"
+        index = (mx.arange(start, start + n)[:, None, None], q_pos[:, None, :]) if mode == "scatter" else None
+        return ForwardPass(start, start + n, tuple(offsets), T, kv_width, off, q_pos, fp.array_mask(), mode, index)
     t_used = max(o + T for o in offsets)
     aligned = len(set(offsets)) == 1
     index = None

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from mlxbatch.engine.request import Request, RequestStatus
-from mlxbatch.engine.sched.prefix import BlockStore, PrefixIndex, PrefixSource
+from mlxbatch.engine.sched.prefix import BlockStore, CachedBlocks, PrefixIndex, PrefixSource, RunningRow
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
     kv_budget_bytes: int = 1 << 62
+    # batch-invariant mode (0: off): prefill chunks and reused prefixes start at multiples of this many tokens, so a
+    # position is always computed in the same slice; prefill covers the prompt only (a preempted sequence's
+    # generated tokens are recomputed by decode steps, as they were first computed)
+    invariant_slice: int = 0
 
     def __post_init__(self) -> None:
-        assert self.max_num_seqs >= 1 and self.prefill_chunk_size >= 1
+        assert self.max_num_seqs >= 1 and self.prefill_chunk_size >= 1 and self.invariant_slice >= 0
         assert self.max_num_batched_tokens >= 1 and self.kv_budget_bytes >= 0
 
 
@@ -182,7 +186,7 @@ class Scheduler:
                             nxt.request_id, cost, self._budget)
             del self.waiting[i]
             nxt.status = RequestStatus.PREFILLING
-            source = self.prefix.match(nxt) if self.prefix is not None else None
+            source = self._aligned(self.prefix.match(nxt), nxt) if self.prefix is not None else None
             if source is not None:  # the runner copies that KV in before the first chunk runs
                 nxt.num_computed_tokens = source.num_tokens
                 nxt.num_cached_tokens = max(nxt.num_cached_tokens, min(source.num_tokens, nxt.num_prompt_tokens))
@@ -200,10 +204,34 @@ class Scheduler:
         return SchedulerOutput(tuple(decodes), tuple(prefills), forks, tuple(admissions), stores)
 
     def _chunk(self, r: Request, budget: int) -> PrefillChunk:
+        C = self.config.invariant_slice
+        if C:  # whole slices (the last one may end the prompt), even past the budget by less than one slice
+            left = r.num_prompt_tokens - r.num_computed_tokens
+            size = min(self.config.prefill_chunk_size, budget, left)
+            size = size if size == left else min(left, max(C, size // C * C))
+            end = r.num_computed_tokens + size
+            return PrefillChunk(r, r.num_computed_tokens, end, end == r.num_prompt_tokens)
         # a preempted sequence recomputes the KV of its prompt and generated tokens alike
         size = min(self.config.prefill_chunk_size, budget, r.num_tokens - r.num_computed_tokens)
         end = r.num_computed_tokens + size
         return PrefillChunk(r, r.num_computed_tokens, end, end == r.num_tokens)
+
+    def _aligned(self, source: PrefixSource | None, r: Request) -> PrefixSource | None:
+        """Batch-invariant mode: reuse whole slices of the prompt only, and never all of it (its last position is
+        computed by the prefill, in its own slice). The blocks left out stay held until the step's stores, as all
+        matched blocks do."""
+        C = self.config.invariant_slice
+        if not C or source is None:
+            return source
+        n = min(source.num_tokens, r.num_prompt_tokens - 1) // C * C
+        if n == source.num_tokens:
+            return source
+        if n == 0:
+            return None
+        if isinstance(source, CachedBlocks):
+            assert self.prefix is not None and C % self.prefix.block_size == 0
+            return CachedBlocks(source.block_ids[: n // self.prefix.block_size], n)
+        return RunningRow(source.request_id, n)
 
     def finish_step(self, out: SchedulerOutput) -> list[Request]:
         """Record computed tokens after the runner ran ``out``; returns (and drops) finished sequences."""
