@@ -277,8 +277,7 @@ class ModelRunner:
         # only after every length is committed (promotion moves rows by length), and in row order: a finished
         # prefill row already at the head of the prefill region joins the decode rows without moving
         done = {c.request.request_id for c in out.prefills if c.last} | {c.request_id for _, c in out.forks}
-        for rid in [rid for rid in self.batch.ids[self.batch.n_decode :] if rid in done]:
-            self.batch.promote(rid)
+        self.batch.promote_many([rid for rid in self.batch.ids[self.batch.n_decode :] if rid in done])
 
     def free(self, request_ids: list[str]) -> None:
         """Drop the KV of sequences that finished, were aborted or were preempted."""

@@ -68,12 +68,19 @@ def test_random_operations_match_single_sequence_forward(model, seed, batched):
             for i, rid in enumerate(pre):
                 ref = _reference_last_logits(model, seqs[rid] + chunks[rid])
                 assert mx.allclose(logits[i], ref, atol=1e-4).item(), (seed, _step, rid, "prefill")
+            done = []
             for rid in pre:
                 seqs[rid] += chunks[rid]
                 pending[rid] = pending[rid][len(chunks[rid]) :]
                 batch.advance(rid, len(chunks[rid]))
                 if not pending[rid]:
+                    done.append(rid)
+            if rng.random() < 0.5:  # several rows join the decode rows at once, in any order
+                batch.promote_many(done)
+            else:
+                for rid in done:
                     batch.promote(rid)
+            assert batch.ids[batch.n_decode - len(done) : batch.n_decode] == done or not done or not batched
         assert sorted(batch.ids) == sorted(seqs)
         batch.check_integrity()
         for rid in batch.ids:

@@ -81,6 +81,7 @@ def _operations(b: SlotBatch) -> dict[str, tuple[Traffic, int]]:
     b.advance("hit", 96)
     measure("arrange", lambda: b.arrange(list(reversed(new)) + ["hit"]))
     measure("promote", lambda: b.promote(new[-1]))
+    measure("promote_many", lambda: b.promote_many(["hit", new[0]]))
     measure("remove_many", lambda: b.remove_many([new[0], "src"]))
     return out
 
@@ -107,6 +108,8 @@ def test_row_operations_scale_with_what_moves(batched):
         assert small["copy_prefixes"][0].syncs == 1
     assert moved["write_blocks"] == 6 * 16 * POS_BYTES
     assert moved["add"] == 0
+    if batched:  # rows finishing their prefill together join the decode rows in one gather + scatter
+        assert small["promote_many"][0].syncs == 1
 
 
 def test_a_lazy_view_alive_across_a_row_copy_shows_as_a_whole_buffer_copy():

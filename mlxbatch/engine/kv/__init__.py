@@ -65,6 +65,10 @@ class KVLayout(Protocol):
         """A prefilling row finished its prefill: it joins the decode rows."""
         ...
 
+    def promote_many(self, request_ids: Sequence[str]) -> None:
+        """Several prefilling rows join the decode rows at once, in this order (one move on a GPU)."""
+        ...
+
     def extract(self, request_id: str) -> list[tuple[mx.array, mx.array]]:
         """A copy of one row's KV, per layer ``[1, H, length, D]``."""
         ...
