@@ -103,8 +103,11 @@ class EngineCore:
     def warm_up_paths(self) -> WarmUpReport:
         """Take every kind of step once on a throwaway core of the same model, small budget (engine.warmup)."""
         per_row = 256 * self.worker.geometry.bytes_per_token  # a row's KV at the slot layout's smallest length step
+        # room for 8 short rows as the layout charges them (batch-invariant forwards charge their padding rows too:
+        # with 16 plain rows' worth every warm-up request ran alone, a warning each)
+        budget = max(16 * per_row, self.runner.kv_cost([256] * 8))
         cfg = dataclasses.replace(self.config, warm_up=False, max_num_seqs=8, max_num_batched_tokens=64,
-                                  prefill_chunk_size=16, kv_budget_bytes=16 * per_row, prefix_cache=True,
+                                  prefill_chunk_size=16, kv_budget_bytes=budget, prefix_cache=True,
                                   prefix_cache_bytes=4 * per_row)
         return exercise(EngineCore(self.loaded, cfg, self.worker))
 

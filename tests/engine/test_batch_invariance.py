@@ -261,3 +261,19 @@ def test_without_the_flag_a_rerun_is_identical_but_a_row_moves_with_its_batch(ti
 def test_flag_is_refused_for_vision_language_models(tiny_vlm_loaded):
     with pytest.raises(InvalidRequestError, match="batch_invariant"):
         Engine(tiny_vlm_loaded, EngineConfig(warm_up=False, batch_invariant=True))
+
+
+def test_gpu_warm_up_fits_batch_invariant_rows(tiny_loaded, monkeypatch, caplog):
+    """The warm-up a GPU engine takes at construction (run here on the CPU with the GPU's exact row tiles): its budget
+    holds several rows as batch-invariant forwards charge them (their padding rows too), so no warm-up request runs
+    alone with a warning (the H200 run logged one per warm-up request)."""
+    import logging
+
+    from mlxbatch.engine import EngineCore
+
+    monkeypatch.setenv("MLXBATCH_INVARIANT_SHAPES", "slice=64,decode=64,prefill=8,head=64,exact=1")
+    core = EngineCore(tiny_loaded, EngineConfig(batch_invariant=True, warm_up=False))
+    with caplog.at_level(logging.WARNING, logger="mlxbatch"):
+        report = core.warm_up_paths()
+    assert report.steps > 3
+    assert not [r for r in caplog.records if "running it alone" in r.getMessage()]

@@ -183,3 +183,50 @@ def test_warm_up_takes_every_step_path(tiny_loaded):
     report = EngineCore(tiny_loaded, EngineConfig(warm_up=False)).warm_up_paths()
     assert report.steps > 3 and report.cached_tokens >= 48
     assert report.profile["moved_bytes"] > 0 and report.profile["stored_bytes"] > 0
+
+
+def test_batched_cache_stores_match_row_by_row_in_one_gather_and_scatter():
+    """The GPU path of cache stores: every finished prompt's blocks in one gather from the slots and one scatter per
+    buffer — the same blocks as row by row, one sync for all rows, memory bounded by what is stored (not by the store's
+    or the slots' capacity)."""
+    from mlxbatch.engine.kv import reuse
+    from mlxbatch.engine.sched.prefix import BlockStore
+
+    lengths = {"a": 64, "b": 40, "c": 96, "d": 16}  # "b" ends inside its third block
+    first = {"a": 0, "b": 0, "c": 2, "d": 0}
+    kv = {rid: [(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D))) for _ in range(L)]
+          for rid, n in lengths.items()}
+    stores, next_id = [], 3000
+    for rid, n in lengths.items():
+        ids = tuple(range(next_id, next_id + -(-n // 16) - first[rid]))
+        next_id += len(ids)
+        stores.append(BlockStore(rid, first[rid], ids, ids))
+
+    def stored(batched: bool) -> tuple[PrefixStore, Traffic, int]:
+        b = SlotBatch(L, Traffic())
+        b.batched_moves = batched
+        b.allocate(H, D, mx.float32)
+        b._ensure(128, 2048)
+        for rid, n in lengths.items():
+            b.add(rid, kv[rid], n)
+        store = PrefixStore(L, H, D, mx.float32, POS_BYTES, 4096, 16, b.traffic)
+        store._ensure(4095)
+        mx.eval(b.kv_arrays())
+        before = b.traffic.snapshot()
+        alloc = _allocated(lambda: reuse.store_blocks(b, store, stores))
+        return store, b.traffic.since(before), alloc
+
+    (rows, t_rows, _), (batched, t_batched, alloc) = stored(False), stored(True)
+    for s in stores:
+        n = lengths[s.request_id] - 16 * s.first_block
+        for store in (rows, batched):
+            keys, values = store.gather(s.block_ids)
+            for layer in range(L):
+                got = keys[layer].transpose(1, 0, 2, 3).reshape(H, -1, D)[:, :n]
+                want = kv[s.request_id][layer][0][0, :, 16 * s.first_block :]
+                assert mx.array_equal(got, want).item(), (s.request_id, layer)
+                got_v = values[layer].transpose(1, 0, 2, 3).reshape(H, -1, D)[:, :n]
+                assert mx.array_equal(got_v, kv[s.request_id][layer][1][0, :, 16 * s.first_block :]).item()
+    assert t_batched.stored_bytes == t_rows.stored_bytes == sum(len(s.block_ids) for s in stores) * 16 * POS_BYTES
+    assert t_batched.syncs == 1
+    assert alloc <= 2 * t_batched.stored_bytes + SLACK, alloc  # capacity: 4096 blocks and 128 x 2048 slots

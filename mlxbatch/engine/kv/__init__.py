@@ -21,6 +21,7 @@ class KVLayout(Protocol):
 
     traffic: Traffic  # what the layout copies and waits for (shared with the runner's step profile)
     n_decode: int
+    batched_moves: bool  # rows move (and blocks are read) in one gather + scatter per buffer per step: the GPU path
     ids: list[str]  # request id per row, in row order (read only)
 
     def __contains__(self, request_id: str) -> bool: ...
@@ -67,6 +68,10 @@ class KVLayout(Protocol):
 
     def promote_many(self, request_ids: Sequence[str]) -> None:
         """Several prefilling rows join the decode rows at once, in this order (one move on a GPU)."""
+        ...
+
+    def read_blocks(self, sources: Sequence[tuple[str, int]], block_size: int) -> tuple[list[mx.array], list[mx.array]]:
+        """Blocks of rows (row id, first position), lazily, per layer ``[n, H, block_size, D]``: one gather per buffer."""
         ...
 
     def extract(self, request_id: str) -> list[tuple[mx.array, mx.array]]:

@@ -70,6 +70,18 @@ class PrefixStore:
         self.traffic.stored_bytes += n * B * self._token_bytes
         self._dirty = True
 
+    def write_blocks(self, block_ids: Sequence[int], keys: Sequence[mx.array], values: Sequence[mx.array]) -> None:
+        """Whole blocks (per layer ``[n, H, block_size, D]``, e.g. ``read_blocks`` of the running batch) into
+        ``block_ids``: one scatter per buffer for every block of a step. Evaluated by ``flush``."""
+        assert len(set(block_ids)) == len(block_ids), "a block is written once a step"
+        self._ensure(max(block_ids))
+        idx = mx.array(list(block_ids), dtype=mx.int32)
+        for layer in range(self._num_layers):
+            self._keys[layer][idx] = keys[layer]
+            self._values[layer][idx] = values[layer]
+        self.traffic.stored_bytes += len(block_ids) * self.block_size * self._token_bytes
+        self._dirty = True
+
     def flush(self) -> None:
         """Evaluate pending writes (their sources are lazy views of the running batch's slots)."""
         if self._dirty:

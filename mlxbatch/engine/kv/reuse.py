@@ -39,7 +39,18 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
 
 
 def store_blocks(batch: KVLayout, store: PrefixStore, stores: Sequence[BlockStore]) -> None:
-    """Finished prompts' blocks into the prefix store (one sync for all), before any row moves again."""
-    for s in stores:
-        store.write(batch.row_view(s.request_id), s.first_block, s.block_ids)
+    """Finished prompts' blocks into the prefix store (one sync for all), before any row moves again.
+
+    With batched moves (GPU) every block of the step goes in one gather from the slots and one scatter per buffer
+    (per-row writes took 228 ms a store step on an H200 in the chat workload: a scatter per row and buffer); on the CPU row by row."""
+    if not stores:
+        return
+    if batch.batched_moves:
+        B = store.block_size
+        keys, values = batch.read_blocks([(s.request_id, (s.first_block + j) * B)
+                                          for s in stores for j in range(len(s.block_ids))], B)
+        store.write_blocks([b for s in stores for b in s.block_ids], keys, values)
+    else:
+        for s in stores:
+            store.write(batch.row_view(s.request_id), s.first_block, s.block_ids)
     store.flush()

@@ -297,6 +297,16 @@ class SlotBatch:
             self._keys[i][rows, heads, pos] = keys[i]
             self._values[i][rows, heads, pos] = values[i]
 
+    def read_blocks(self, sources: Sequence[tuple[str, int]], block_size: int) -> tuple[list[mx.array], list[mx.array]]:
+        """Blocks of rows, lazily, per layer ``[n, H, block_size, D]``: block ``b`` is row ``sources[b][0]``'s positions
+        ``sources[b][1] .. + block_size`` (past the row's length: whatever is there). One gather per buffer for all
+        rows (the inverse of ``write_blocks``); evaluate before any row is written or moved again."""
+        rows = mx.array([self.row_of(rid) for rid, _ in sources], dtype=mx.int32)[:, None, None]
+        starts = mx.array([p for _, p in sources], dtype=mx.int32)
+        pos = (starts[:, None] + mx.arange(block_size, dtype=mx.int32)[None, :])[:, None, :]
+        heads = mx.arange(self._keys[0].shape[1], dtype=mx.int32)[None, :, None]
+        return [k[rows, heads, pos] for k in self._keys], [v[rows, heads, pos] for v in self._values]
+
     def remove_many(self, request_ids: Sequence[str]) -> None:
         """Retire rows. With batched moves, every row that fills a hole moves in one gather + scatter."""
         gone = {rid for rid in request_ids if rid in self._row}

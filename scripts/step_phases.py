@@ -1,0 +1,95 @@
+"""Where an engine step's time goes on a device, phase by phase (diagnostic: each phase is synchronised, so the
+walls add up to more than an unprofiled run; the split is what counts).
+
+    python3 scripts/step_phases.py --model 0.5b --workload label --rows 2048
+
+Wraps the runner's phases (prefix copy-ins, row moves, forwards by kind and shape, sampling, cache stores, frees)
+with a device synchronisation before and after, and prints the seconds per phase; prefill forwards are split by
+whether their (rows, tokens, keys) shape was seen before in the run.
+"""
+
+# ruff: isort: skip_file
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from pathlib import Path
+
+import mlxbatch  # noqa: F401  (first: it sets up MLX's BLAS on Linux CPUs)
+import mlx.core as mx
+import mlxbatch.engine.kv.reuse as reuse
+import mlxbatch.engine.runner as runner_mod
+from mlxbatch.bench import workloads as wl
+from mlxbatch.bench.harness import resolve_model
+from mlxbatch.config import EngineConfig
+from mlxbatch.engine import Engine
+from mlxbatch.engine.kv.slots import SlotBatch
+from mlxbatch.types import SamplingParams
+
+SECONDS: collections.Counter = collections.Counter()
+CALLS: collections.Counter = collections.Counter()
+SEEN: set = set()
+
+
+def timed(name, fn):
+    def run(*a, **kw):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        if isinstance(out, mx.array):
+            mx.eval(out)
+        mx.synchronize()
+        SECONDS[name] += time.perf_counter() - t0
+        CALLS[name] += 1
+        return out
+    return run
+
+
+def forward(orig):
+    def run(self, model, start, tokens, full=False, offsets=None):
+        n, T = len(tokens), max(len(t) for t in tokens)
+        offs = list(offsets) if offsets is not None else self.lengths[start : start + n]
+        K = max(o + T for o in offs)
+        kind = "decode" if T == 1 else "prefill"
+        if kind == "prefill":
+            key = (n, T, K, len(set(offs)) == 1)
+            kind += " (new shape)" if key not in SEEN else " (seen shape)"
+            SEEN.add(key)
+        return timed(f"forward: {kind}", orig)(self, model, start, tokens, full, offsets)
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="0.5b")
+    ap.add_argument("--workload", action="append")
+    ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    a = ap.parse_args()
+    reuse.admit = timed("prefix copy-ins (admit)", reuse.admit)
+    reuse.store_blocks = timed("cache stores", reuse.store_blocks)
+    runner_mod.sample = timed("sampling", runner_mod.sample)
+    for name in ("arrange", "promote_many", "remove_many", "shrink"):
+        setattr(SlotBatch, name, timed(f"rows: {name}", getattr(SlotBatch, name)))
+    SlotBatch.forward = forward(SlotBatch.forward)
+    path = resolve_model(a.model, Path("~/.cache/mlxbatch/bench").expanduser())
+    for name in a.workload or ["label"]:
+        w = wl.make(name, wl.Vocab(0, 1000), a.rows, seed=0)
+        eng = Engine(path, EngineConfig(seed=0, max_num_seqs=a.max_num_seqs))
+        SECONDS.clear()
+        CALLS.clear()
+        SEEN.clear()
+        t0 = time.perf_counter()
+        eng.generate(w.prompts, SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True))
+        wall = time.perf_counter() - t0
+        p = eng.stats()["profile"]
+        eng.close()
+        print(f"\n{name}: {w.rows} rows, wall {wall:.2f} s, steps {p['steps']}, prefill tokens {p['prefill_tokens']}")
+        for k, v in sorted(SECONDS.items(), key=lambda kv: -kv[1]):
+            print(f"  {k:32s} {v:7.2f} s  {CALLS[k]:5d} calls  {1e3 * v / CALLS[k]:7.2f} ms/call")
+        print(f"  {'(rest: host)':32s} {wall - sum(SECONDS.values()):7.2f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
