@@ -27,7 +27,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def git_commit(given: str | None, cwd: Path = HERE) -> str:
-    """The short commit of the checkout holding ``cwd`` (+ "(uncommitted changes)"), else ``given`` or "?"."""
+    """``given`` (``--commit``) when given: a device's copy of the tree may sit in a stale checkout (the H200 copy's
+    ``git`` said ``a6f40f2`` for a later tree), so a checkout that disagrees is only mentioned. Else the short commit
+    of the checkout holding ``cwd`` (+ "(uncommitted changes)"), or "?"."""
     try:
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=cwd, timeout=5).stdout.strip()
@@ -36,8 +38,10 @@ def git_commit(given: str | None, cwd: Path = HERE) -> str:
         git += " (uncommitted changes)" if dirty and git else ""
     except (OSError, subprocess.SubprocessError):
         git = "?"
-    if given and (not git or git == "?" or not git[0].isalnum()):
-        git = f"{given} (given)"
+    if given:
+        seen = git.split(" ")[0] if git and git != "?" else ""
+        return f"{given} (given)" + (f"; the checkout says {git}" if seen and not given.startswith(seen)
+                                     and not seen.startswith(given) else "")
     return git or "?"
 
 
