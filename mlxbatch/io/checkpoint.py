@@ -31,7 +31,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from mlxbatch.io.atomic import TMP_SUFFIX, atomic_write_json, fsync_dir, tmp_path_for
+from mlxbatch.io.atomic import TMP_SUFFIX, atomic_write_json, fsync_dir, fsync_file, tmp_path_for
 from mlxbatch.io.errors import CheckpointError
 from mlxbatch.io.faults import crash, fault_due
 from mlxbatch.io.records import ResultRecord
@@ -354,7 +354,7 @@ class CheckpointStore:
                     crash()
                 f.write(memoryview(data))
                 f.flush()
-                os.fsync(f.fileno())
+                fsync_file(f.fileno())  # F_FULLFSYNC on macOS: a shard is a promise that its rows are done
             os.replace(tmp, final)
             if fault_due("after-rename", self._appends):
                 crash()

@@ -8,8 +8,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from io_helpers import make_record
 
-from mlxbatch.io import atomic
+from mlxbatch.io import CheckpointStore, atomic
 
 F_FULLFSYNC = 51  # Darwin's value; Linux's fcntl module has no such constant
 
@@ -62,3 +63,15 @@ def test_fsync_where_f_fullfsync_is_refused_or_missing(tmp_path: Path, monkeypat
     monkeypatch.setattr(atomic, "fcntl", SimpleNamespace(fcntl=None))  # Linux: no F_FULLFSYNC
     atomic.atomic_write_bytes(tmp_path / "b.bin", b"y")
     assert fsyncs == [ino(tmp_path / "b.bin"), ino(tmp_path)] and (tmp_path / "b.bin").read_bytes() == b"y"
+
+
+def test_checkpoint_shards_are_synced_with_f_fullfsync_on_macos(tmp_path: Path, monkeypatch, fsyncs) -> None:
+    """A checkpoint shard is the promise that its rows are done: on macOS its data, its folder and the manifest go
+    through F_FULLFSYNC (plain fsync leaves them in the drive's cache, lost with power)."""
+    darwin = DarwinFcntl()
+    monkeypatch.setattr(atomic, "fcntl", darwin)
+    with CheckpointStore(tmp_path / "out") as store:
+        shard = store.append([make_record("a"), make_record("b")])
+    synced = {inode for inode, cmd in darwin.calls if cmd == F_FULLFSYNC}
+    assert ino(shard) in synced and ino(shard.parent) in synced
+    assert ino(shard) not in fsyncs  # never a plain fsync for the shard's data
