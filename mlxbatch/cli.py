@@ -216,12 +216,20 @@ def generate(model: str, max_tokens: int, temperature: float, seed: int | None, 
 
 @main.command()
 def info() -> None:
-    """The device, its memory and the BLAS MLX uses."""
+    """The device, its memory and the BLAS MLX uses.
+
+    ``total_memory_gb`` is what the device may use (GPU memory; on a Mac, Metal's recommended working set, a share of
+    the machine's memory), ``available_memory_gb`` what is free for a run now, ``host_memory_gb`` the machine's RAM.
+    """
     from mlxbatch.engine import device_info
 
     d = device_info()
-    click.echo(json.dumps({"device": d.kind, "name": d.name, "total_memory_gb": round(d.total_memory / 2**30, 2),
-                           "available_memory_gb": round(d.available_memory / 2**30, 2), "blas": d.blas}, indent=2))
+    gb = lambda n: round(n / 2**30, 2)  # noqa: E731
+    out = {"device": d.kind, "name": d.name, "total_memory_gb": gb(d.total_memory),
+           "available_memory_gb": gb(d.available_memory), "host_memory_gb": gb(d.host_memory or d.total_memory)}
+    if d.kind == "metal":
+        out["total_memory_is"] = "the Metal working-set limit (unified memory: shared with macOS and other apps)"
+    click.echo(json.dumps({**out, "blas": d.blas}, indent=2))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False,

@@ -117,3 +117,26 @@ def test_cuda_bounds_the_cache_but_wires_nothing_and_cpu_changes_nothing():
     fake = FakeMx()
     MemoryLimits("cpu", fake).apply(24 * GiB, 1 * GiB)
     assert fake.calls == []
+
+
+def test_info_shows_the_machine_memory_and_the_working_set_on_a_mac(monkeypatch):
+    """``mlxbatch info`` on a 16 GB Mac (device facts injected): the Metal working-set limit and the machine's memory
+    are both shown and told apart; on this machine (CPU) both are the RAM."""
+    import json
+
+    from click.testing import CliRunner
+
+    import mlxbatch.engine as engine_face
+    from mlxbatch.cli import main
+    from mlxbatch.engine import DeviceInfo
+
+    real = CliRunner().invoke(main, ["info"])
+    shown = json.loads(real.output)
+    assert real.exit_code == 0 and shown["host_memory_gb"] == shown["total_memory_gb"] > 0
+    mac = DeviceInfo("metal", "Apple M2", int(10.67 * 2**30), 6 * 2**30, "", 16 * 2**30)
+    monkeypatch.setattr(engine_face, "device_info", lambda: mac)
+    res = CliRunner().invoke(main, ["info"])
+    shown = json.loads(res.output)
+    assert res.exit_code == 0, res.output
+    assert (shown["total_memory_gb"], shown["available_memory_gb"], shown["host_memory_gb"]) == (10.67, 6.0, 16.0)
+    assert "working-set" in shown["total_memory_is"]
