@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlxbatch.job.model_size import config_sizes
 from mlxbatch.job.spec import JobSpec
 
 DECODE_PROBE_TOKENS = 24  # generated tokens per row at most while measuring how long rows are
@@ -177,9 +178,9 @@ def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int, new_t
         return None  # an architecture whose config this estimate does not know
     body = layers * (2 * h * heads * head_dim + 2 * h * kv + 3 * h * inter)
     head = vocab * h
-    on_gpu = mx.default_device() == mx.gpu
-    speed = measure(h, inter, "bfloat16" if on_gpu else "float32")
-    weight_bytes = (body + head) * (2 if on_gpu else 4)
+    sizes = config_sizes(model_dir, spec.model.dtype, mx.default_device() == mx.gpu)
+    speed = measure(h, inter, sizes.dtype)
+    weight_bytes = (body + head) * sizes.weight_bytes_per_param  # 4-bit checkpoints read a quarter of fp16's
     C = spec.engine.max_num_seqs
     step = max(weight_bytes / speed.bandwidth, 2 * (body + head) * C / speed.matmul_flops)
     prefill = (2 * body * floor_tokens + 2 * head * rows) / speed.matmul_flops

@@ -22,7 +22,6 @@ weights).
 from __future__ import annotations
 
 import collections
-import json
 import time
 from array import array
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from mlxbatch.engine import (
 from mlxbatch.io import InputFormat, open_reader, resolve_inputs
 from mlxbatch.job.calibrate import Eta, estimate, measured_eta
 from mlxbatch.job.model_ref import local_model_dir
+from mlxbatch.job.model_size import config_sizes
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.spec import JobSpec
 from mlxbatch.job.validate import input_spec
@@ -68,6 +68,7 @@ class PlanReport:
     image_rows: int = 0  # not planned by the run: block-cache reuse only
     score_rows: int = 0
     notes: tuple[str, ...] = ()
+    kv_dtype: str = "float32"  # the dtype the engine will keep KV in on this device
 
     @property
     def peak_retained_bytes(self) -> int:
@@ -82,20 +83,11 @@ class PlanReport:
             f"expected prefill saving: {self.saving:.1%} (predicted prefill: {self.prefill_tokens} of "
             f"{self.prompt_tokens} prompt tokens, as report.json will count them)",
             f"peak shared-prefix KV retained: {self.peak_retained_tokens} tokens "
-            f"({self.peak_retained_bytes / 2**20:.1f} MiB at {self.kv_bytes_per_token} bytes/token, float32)",
+            f"({self.peak_retained_bytes / 2**20:.1f} MiB at {self.kv_bytes_per_token} bytes/token, {self.kv_dtype})",
             f"planned {'in windows of ' + str(self.window) + ' rows' if self.windowed else 'whole'}"
             f"{'' if self.enabled else ' (plan.enabled: false: longest first, LRU prefix cache)'} "
             f"in {self.seconds:.1f} s",
         ] + ([self.eta.summary()] if self.eta is not None else []) + [f"note: {n}" for n in self.notes])
-
-
-def _kv_bytes_per_token(model_dir: Path) -> int:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    heads = int(cfg.get("num_attention_heads", 1))
-    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // max(1, heads))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    return 2 * int(cfg.get("num_hidden_layers", 0)) * kv_heads * head_dim * 4
 
 
 class _BlockCache:
@@ -268,9 +260,16 @@ def plan_job(spec: JobSpec, window: int | None = None, with_eta: bool = True, ca
         if eta is None:
             eta = estimate(spec, model_dir, t.planned + t.images, t.prefill, gen_rows * p.max_tokens * p.n)
     saving = 1 - t.prefill / t.prompt if t.prompt else 0.0
+    sizes = config_sizes(model_dir, spec.model.dtype, _on_gpu())
     return PlanReport(t.rows, t.planned, t.skipped, t.prompt, t.distinct, t.prefill, saving, t.peak,
-                      _kv_bytes_per_token(model_dir), t.windows > 1, window, time.perf_counter() - t0, eta,
-                      spec.plan.enabled, t.images, t.scored, tuple(notes))
+                      sizes.kv_bytes_per_token, t.windows > 1, window, time.perf_counter() - t0, eta,
+                      spec.plan.enabled, t.images, t.scored, tuple(notes), sizes.dtype)
+
+
+def _on_gpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu
 
 
 def _load(spec: JobSpec, model_dir: Path) -> Any:
