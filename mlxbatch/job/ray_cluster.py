@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,6 +52,25 @@ def driver_tokenizer(spec: JobSpec) -> Any:
                           {"trust_remote_code": m.trust_remote_code})  # always explicit: transformers never asks
 
 
+PROBE_TIMEOUT_S = 5.0
+
+
+def unreachable(address: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why nothing answers at a ``host:port`` or ``ray://host:port`` address (None: something listens, or the address
+    is one Ray resolves itself, e.g. ``auto``). Ray's own connect waits minutes with log lines and no error."""
+    rest = address.split("://", 1)[-1]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except TimeoutError:
+        return f"no answer from {host}:{port} within {timeout:.0f} s"
+    except OSError as exc:
+        return f"nothing answers at {host}:{port} ({exc.strerror or exc})"
+    return None
+
+
 @contextmanager
 def connected(address: str | None, actors: int | None, num_cpus: float) -> Iterator[str]:
     """Ray, connected (a local cluster when no address is given and $RAY_ADDRESS is unset); shut down after only
@@ -63,6 +83,11 @@ def connected(address: str | None, actors: int | None, num_cpus: float) -> Itera
     if address is None and not os.environ.get("RAY_ADDRESS"):
         need = math.ceil((actors or 1) * num_cpus)
         kwargs.update(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False)
+    target = address or os.environ.get("RAY_ADDRESS")
+    why = unreachable(target) if target else None
+    if why is not None:
+        raise ExecutorError(f"could not connect to the Ray cluster at {target}: {why}; start one there "
+                            "(`ray start --head`) or leave the address out to run a local cluster")
     try:
         ray.init(address=address, **kwargs)
     except Exception as exc:  # a bad address, no cluster there, a temp dir Ray cannot use, ...

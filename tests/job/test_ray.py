@@ -247,3 +247,34 @@ def test_a_run_on_its_own_local_cluster_stops_cleanly_on_sigterm(tmp_path_factor
     rc, err = finish(cli(["run", str(job), "--local", "--no-progress"]))
     assert rc == 0, err
     assert outputs(out, 300) == expected and read_progress(out) is None
+
+
+def test_an_address_where_no_cluster_answers_fails_fast_and_says_so():
+    """``--ray HOST:PORT`` with nothing listening there: a clear error within seconds (Ray's own connect waited over
+    two minutes, printing GCS timeouts, with no error), for plain and ray:// addresses and $RAY_ADDRESS alike."""
+    import socket
+
+    from mlxbatch.job.executor import ExecutorError
+    from mlxbatch.job.ray_cluster import connected, unreachable
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(ExecutorError, match=f"at {address}: nothing answers at 127.0.0.1:{port}"):
+            with connected(address, 1, 1.0):
+                pass
+    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+    try:
+        with pytest.raises(ExecutorError, match="ray start --head"):
+            with connected(None, 1, 1.0):
+                pass
+    finally:
+        del os.environ["RAY_ADDRESS"]
+    assert time.monotonic() - t0 < 10 and not ray.is_initialized()
+    with socket.socket() as listening:  # something answers: the probe lets Ray take over
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        assert unreachable(f"127.0.0.1:{listening.getsockname()[1]}") is None
+    assert unreachable("auto") is None
