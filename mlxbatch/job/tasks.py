@@ -199,13 +199,29 @@ def output_columns(spec: JobSpec, tokenizer: Any, input_types: dict[str, pa.Data
 
 
 def token_text_of(tokenizer: Any) -> Any:
-    """id -> the token's text (as the model's tokenizer decodes it alone), cached."""
+    """id -> the token's text as it reads inside a text, leading space included (OpenAI's ``" Paris"``), cached.
+
+    A SentencePiece-style tokenizer decodes a token alone without its leading space (``▁the`` -> ``the``), so each
+    token is decoded after an anchor token and the anchor's text is cut off (``x▁the`` -> ``x the`` -> `` the``);
+    byte-level BPE reads the same either way."""
     cache: dict[int, str] = {}
+    try:
+        anchor = int(tokenizer.encode("x", add_special_tokens=False)[-1])
+        base = tokenizer.decode([anchor])
+    except (IndexError, TypeError, ValueError):
+        anchor, base = None, ""
+
+    def alone(token_id: int) -> str:
+        if anchor is not None and base:
+            both = tokenizer.decode([anchor, token_id])
+            if both.startswith(base):
+                return both[len(base):]
+        return tokenizer.decode([token_id])
 
     def text(token_id: int) -> str:
         found = cache.get(token_id)
         if found is None:
-            found = cache[token_id] = tokenizer.decode([token_id])
+            found = cache[token_id] = alone(token_id)
         return found
 
     return text

@@ -73,3 +73,24 @@ def test_bad_task_sections_are_rejected_before_any_work(tmp_path, tiny_model_pat
         with pytest.raises(JobSpecError) as info:
             validate_job(job)
         assert key in [k for k, _ in info.value.problems], (overrides, info.value.problems)
+
+
+def test_token_strings_keep_their_leading_space_with_a_sentencepiece_tokenizer(tiny_loaded):
+    """Logprob token strings read as inside a text (OpenAI's " Paris"): a SentencePiece-style tokenizer (Metaspace,
+    built here: no hub) decodes ``▁the`` alone as "the"; byte-level BPE (the tiny model's) keeps the space anyway."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxbatch.job.tasks import token_text_of
+
+    vocab = {"<unk>": 0, "▁the": 1, "▁cat": 2, "▁x": 3, "s": 4, "<0xE2>": 5}
+    sp = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    sp.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    hf = PreTrainedTokenizerFast(tokenizer_object=sp, unk_token="<unk>")
+    assert hf.decode([1]) == "the"  # what decoding a token alone gave
+    text = token_text_of(hf)
+    assert [text(i) for i in (1, 2, 4)] == [" the", " cat", "s"]
+    tok = tiny_loaded.tokenizer
+    ids = tok.encode(" hello world", add_special_tokens=False)
+    assert "".join(token_text_of(tok)(i) for i in ids) == tok.decode(ids)
