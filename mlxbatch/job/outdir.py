@@ -31,8 +31,8 @@ def _owner_problem(saved: Any, spec: JobSpec) -> str | None:
     if not isinstance(saved, dict) or not saved.get("job"):
         return None  # a folder of an older version, or a manifest rebuilt from the shards: adopt it
     current = _identity(spec)
-    if saved["job"] == current["job"]:
-        return None
+    if saved["job"] == current["job"] and (not current["job"].startswith("<") or saved.get("input") == current["input"]):
+        return None  # the same job file; jobs given as a mapping (no file: "<dict>") are told apart by their input
     if saved.get("input") == current["input"] and not Path(str(saved["job"])).exists():
         return None  # the job file was renamed or moved
     return (f"holds the results of another job, {saved['job']} (input {saved.get('input')}), not of "

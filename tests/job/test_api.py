@@ -81,3 +81,24 @@ def test_a_second_interrupt_stops_the_run_but_not_the_process(tmp_path, tiny_mod
         kept = store.num_records
     assert 0 < kept < 400
     assert mlxbatch.run_job(job).report["rows"]["resumed"] == kept
+
+
+def test_two_mapping_jobs_with_different_inputs_do_not_share_an_output_folder(tmp_path, tiny_model_path, monkeypatch):
+    """Jobs given as a mapping have no file to tell them apart ("<dict>" both): their input does. Another input's
+    job is refused (its results would be replaced); the same input resumes."""
+    from mlxbatch.job.spec import JobSpecError
+
+    write_jsonl(tmp_path / "a.jsonl", texts(3))
+    write_jsonl(tmp_path / "b.jsonl", texts(2))
+    monkeypatch.chdir(tmp_path)
+
+    def job(path):
+        return {"model": str(tiny_model_path), "input": {"path": path, "id_column": "id"},
+                "prompt": "Say {{ text }}", "sampling": {"max_tokens": 2}, "output": "out"}
+
+    assert mlxbatch.run_job(job("a.jsonl")).table().num_rows == 3
+    before = (tmp_path / "out" / "results.parquet").read_bytes()
+    with pytest.raises(JobSpecError, match="another job"):
+        mlxbatch.run_job(job("b.jsonl"))
+    assert (tmp_path / "out" / "results.parquet").read_bytes() == before
+    assert mlxbatch.run_job(job("a.jsonl")).report["rows"]["resumed"] == 3
