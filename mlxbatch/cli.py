@@ -224,9 +224,10 @@ def info() -> None:
     from mlxbatch.engine import device_info
 
     d = device_info()
-    gb = lambda n: round(n / 2**30, 2)  # noqa: E731
-    out = {"device": d.kind, "name": d.name, "total_memory_gb": gb(d.total_memory),
-           "available_memory_gb": gb(d.available_memory), "host_memory_gb": gb(d.host_memory or d.total_memory)}
+    total, avail, host = (round(n / 2**30, 2) for n in (d.total_memory, d.available_memory,
+                                                         d.host_memory or d.total_memory))
+    out = {"device": d.kind, "name": d.name, "total_memory_gb": total, "available_memory_gb": avail,
+           "host_memory_gb": host}
     if d.kind == "metal":
         out["total_memory_is"] = "the Metal working-set limit (unified memory: shared with macOS and other apps)"
     click.echo(json.dumps({**out, "blas": d.blas}, indent=2))

@@ -20,7 +20,6 @@ row at ``max_tokens`` over this device's measured matmul speed and memory bandwi
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.job.model_size import config_sizes
+from mlxbatch.job.model_size import config_sizes, read_config
 from mlxbatch.job.spec import JobSpec
 
 DECODE_PROBE_TOKENS = 24  # generated tokens per row at most while measuring how long rows are
@@ -154,20 +153,14 @@ def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: 
                decode_s_per_step=step, tokens_per_row=per_row)
 
 
-def _config(model_dir: Path) -> dict[str, Any]:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return cfg.get("text_config", cfg)
-
-
 def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int, new_tokens: int) -> Eta | None:
     """FLOPs of the predicted prefill and of decoding ``new_tokens`` at ``max_num_seqs`` rows a step, over this
     device's measured matmul speed and memory bandwidth (decode steps are bound by the larger of reading every
     weight and the batch's FLOPs). No weights are loaded: sizes come from config.json."""
-    import mlx.core as mx
 
     from mlxbatch.engine import measure_device_speed as measure
 
-    c = _config(model_dir)
+    _, c = read_config(model_dir)
     try:
         h, layers, inter = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["intermediate_size"])
         heads = int(c["num_attention_heads"])
@@ -178,7 +171,7 @@ def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int, new_t
         return None  # an architecture whose config this estimate does not know
     body = layers * (2 * h * heads * head_dim + 2 * h * kv + 3 * h * inter)
     head = vocab * h
-    sizes = config_sizes(model_dir, spec.model.dtype, mx.default_device() == mx.gpu)
+    sizes = config_sizes(model_dir, spec.model.dtype)
     speed = measure(h, inter, sizes.dtype)
     weight_bytes = (body + head) * sizes.weight_bytes_per_param  # 4-bit checkpoints read a quarter of fp16's
     C = spec.engine.max_num_seqs

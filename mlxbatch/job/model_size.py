@@ -33,9 +33,19 @@ def _quantization(root: dict[str, Any], text: dict[str, Any]) -> dict[str, Any] 
     return None
 
 
-def config_sizes(model_dir: Path, requested_dtype: str = "auto", on_gpu: bool = False) -> ConfigSizes:
+def read_config(model_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``config.json`` and its text model's part (a vision-language model's ``text_config``, else the whole)."""
     root = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = root.get("text_config", root)
+    return root, root.get("text_config", root)
+
+
+def config_sizes(model_dir: Path, requested_dtype: str = "auto", on_gpu: bool | None = None) -> ConfigSizes:
+    """The sizes on this device (``on_gpu`` None: MLX's default device), or on the one ``on_gpu`` names."""
+    if on_gpu is None:
+        import mlx.core as mx
+
+        on_gpu = mx.default_device() == mx.gpu
+    root, cfg = read_config(model_dir)
     if requested_dtype != "auto":
         dtype = requested_dtype
     elif not on_gpu:

@@ -260,16 +260,10 @@ def plan_job(spec: JobSpec, window: int | None = None, with_eta: bool = True, ca
         if eta is None:
             eta = estimate(spec, model_dir, t.planned + t.images, t.prefill, gen_rows * p.max_tokens * p.n)
     saving = 1 - t.prefill / t.prompt if t.prompt else 0.0
-    sizes = config_sizes(model_dir, spec.model.dtype, _on_gpu())
+    sizes = config_sizes(model_dir, spec.model.dtype)
     return PlanReport(t.rows, t.planned, t.skipped, t.prompt, t.distinct, t.prefill, saving, t.peak,
                       sizes.kv_bytes_per_token, t.windows > 1, window, time.perf_counter() - t0, eta,
                       spec.plan.enabled, t.images, t.scored, tuple(notes), sizes.dtype)
-
-
-def _on_gpu() -> bool:
-    import mlx.core as mx
-
-    return mx.default_device() == mx.gpu
 
 
 def _load(spec: JobSpec, model_dir: Path) -> Any:
