@@ -107,9 +107,12 @@ class SlotBatch:
                 R, H, P, D = old.shape
                 grown = mx.zeros((new_rows, H, new_pos, D), old.dtype)
                 grown[:R, :, :P, :] = old
+                # one buffer at a time (a sync each): the old one is freed before the next grows; all at once held
+                # every old buffer beside every new one, the whole old capacity on top of the new at the peak
+                self.traffic.evaluate(grown)
                 bufs[i] = grown
+                del old
         self._rows_cap, self._pos_cap = new_rows, new_pos
-        self.traffic.evaluate(self._keys, self._values)
 
     def shrink(self) -> None:
         """Give back rows and positions no longer needed (after many sequences finished)."""
@@ -120,9 +123,11 @@ class SlotBatch:
         if need_rows * 4 > self._rows_cap and need_pos * 2 > self._pos_cap:
             return
         rows, pos = min(self._rows_cap, 2 * need_rows), min(self._pos_cap, need_pos)
-        self._keys = [mx.array(k[:rows, :, :pos, :]) for k in self._keys]
-        self._values = [mx.array(v[:rows, :, :pos, :]) for v in self._values]
-        self.traffic.evaluate(self._keys, self._values)
+        for bufs in (self._keys, self._values):
+            for i, old in enumerate(bufs):
+                bufs[i] = mx.contiguous(old[:rows, :, :pos, :])
+                self.traffic.evaluate(bufs[i])  # one buffer at a time, as in growth
+                del old
         self.traffic.grown_bytes += self.nbytes
         self.traffic.resizes += 1
         self._rows_cap, self._pos_cap = rows, pos
