@@ -263,3 +263,45 @@ def test_resizes_never_hold_the_old_and_the_new_capacity_at_once(what):
     one_old_buffer = old // (2 * L)
     assert new != old
     assert alloc <= max(0, new - old) + 2 * one_old_buffer + SLACK, (what, alloc, old, new)
+
+
+def test_copy_ins_are_sliced_so_their_transient_memory_is_bounded():
+    """A step admitting many rows from cached blocks gathers them in slices (``max_bytes`` each, a sync each): the
+    rows get the same KV as in one gather, and MLX allocates about one slice beyond the rows' new KV, not every
+    block of the step at once."""
+    from mlxbatch import SamplingParams
+    from mlxbatch.engine.decoding.detok import TextTracker
+    from mlxbatch.engine.kv import reuse
+    from mlxbatch.engine.request import Request
+    from mlxbatch.engine.sched.prefix import CachedBlocks
+    from mlxbatch.engine.sched.scheduler import Admission
+
+    rows, blocks = 16, 8  # 16 rows of 8 cached blocks (128 positions) each
+    blk = [mx.random.normal((rows * blocks, H, 16, D)) for _ in range(2 * L)]
+
+    def admitted(max_bytes: int) -> tuple[SlotBatch, Traffic, int]:
+        b = SlotBatch(L, Traffic())
+        b.batched_moves = True
+        b.allocate(H, D, mx.float32)
+        b._ensure(rows, 256)
+        store = PrefixStore(L, H, D, mx.float32, POS_BYTES, rows * blocks, 16, b.traffic)
+        ids = list(range(rows * blocks))
+        store.write_blocks(ids, blk[:L], blk[L:])
+        store.flush()
+        adm = [Admission(Request(f"r{i}", f"r{i}", 0, list(range(200)), SamplingParams(), 0, frozenset(), 4096,
+                                 TextTracker(None, incremental=False)),
+                         CachedBlocks(tuple(ids[i * blocks : (i + 1) * blocks]), blocks * 16)) for i in range(rows)]
+        mx.eval(b.kv_arrays())
+        before = b.traffic.snapshot()
+        alloc = _allocated(lambda: reuse.admit(b, store, adm, max_bytes=max_bytes))
+        return b, b.traffic.since(before), alloc
+
+    per_row = blocks * 16 * POS_BYTES
+    whole, t_whole, a_whole = admitted(1 << 40)
+    sliced, t_sliced, a_sliced = admitted(2 * per_row)
+    assert (t_whole.syncs, t_sliced.syncs) == (1, rows // 2)
+    assert t_whole.moved_bytes == t_sliced.moved_bytes == rows * per_row
+    for x, y in zip(whole.kv_arrays(), sliced.kv_arrays()):
+        assert mx.array_equal(x, y).item()
+    assert a_whole >= rows * per_row  # all blocks gathered at once
+    assert a_sliced <= 2 * (2 * per_row) + SLACK, a_sliced  # one slice (gathered, then its scatter's source)

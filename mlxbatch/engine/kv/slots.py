@@ -80,6 +80,10 @@ class SlotBatch:
         return self._keys + self._values
 
     @property
+    def position_bytes(self) -> int:
+        return self._pos_bytes
+
+    @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values))
 
