@@ -171,8 +171,9 @@ def test_engine_run_moves_the_same_after_earlier_work(tiny_loaded, batched):
     assert out_used == out_fresh
     assert t_fresh.moved_bytes > 0 and t_fresh.stored_bytes > 0
     # a fresh engine grows its buffers during the run (one sync each); the used one already has them
-    assert (t_used.moved_bytes, t_used.stored_bytes, t_used.syncs - t_used.resizes) == (
-        t_fresh.moved_bytes, t_fresh.stored_bytes, t_fresh.syncs - t_fresh.resizes)
+    per_resize = 2 * L  # a resize writes its buffers one at a time: a sync per layer's keys and values
+    assert (t_used.moved_bytes, t_used.stored_bytes, t_used.syncs - per_resize * t_used.resizes) == (
+        t_fresh.moved_bytes, t_fresh.stored_bytes, t_fresh.syncs - per_resize * t_fresh.resizes)
 
 
 def test_warm_up_takes_every_step_path(tiny_loaded):
@@ -230,3 +231,77 @@ def test_batched_cache_stores_match_row_by_row_in_one_gather_and_scatter():
     assert t_batched.stored_bytes == t_rows.stored_bytes == sum(len(s.block_ids) for s in stores) * 16 * POS_BYTES
     assert t_batched.syncs == 1
     assert alloc <= 2 * t_batched.stored_bytes + SLACK, alloc  # capacity: 4096 blocks and 128 x 2048 slots
+
+
+@pytest.mark.parametrize("what", ["slots grow", "slots shrink", "prefix store grows"])
+def test_resizes_never_hold_the_old_and_the_new_capacity_at_once(what):
+    """A resize copies its buffers one at a time, so what MLX allocates on top of the new capacity is about one old
+    buffer, not the whole old capacity (all at once, a doubling peaked at three times the old size)."""
+    if what == "prefix store grows":
+        tr = Traffic()
+        store = PrefixStore(L, H, D, mx.float32, POS_BYTES, 8192, 16, tr)
+        store._ensure(1023)
+        mx.eval(store._keys)
+        old = store.nbytes
+        alloc = _allocated(lambda: store._ensure(2047))
+        new = store.nbytes
+    else:
+        b = SlotBatch(L, Traffic())
+        b.allocate(H, D, mx.float32)
+        b._ensure(64, 2048)
+        for i in range(40):
+            b.add(f"r{i}")
+            b.advance(f"r{i}", 200)
+        old = b.nbytes
+        if what == "slots grow":
+            alloc = _allocated(lambda: b._ensure(128, 2048))
+        else:
+            for i in range(35):
+                b.remove(f"r{i}")
+            alloc = _allocated(b.shrink)
+        new = b.nbytes
+    one_old_buffer = old // (2 * L)
+    assert new != old
+    assert alloc <= max(0, new - old) + 2 * one_old_buffer + SLACK, (what, alloc, old, new)
+
+
+def test_copy_ins_are_sliced_so_their_transient_memory_is_bounded():
+    """A step admitting many rows from cached blocks gathers them in slices (``max_bytes`` each, a sync each): the
+    rows get the same KV as in one gather, and MLX allocates about one slice beyond the rows' new KV, not every
+    block of the step at once."""
+    from mlxbatch import SamplingParams
+    from mlxbatch.engine.decoding.detok import TextTracker
+    from mlxbatch.engine.kv import reuse
+    from mlxbatch.engine.request import Request
+    from mlxbatch.engine.sched.prefix import CachedBlocks
+    from mlxbatch.engine.sched.scheduler import Admission
+
+    rows, blocks = 16, 8  # 16 rows of 8 cached blocks (128 positions) each
+    blk = [mx.random.normal((rows * blocks, H, 16, D)) for _ in range(2 * L)]
+
+    def admitted(max_bytes: int) -> tuple[SlotBatch, Traffic, int]:
+        b = SlotBatch(L, Traffic())
+        b.batched_moves = True
+        b.allocate(H, D, mx.float32)
+        b._ensure(rows, 256)
+        store = PrefixStore(L, H, D, mx.float32, POS_BYTES, rows * blocks, 16, b.traffic)
+        ids = list(range(rows * blocks))
+        store.write_blocks(ids, blk[:L], blk[L:])
+        store.flush()
+        adm = [Admission(Request(f"r{i}", f"r{i}", 0, list(range(200)), SamplingParams(), 0, frozenset(), 4096,
+                                 TextTracker(None, incremental=False)),
+                         CachedBlocks(tuple(ids[i * blocks : (i + 1) * blocks]), blocks * 16)) for i in range(rows)]
+        mx.eval(b.kv_arrays())
+        before = b.traffic.snapshot()
+        alloc = _allocated(lambda: reuse.admit(b, store, adm, max_bytes=max_bytes))
+        return b, b.traffic.since(before), alloc
+
+    per_row = blocks * 16 * POS_BYTES
+    whole, t_whole, a_whole = admitted(1 << 40)
+    sliced, t_sliced, a_sliced = admitted(2 * per_row)
+    assert (t_whole.syncs, t_sliced.syncs) == (1, rows // 2)
+    assert t_whole.moved_bytes == t_sliced.moved_bytes == rows * per_row
+    for x, y in zip(whole.kv_arrays(), sliced.kv_arrays()):
+        assert mx.array_equal(x, y).item()
+    assert a_whole >= rows * per_row  # all blocks gathered at once
+    assert a_sliced <= 2 * (2 * per_row) + SLACK, a_sliced  # one slice (gathered, then its scatter's source)

@@ -27,6 +27,11 @@ class KVLayout(Protocol):
     def __contains__(self, request_id: str) -> bool: ...
 
     @property
+    def position_bytes(self) -> int:
+        """Bytes of one position of one row: keys and values of every layer."""
+        ...
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by the layout's buffers (capacity, not use)."""
         ...

@@ -38,13 +38,15 @@ class PrefixStore:
         self.traffic.resizes += 1
         for bufs in (self._keys, self._values):
             if not bufs:
-                bufs.extend(mx.zeros((cap, *self._shape), self._dtype) for _ in range(self._num_layers))
-                continue
+                bufs.extend([mx.zeros((0, *self._shape), self._dtype)] * self._num_layers)
             for i, old in enumerate(bufs):
                 grown = mx.zeros((cap, *self._shape), self._dtype)
                 grown[: old.shape[0]] = old
+                # one buffer at a time (a sync each): the old one is freed before the next grows; all at once held
+                # every old buffer beside every new one
+                self.traffic.evaluate(grown)
                 bufs[i] = grown
-        self.traffic.evaluate(self._keys, self._values)
+                del old
         self._capacity = cap
 
     @property

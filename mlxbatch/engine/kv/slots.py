@@ -80,6 +80,10 @@ class SlotBatch:
         return self._keys + self._values
 
     @property
+    def position_bytes(self) -> int:
+        return self._pos_bytes
+
+    @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values))
 
@@ -107,9 +111,12 @@ class SlotBatch:
                 R, H, P, D = old.shape
                 grown = mx.zeros((new_rows, H, new_pos, D), old.dtype)
                 grown[:R, :, :P, :] = old
+                # one buffer at a time (a sync each): the old one is freed before the next grows; all at once held
+                # every old buffer beside every new one, the whole old capacity on top of the new at the peak
+                self.traffic.evaluate(grown)
                 bufs[i] = grown
+                del old
         self._rows_cap, self._pos_cap = new_rows, new_pos
-        self.traffic.evaluate(self._keys, self._values)
 
     def shrink(self) -> None:
         """Give back rows and positions no longer needed (after many sequences finished)."""
@@ -120,9 +127,11 @@ class SlotBatch:
         if need_rows * 4 > self._rows_cap and need_pos * 2 > self._pos_cap:
             return
         rows, pos = min(self._rows_cap, 2 * need_rows), min(self._pos_cap, need_pos)
-        self._keys = [mx.array(k[:rows, :, :pos, :]) for k in self._keys]
-        self._values = [mx.array(v[:rows, :, :pos, :]) for v in self._values]
-        self.traffic.evaluate(self._keys, self._values)
+        for bufs in (self._keys, self._values):
+            for i, old in enumerate(bufs):
+                bufs[i] = mx.contiguous(old[:rows, :, :pos, :])
+                self.traffic.evaluate(bufs[i])  # one buffer at a time, as in growth
+                del old
         self.traffic.grown_bytes += self.nbytes
         self.traffic.resizes += 1
         self._rows_cap, self._pos_cap = rows, pos
@@ -289,10 +298,7 @@ class SlotBatch:
                         bufs[i][row, :, start : start + width, :] = blk.transpose(1, 0, 2, 3).reshape(H, n * B, D)
                 b = e
             return
-        rows = mx.array([self.row_of(rid) for rid, _ in targets], dtype=mx.int32)[:, None, None]
-        starts = mx.array([p for _, p in targets], dtype=mx.int32)
-        pos = (starts[:, None] + mx.arange(block_size, dtype=mx.int32)[None, :])[:, None, :]
-        heads = mx.arange(keys[0].shape[1], dtype=mx.int32)[None, :, None]
+        rows, heads, pos = self._block_index(targets, block_size)
         for i in range(self.num_layers):
             self._keys[i][rows, heads, pos] = keys[i]
             self._values[i][rows, heads, pos] = values[i]
@@ -301,11 +307,17 @@ class SlotBatch:
         """Blocks of rows, lazily, per layer ``[n, H, block_size, D]``: block ``b`` is row ``sources[b][0]``'s positions
         ``sources[b][1] .. + block_size`` (past the row's length: whatever is there). One gather per buffer for all
         rows (the inverse of ``write_blocks``); evaluate before any row is written or moved again."""
-        rows = mx.array([self.row_of(rid) for rid, _ in sources], dtype=mx.int32)[:, None, None]
-        starts = mx.array([p for _, p in sources], dtype=mx.int32)
+        rows, heads, pos = self._block_index(sources, block_size)
+        return [k[rows, heads, pos] for k in self._keys], [v[rows, heads, pos] for v in self._values]
+
+    def _block_index(self, blocks: Sequence[tuple[str, int]], block_size: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Index arrays (rows ``[n,1,1]``, heads ``[1,H,1]``, positions ``[n,1,B]``) of blocks given as (row id,
+        first position): ``buf[rows, heads, pos]`` is ``[n, H, B, D]``."""
+        rows = mx.array([self.row_of(rid) for rid, _ in blocks], dtype=mx.int32)[:, None, None]
+        starts = mx.array([p for _, p in blocks], dtype=mx.int32)
         pos = (starts[:, None] + mx.arange(block_size, dtype=mx.int32)[None, :])[:, None, :]
         heads = mx.arange(self._keys[0].shape[1], dtype=mx.int32)[None, :, None]
-        return [k[rows, heads, pos] for k in self._keys], [v[rows, heads, pos] for v in self._values]
+        return rows, heads, pos
 
     def remove_many(self, request_ids: Sequence[str]) -> None:
         """Retire rows. With batched moves, every row that fills a hole moves in one gather + scatter."""
