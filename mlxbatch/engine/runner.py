@@ -199,7 +199,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         constrained = self._grammars.constrain(due_ids, all_logits)
         prof.grammar_mask_s += time.perf_counter() - t1
-        tokens_out = sample(constrained, rows_s)
+        tokens_out = sample(constrained, rows_s, all_logits if constrained is not all_logits else None)
         self.traffic.syncs += 1  # the sampled ids are read back
         prof.sampling_s += time.perf_counter() - t0
         self._commit(out)

@@ -134,3 +134,25 @@ def test_preempted_sequence_keeps_its_grammar_state(tiny_loaded):
     assert [o.token_ids for o in outs] == expected
     for o in outs:
         check_json(o.text)
+
+
+def test_constrained_logprobs_are_the_models_own(tiny_loaded):
+    """A constrained row's logprobs are the model's distribution before the mask: the chosen label's logprob is the
+    model's confidence in its token (not 0.0 because the mask left one token), and the top alternatives are the
+    model's top tokens, allowed or not (issue #15: label confidence)."""
+    import mlx.core as mx
+
+    prompt = "Sentiment of 'great film':"
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, constraint=OutputConstraint.choice(CHOICES))
+    with Engine(tiny_loaded, EngineConfig(max_num_seqs=4, warm_up=False)) as eng:
+        out = eng.generate([prompt], params)[0]
+        ids = eng.core.encode(prompt)
+    assert out.text in CHOICES
+    first = out.logprobs[0]
+    logits = tiny_loaded.model(mx.array([ids]))[0, -1].astype(mx.float32)
+    model_lp = logits - mx.logsumexp(logits)
+    assert first.logprob == pytest.approx(model_lp[first.token_id].item(), abs=1e-4)
+    assert first.logprob < -1e-3  # a random model is not sure of any label
+    top = mx.argsort(-model_lp)[:3].tolist()
+    assert [t for t, _ in first.top] == top
+    assert [v for _, v in first.top] == pytest.approx([model_lp[t].item() for t in top], abs=1e-4)

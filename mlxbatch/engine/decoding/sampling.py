@@ -118,12 +118,17 @@ def _draw(logits: mx.array, rows: Sequence[SampleRow]) -> mx.array:
     return mx.minimum(idx, probs.shape[-1] - 1)
 
 
-def sample(logits: mx.array, rows: Sequence[SampleRow]) -> list[SampledToken]:
-    """Choose the next token of every row of ``logits`` ([rows, vocab]) under that row's parameters."""
+def sample(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array | None = None) -> list[SampledToken]:
+    """Choose the next token of every row of ``logits`` ([rows, vocab]) under that row's parameters.
+
+    Logprobs (rows that ask for them) are the model's own distribution: ``model_logits`` when given (the logits before
+    an output constraint masked them, so a constrained label's logprob is the model's confidence in it, not 0.0 under a
+    mask that left one token), else ``logits``."""
     assert logits.ndim == 2 and logits.shape[0] == len(rows)
     logits = logits.astype(mx.float32)
     want_lp = [r.params.logprobs is not None for r in rows]
-    raw_lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if any(want_lp) else None
+    raw = logits if model_logits is None else model_logits.astype(mx.float32)
+    raw_lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True) if any(want_lp) else None
     adjusted = _adjust(logits, rows)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
