@@ -27,7 +27,8 @@ class Traffic:
     moved_bytes: int = 0  # existing KV copied to another place: row moves, copy-ins (running rows, cached blocks), forks
     stored_bytes: int = 0  # KV copied into the prefix cache
     grown_bytes: int = 0  # buffers copied when they grow or shrink (amortised: capacity doubles)
-    resizes: int = 0  # buffer growths and shrinks (each one sync per buffer, counted in syncs)
+    resizes: int = 0  # buffer growths and shrinks
+    resize_syncs: int = 0  # of ``syncs``, those of growths and shrinks (a sync per slice of ``kv.copies``)
     syncs: int = 0  # host waits for the device: evaluations and reads of results
 
     def evaluate(self, *arrays: Any) -> None:

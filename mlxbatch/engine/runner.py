@@ -73,6 +73,9 @@ class ModelRunner:
             self._fixed = FixedForwards(slots, shapes, body, head, self.profile)
         # prefill chunks and reused prefixes start at multiples of this (0: anywhere), for the scheduler
         self.invariant_slice = self._fixed.shapes.slice_tokens if self._fixed is not None else 0
+        # CUDA: prefill passes in recurring shapes (each new attention shape is a cuDNN graph build there)
+        slots.shape_buckets = (vlm is None and not batch_invariant and mx.default_device() == mx.gpu
+                               and not mx.metal.is_available())
         self.batch: KVLayout = slots
         self._store = (PrefixStore(geometry.num_layers, geometry.kv_heads, geometry.head_dim, dtype,
                                    geometry.bytes_per_token, prefix_blocks, block_size, self.traffic)

@@ -170,10 +170,10 @@ def test_engine_run_moves_the_same_after_earlier_work(tiny_loaded, batched):
         t_used, out_used = measured(used)
     assert out_used == out_fresh
     assert t_fresh.moved_bytes > 0 and t_fresh.stored_bytes > 0
-    # a fresh engine grows its buffers during the run (one sync each); the used one already has them
-    per_resize = 2 * L  # a resize writes its buffers one at a time: a sync per layer's keys and values
-    assert (t_used.moved_bytes, t_used.stored_bytes, t_used.syncs - per_resize * t_used.resizes) == (
-        t_fresh.moved_bytes, t_fresh.stored_bytes, t_fresh.syncs - per_resize * t_fresh.resizes)
+    # a fresh engine grows its buffers during the run (a sync each, for these small buffers); the used one has them
+    assert t_fresh.resize_syncs == t_fresh.resizes
+    assert (t_used.moved_bytes, t_used.stored_bytes, t_used.syncs - t_used.resize_syncs) == (
+        t_fresh.moved_bytes, t_fresh.stored_bytes, t_fresh.syncs - t_fresh.resize_syncs)
 
 
 def test_warm_up_takes_every_step_path(tiny_loaded):
@@ -234,25 +234,30 @@ def test_batched_cache_stores_match_row_by_row_in_one_gather_and_scatter():
 
 
 @pytest.mark.parametrize("what", ["slots grow", "slots shrink", "prefix store grows"])
-def test_resizes_never_hold_the_old_and_the_new_capacity_at_once(what):
-    """A resize copies its buffers one at a time, so what MLX allocates on top of the new capacity is about one old
-    buffer, not the whole old capacity (all at once, a doubling peaked at three times the old size)."""
+def test_resizes_never_hold_the_old_and_the_new_capacity_at_once(what, monkeypatch):
+    """A resize copies its buffers in slices of ``copies.MAX_COPY_BYTES`` (here: one buffer a slice), so what MLX
+    allocates on top of the new capacity is about one slice of old buffers, not the whole old capacity (all at once,
+    a doubling peaked at three times the old size); small resizes stay one sync."""
+    from mlxbatch.engine.kv import copies
+
+    monkeypatch.setattr(copies, "MAX_COPY_BYTES", 1)
     if what == "prefix store grows":
         tr = Traffic()
         store = PrefixStore(L, H, D, mx.float32, POS_BYTES, 8192, 16, tr)
         store._ensure(1023)
         mx.eval(store._keys)
-        old = store.nbytes
+        old, before = store.nbytes, tr.resize_syncs
         alloc = _allocated(lambda: store._ensure(2047))
         new = store.nbytes
     else:
-        b = SlotBatch(L, Traffic())
+        tr = Traffic()
+        b = SlotBatch(L, tr)
         b.allocate(H, D, mx.float32)
         b._ensure(64, 2048)
         for i in range(40):
             b.add(f"r{i}")
             b.advance(f"r{i}", 200)
-        old = b.nbytes
+        old, before = b.nbytes, tr.resize_syncs
         if what == "slots grow":
             alloc = _allocated(lambda: b._ensure(128, 2048))
         else:
@@ -261,8 +266,26 @@ def test_resizes_never_hold_the_old_and_the_new_capacity_at_once(what):
             alloc = _allocated(b.shrink)
         new = b.nbytes
     one_old_buffer = old // (2 * L)
-    assert new != old
+    assert new != old and tr.resize_syncs - before == 2 * L  # one slice per buffer
     assert alloc <= max(0, new - old) + 2 * one_old_buffer + SLACK, (what, alloc, old, new)
+
+
+def test_small_resizes_are_one_sync():
+    """Buffers far under ``copies.MAX_COPY_BYTES`` grow in one slice: one sync for every layer's keys and values (a
+    sync per buffer made the GPU decode table's steps 2.08 -> 4.67 syncs)."""
+    from mlxbatch.engine.kv import copies
+
+    assert copies.MAX_COPY_BYTES >= 64 << 20
+    tr = Traffic()
+    b = SlotBatch(L, tr)
+    b.allocate(H, D, mx.float32)
+    for i in range(40):  # rows double 4 -> 64: four growths
+        b.add(f"r{i}")
+    b._ensure(40, 600)  # positions 256 -> 768
+    assert tr.resizes == 5 and tr.resize_syncs == 5
+    store = PrefixStore(L, H, D, mx.float32, POS_BYTES, 8192, 16, tr)
+    store._ensure(100)
+    assert tr.resizes == 6 and tr.resize_syncs == 6
 
 
 def test_copy_ins_are_sliced_so_their_transient_memory_is_bounded():

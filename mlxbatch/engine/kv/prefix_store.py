@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from mlxbatch.engine.kv import copies
 from mlxbatch.engine.outputs import Traffic
 
 
@@ -36,17 +37,16 @@ class PrefixStore:
         cap = min(self.num_blocks, max(64, 2 * self._capacity, max_id + 1))
         self.traffic.grown_bytes += self.nbytes
         self.traffic.resizes += 1
+
+        def grown(old: mx.array) -> mx.array:
+            g = mx.zeros((cap, *self._shape), self._dtype)
+            g[: old.shape[0]] = old
+            return g
+
         for bufs in (self._keys, self._values):
             if not bufs:
                 bufs.extend([mx.zeros((0, *self._shape), self._dtype)] * self._num_layers)
-            for i, old in enumerate(bufs):
-                grown = mx.zeros((cap, *self._shape), self._dtype)
-                grown[: old.shape[0]] = old
-                # one buffer at a time (a sync each): the old one is freed before the next grows; all at once held
-                # every old buffer beside every new one
-                self.traffic.evaluate(grown)
-                bufs[i] = grown
-                del old
+        copies.replace_each((self._keys, self._values), grown, self.traffic)
         self._capacity = cap
 
     @property

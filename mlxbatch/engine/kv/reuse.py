@@ -2,37 +2,18 @@
 
 Owns nothing but the execution (the decisions and the books are ``engine.sched.prefix``'s): new rows get the KV
 they start from (a running row's prefix, or cached blocks), all copies of a step batched (one gather and one scatter
-per buffer on a GPU, in slices of at most ``MAX_COPY_BYTES``: a sync each); after a successful step, prompt blocks are written into the prefix store.
+per buffer on a GPU, in slices of at most ``copies.MAX_COPY_BYTES``: a sync each); after a successful step, prompt
+blocks are written into the prefix store.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
-from mlxbatch.engine.kv import KVLayout
+from mlxbatch.engine.kv import KVLayout, copies
 from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.sched.prefix import BlockStore, CachedBlocks, RunningRow
 from mlxbatch.engine.sched.scheduler import Admission
-
-T = TypeVar("T")
-
-
-MAX_COPY_BYTES = 256 << 20  # a step's copy-ins are gathered in slices of at most this much (one sync each)
-
-
-def _slices(items: Sequence[T], size: Callable[[T], int], limit: int) -> list[list[T]]:
-    """Consecutive groups of ``items`` whose sizes add up to at most ``limit`` (an item larger than it goes alone)."""
-    out: list[list[T]] = []
-    total = 0
-    for item in items:
-        n = size(item)
-        if not out or total + n > limit:
-            out.append([])
-            total = 0
-        out[-1].append(item)
-        total += n
-    return out
 
 
 def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admission],
@@ -40,9 +21,8 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
     """Rows for newly admitted sequences, starting from the KV they reuse.
 
     The copies are batched (one gather and one scatter per buffer) in slices of at most ``max_bytes`` gathered
-    (default ``MAX_COPY_BYTES``): all at once, ~200 fewshot rows x 37 blocks made a 1.4 GB transient on the 0.5B shape.
+    (default ``copies.MAX_COPY_BYTES``): all at once, ~200 fewshot rows x 37 blocks made a 1.4 GB transient on the 0.5B shape.
     """
-    limit = MAX_COPY_BYTES if max_bytes is None else max_bytes
     live: list[tuple[str, str, int]] = []
     cached: list[tuple[str, CachedBlocks]] = []
     for a in admissions:
@@ -57,12 +37,12 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
             batch.add(rid)
     pos = batch.position_bytes
     longest = max((n for _, _, n in live), default=0)  # a batched copy gathers every row at the longest's length
-    for part in _slices(live, lambda c: longest * pos, limit):
+    for part in copies.slices(live, lambda c: longest * pos, max_bytes):
         batch.copy_prefixes(part)
     if cached:
         assert store is not None
         B = store.block_size
-        for part in _slices(cached, lambda c: len(c[1].block_ids) * B * pos, limit):
+        for part in copies.slices(cached, lambda c: len(c[1].block_ids) * B * pos, max_bytes):
             keys, values = store.gather([b for _, c in part for b in c.block_ids])
             batch.write_blocks([(rid, j * B) for rid, c in part for j in range(len(c.block_ids))], keys, values, B)
             del keys, values

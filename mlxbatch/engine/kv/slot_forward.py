@@ -26,52 +26,80 @@ class ForwardPass:
     q_pos: mx.array  # [rows, T] each query's position
     mask: mx.array | str | None  # "causal" when all rows end together (SDPA's fused mode), else an array
     mode: str  # how new KV is written: "slice" (one block), "rows" (a block per row), "scatter" (one scatter)
-    index: tuple[mx.array, mx.array] | None  # scatter mode: (rows [n,1,1], positions [n,1,T])
+    index: tuple[mx.array, mx.array] | None  # scatter mode: (rows [n,1,1], positions [n,1,T]) of the written rows
+    written: int  # rows that write their KV: the first ``written``; the rest pad the pass to a bucketed shape
 
     def array_mask(self) -> mx.array:
         return (mx.arange(self.t_used)[None, None, :] <= self.q_pos[:, :, None])[:, None, :, :]
 
 
+def bucket(x: int) -> int:
+    """``x`` rounded up to one of four sizes per octave (1 .. 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...): at most
+    25% more."""
+    if x <= 8:
+        return x
+    step = 1 << ((x - 1).bit_length() - 3)
+    return -(-x // step) * step
+
+
 def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes: bool,
-                 kv_width: int | None = None) -> ForwardPass:
-    """The plan of one forward pass. ``kv_width`` (batch-invariant passes, ``kv.invariant``): the queries read
-    exactly that many key positions, always through an array mask, so the attention's shapes and kernel depend on
-    the rows' own lengths only, never on the longest row beside them."""
+                 kv_width: int | None = None, written: int | None = None) -> ForwardPass:
+    """The plan of one forward pass over rows ``start .. start + len(offsets)``. ``kv_width``: the queries read
+    exactly that many key positions, always through an array mask (batch-invariant passes, ``kv.invariant``: the
+    attention's shapes then depend on the rows' own lengths only; bucketed passes, ``bucketed_pass``: a few shapes
+    recur). ``written``: only the first that many rows write their KV (the others pad the pass's rows)."""
     n, T = len(offsets), width
+    w = n if written is None else written
     off = mx.array(list(offsets), dtype=mx.int32)
     q_pos = off[:, None] + mx.arange(T)[None, :]  # [n, T]
-    if kv_width is not None:
-        fp = ForwardPass(start, start + n, tuple(offsets), T, kv_width, off, q_pos, None, "scatter", None)
-        mode = "slice" if len(set(offsets)) == 1 else "rows" if T > 1 and not batched_writes else "scatter"
-        index = (mx.arange(start, start + n)[:, None, None], q_pos[:, None, :]) if mode == "scatter" else None
-        return ForwardPass(start, start + n, tuple(offsets), T, kv_width, off, q_pos, fp.array_mask(), mode, index)
-    t_used = max(o + T for o in offsets)
-    aligned = len(set(offsets)) == 1
-    index = None
+    aligned = len(set(offsets[:w])) == 1
+    t_used = kv_width if kv_width is not None else max(o + T for o in offsets)
     if aligned:
         mode = "slice"  # one contiguous block: a slice update, far cheaper than a scatter
     elif T > 1 and not batched_writes:
         mode = "rows"  # prefill chunks at different offsets: one block per row (CPU: memcpy)
     else:  # GPU prefill at different offsets (one scatter per buffer instead of a launch per row), or decode
         mode = "scatter"
-        index = (mx.arange(start, start + n)[:, None, None], q_pos[:, None, :])
-    fp = ForwardPass(start, start + n, tuple(offsets), T, t_used, off, q_pos, None, mode, index)
-    # all rows end together: the queries are the last T keys, which SDPA's fused causal mode handles without
-    # materialising a mask (about 2x faster prefill on CPU)
-    mask = ("causal" if T > 1 else None) if aligned else fp.array_mask()
-    return ForwardPass(start, start + n, tuple(offsets), T, t_used, off, q_pos, mask, mode, index)
+    index = (mx.arange(start, start + w)[:, None, None], q_pos[:w, None, :]) if mode == "scatter" else None
+    fp = ForwardPass(start, start + n, tuple(offsets), T, t_used, off, q_pos, None, mode, index, w)
+    if kv_width is not None or not (aligned and len(set(offsets)) == 1):
+        mask: mx.array | str | None = fp.array_mask()
+    else:  # all rows end together: the queries are the last T keys, which SDPA's fused causal mode handles
+        mask = "causal" if T > 1 else None  # without materialising a mask (about 2x faster prefill on CPU)
+    return ForwardPass(start, start + n, tuple(offsets), T, t_used, off, q_pos, mask, mode, index, w)
+
+
+def bucketed_pass(start: int, offsets: Sequence[int], width: int, row_room: int, kv_step: int) -> ForwardPass:
+    """A prefill pass padded to a recurring shape (GPU, batched writes): rows and tokens rounded up by ``bucket``
+    (rows at most ``row_room``: the slots past ``start``), keys to a multiple of ``kv_step``.
+
+    MLX's CUDA attention builds a cuDNN graph for each new (rows, tokens, keys) shape, ~55 ms each (up to 1 s), and
+    keeps 256. Exact shapes are new at nearly every prefill step (a 2048-row label run: 71 of 75), so a long job
+    paid a build at every step. Padding rows read whatever their slots hold and write nothing; their outputs are
+    dropped. Rows that all start at position 0 keep the causal mode (then keys = tokens); others read keys through
+    an array mask, so their shape does not depend on where the rows start."""
+    n = len(offsets)
+    rows = max(n, min(bucket(n), row_room))
+    T = bucket(width)
+    padded = list(offsets) + [offsets[0]] * (rows - n)
+    if not any(offsets):  # fresh prompts: the causal mode, whose keys (T of them) are bucketed too
+        return plan_forward(start, padded, T, True, written=n)
+    kv = -(-max(o + T for o in offsets) // kv_step) * kv_step
+    return plan_forward(start, padded, T, True, kv_width=kv, written=n)
 
 
 def write_kv(k_buf: mx.array, v_buf: mx.array, fp: ForwardPass, keys: mx.array, values: mx.array
              ) -> tuple[mx.array, mx.array]:
     """Write one layer's new keys/values in place; returns the keys/values the pass's queries read."""
-    a, b, T = fp.start, fp.stop, fp.width
+    a, b, T, w = fp.start, fp.stop, fp.width, fp.written
+    if w < b - a:  # padding rows write nothing
+        keys, values = keys[:w], values[:w]
     if fp.mode == "slice":
         o = fp.offsets[0]
-        k_buf[a:b, :, o : o + T, :] = keys
-        v_buf[a:b, :, o : o + T, :] = values
+        k_buf[a : a + w, :, o : o + T, :] = keys
+        v_buf[a : a + w, :, o : o + T, :] = values
     elif fp.mode == "rows":
-        for i, o in enumerate(fp.offsets):
+        for i, o in enumerate(fp.offsets[:w]):
             k_buf[a + i, :, o : o + T, :] = keys[i]
             v_buf[a + i, :, o : o + T, :] = values[i]
     else:

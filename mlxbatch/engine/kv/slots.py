@@ -16,7 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache, plan_forward, write_kv
+from mlxbatch.engine.kv import copies
+from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache, bucket, bucketed_pass, plan_forward, write_kv
 from mlxbatch.engine.outputs import Traffic
 
 POSITION_STEP = 256
@@ -55,6 +56,9 @@ class SlotBatch:
         # costs a launch: per-row copies were ~a third of a GPU step); on the CPU per-row slice copies (memcpy),
         # since CPU scatters go element by element
         self.batched_moves = mx.default_device() == mx.gpu
+        # prefill passes padded to recurring shapes (``slot_forward.bucketed_pass``): on CUDA, where each new attention
+        # shape costs a cuDNN graph build; the runner sets it
+        self.shape_buckets = False
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -106,16 +110,14 @@ class SlotBatch:
             return
         self.traffic.grown_bytes += self.nbytes
         self.traffic.resizes += 1
-        for bufs in (self._keys, self._values):
-            for i, old in enumerate(bufs):
-                R, H, P, D = old.shape
-                grown = mx.zeros((new_rows, H, new_pos, D), old.dtype)
-                grown[:R, :, :P, :] = old
-                # one buffer at a time (a sync each): the old one is freed before the next grows; all at once held
-                # every old buffer beside every new one, the whole old capacity on top of the new at the peak
-                self.traffic.evaluate(grown)
-                bufs[i] = grown
-                del old
+
+        def grown(old: mx.array) -> mx.array:
+            R, H, P, D = old.shape
+            g = mx.zeros((new_rows, H, new_pos, D), old.dtype)
+            g[:R, :, :P, :] = old
+            return g
+
+        copies.replace_each((self._keys, self._values), grown, self.traffic)
         self._rows_cap, self._pos_cap = new_rows, new_pos
 
     def shrink(self) -> None:
@@ -127,11 +129,7 @@ class SlotBatch:
         if need_rows * 4 > self._rows_cap and need_pos * 2 > self._pos_cap:
             return
         rows, pos = min(self._rows_cap, 2 * need_rows), min(self._pos_cap, need_pos)
-        for bufs in (self._keys, self._values):
-            for i, old in enumerate(bufs):
-                bufs[i] = mx.contiguous(old[:rows, :, :pos, :])
-                self.traffic.evaluate(bufs[i])  # one buffer at a time, as in growth
-                del old
+        copies.replace_each((self._keys, self._values), lambda old: mx.contiguous(old[:rows, :, :pos, :]), self.traffic)
         self.traffic.grown_bytes += self.nbytes
         self.traffic.resizes += 1
         self._rows_cap, self._pos_cap = rows, pos
@@ -388,12 +386,19 @@ class SlotBatch:
         # where each row's new tokens start: its committed length, unless an earlier forward of the same step
         # (not committed yet) already wrote some
         offsets = list(offsets) if offsets is not None else self.lengths[start : start + n]
-        self._ensure(start + n, max(o + T for o in offsets))
-        self._pass = plan_forward(start, offsets, T, self.batched_moves)
-        pad = [list(t) + [0] * (T - len(t)) for t in tokens]
+        if self.shape_buckets and T > 1:
+            self._ensure(start + n, _round_up(max(o + bucket(T) for o in offsets), POSITION_STEP))
+            self._pass = bucketed_pass(start, offsets, T, self._rows_cap - start, POSITION_STEP)
+        else:
+            self._ensure(start + n, max(o + T for o in offsets))
+            self._pass = plan_forward(start, offsets, T, self.batched_moves)
+        rows, width = self._pass.stop - start, self._pass.width
+        pad = [list(t) + [0] * (width - len(t)) for t in tokens] + [[0] * width] * (rows - n)
         out = model(mx.array(pad, dtype=mx.int32), cache=self.layers)
+        if rows > n:
+            out = out[:n]
         if full:
-            return out
+            return out[:, :T] if width > T else out
         if T == 1:
             return out[:, 0, :]
         last = mx.array([len(t) - 1 for t in tokens], dtype=mx.int32)
