@@ -122,32 +122,7 @@ def test_a_sequence_waits_while_its_prefix_is_being_computed():
     assert ix.in_progress(req("b", list(range(1, 20)) + [9]))
     assert not ix.in_progress(req("c", [5] + list(range(1, 20))))
     finish_prefill(ix, a)
-    ix.begin_step()
-    assert not ix.in_progress(req("b", list(range(1, 20)) + [9]))  # its blocks are cached now, "a" a running row
-
-
-def test_a_sequence_waits_for_the_partial_block_of_its_shared_prefix_being_computed():
-    """With a plan, a shared prefix ending mid-block is cached as a partial block: a sequence whose whole blocks are
-    cached but whose partial block an admitted sequence is computing right now waits a step, then reuses it to the
-    token (it recomputed those tokens before)."""
-    ix = PrefixIndex(32, B)
-    ix.begin_step()
-    x = req("x", list(range(1, 21)) + [99], cache_tokens=20)  # caches five whole blocks (of 4)
-    admit(ix, x)
-    finish_prefill(ix, x)
-    ix.begin_step()
-    a = req("a", list(range(1, 23)) + [50, 51], cache_tokens=22)  # the plan: the next row shares 22 tokens
-    first = admit(ix, a)
-    assert isinstance(first, CachedBlocks) and first.num_tokens == 20
-    ix.plan_stores([])
-    b = req("b", list(range(1, 23)) + [60])
-    assert ix.in_progress(b)  # blocks 0-4 cached, the partial block of tokens 21-22 being computed by "a"
-    assert not ix.in_progress(req("c", list(range(1, 21)) + [70, 71]))  # shares 20: nothing more computed
-    finish_prefill(ix, a)
-    ix.begin_step()
-    assert not ix.in_progress(b)
-    src = ix.match(b)
-    assert isinstance(src, CachedBlocks) and src.num_tokens == 22 and src.block_ids[:5] == first.block_ids
+    assert not ix.in_progress(req("b", list(range(1, 20)) + [9]))  # its blocks are cached now
 
 
 def test_scheduler_output_lists_admissions_with_sources_and_the_stores():

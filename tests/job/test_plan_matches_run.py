@@ -19,10 +19,12 @@ from mlxbatch.job.runner import JobRunner
 from mlxbatch.job.validate import validate_job
 
 ROOT = Path(__file__).resolve().parents[2]
-NO_PLAN_TAIL = pytest.mark.xfail(strict=True, reason=(
-    "without a plan no partial block is cached: a row admitted in the same step as the row it shares the most with "
-    "recomputes the tail of the shared prefix past its last whole block (2.5-4.6% above the prediction here). "
-    "Waiting for such rows serialised trie-ordered rows (3 -> 27 steps for 32 demo rows), so they do not wait"))
+PARTIAL_BLOCK = pytest.mark.xfail(strict=True, reason=(
+    "the engine reuses shared prefixes to the token (cached partial blocks), but rows admitted in the same step as "
+    "the row they share the most with can only reuse what is cached or held by rows admitted earlier: 1-2 tokens a "
+    "row past the cached prefix are recomputed (the run stays within 1.03 of the floor, 2.2-2.8% above the plan's "
+    "prediction here, which assumes rows one after another)"))
+SCORE_PARTIAL_BLOCK = PARTIAL_BLOCK
 
 
 def prefill_of(report):
@@ -37,10 +39,10 @@ def plan_and_run(job, overrides=None, calibrate=False):
 
 
 @pytest.mark.parametrize("name, limit", [
-    ("demo", 16),  # rows admitted with the row they share a partial block with wait a step for it (was 2.2-2.8% over)
+    pytest.param("demo", 16, marks=PARTIAL_BLOCK),
     ("label", 12),  # 12 rows run at once: reuse from running rows covers them (120 rows do not: 1450 vs 539)
-    ("eval", 4),
-    ("eval_generate", 6),
+    pytest.param("eval", 4, marks=SCORE_PARTIAL_BLOCK),
+    pytest.param("eval_generate", 6, marks=PARTIAL_BLOCK),
     pytest.param("caption", None),
 ])
 def test_predicted_prefill_of_the_shipped_jobs(tmp_path, name, limit):
@@ -50,7 +52,7 @@ def test_predicted_prefill_of_the_shipped_jobs(tmp_path, name, limit):
 
 
 @pytest.mark.parametrize("plan", [{"window": 8}, {"window": 8, "enabled": False},
-                                  pytest.param({"enabled": False}, marks=NO_PLAN_TAIL)])
+                                  pytest.param({"enabled": False}, marks=PARTIAL_BLOCK)])
 @pytest.mark.parametrize("chat", [False, True])
 def test_predicted_prefill_with_windows_and_without_the_plan(tmp_path, tiny_model_path, plan, chat):
     instruction = "Label the following text as alpha or beta, carefully and with care. " * 3

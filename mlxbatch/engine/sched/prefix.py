@@ -8,8 +8,8 @@ decision about them, on the scheduler's side of the step (pure Python: the runne
   says share exactly that much, so reuse from the cache goes to the token too. A running row: a sequence admitted in
   an earlier step and still running that shares more with the new prompt than the cache holds (in the plan's order
   the row before is usually still running): its KV is copied to the token.
-- **Waiting** (``in_progress``): a sequence whose next prefix block (whole, or the partial block a shared prefix
-  ends in) an admitted sequence is computing right now waits a step or two, so the shared prefix is computed once.
+- **Waiting** (``in_progress``): a sequence whose next prefix blocks an admitted sequence is computing right now can
+  wait a step or two, so the shared prefix is computed once.
 - **Keeping** (``plan_stores`` / ``commit``): a prefill that ends this step offers the blocks of its first
   ``cache_tokens`` prompt tokens (the plan's retention; ``None`` without a plan offers all), and a partial block up
   to exactly ``cache_tokens`` (for a scoring sequence: its context but the last token); their cache blocks are
@@ -93,7 +93,6 @@ class PrefixIndex:
                               request.request_id)
         usable = (len(tokens) - 1) // self.block_size
         hashes = chain[: min(usable, self._stored_tokens(request) // self.block_size)]
-        hashes += [self._partial_hash(request, p) for p in self._partial_points(request)]
         self._computing[request.request_id] = hashes
         self._computing_count.update(hashes)
         live = self._running_row(request, tokens, cached.num_tokens if cached is not None else 0)
@@ -156,35 +155,20 @@ class PrefixIndex:
         return best
 
     def in_progress(self, request: Request) -> bool:
-        """Whether an admitted sequence is computing the next cached block of ``request``'s prefix right now: a
-        whole block, or the partial block a shared prefix ends in (the plan's retention point).
+        """Whether an admitted sequence is computing the next blocks of ``request``'s prefix right now.
 
-        Admitting it later (once that KV is cached) computes a shared prefix once, to the token, instead of once
-        per sequence admitted in the meantime. (Waiting for any row admitted this step that shares more than is
-        cached, without a plan, was tried: it serialised trie-ordered rows, 3 -> 27 steps for 32 demo rows.)
+        Admitting it later (once those blocks are cached) computes a shared prefix once instead of once per
+        sequence admitted in the meantime.
         """
         if not self._computing_count:
             return False
-        B = self.block_size
-        limit = request.num_tokens - 1 if request.score_from is None else request.score_from - 1
-        hashes = self._chain(request)[: (request.num_tokens - 1) // B]
+        hashes = self._chain(request)[: (request.num_tokens - 1) // self.block_size]
         cached = 0
         for h in hashes:
             if not self.pool.has(h):
                 break
             cached += 1
-        if cached < len(hashes) and self._computing_count[hashes[cached]] > 0:
-            return True
-        n = cached * B
-        tail = request.tokens(n, min(n + B - 1, limit)) if limit > n else []
-        prev = hashes[cached - 1] if cached else None
-        for r in range(len(tail), 0, -1):  # the longest partial block after them: cached, or computed now
-            h = partial_hash(prev, tail[:r])
-            if self.pool.has(h):
-                return False
-            if self._computing_count[h] > 0:
-                return True
-        return False
+        return cached < len(hashes) and self._computing_count[hashes[cached]] > 0
 
     # -- keeping --------------------------------------------------------------------------------------
     def plan_stores(self, finishing: Sequence[Request]) -> tuple[BlockStore, ...]:
@@ -233,16 +217,12 @@ class PrefixIndex:
             points.add(r.score_from - 1)
         return {p for p in points if p % self.block_size and p <= r.num_prompt_tokens}
 
-    def _partial_hash(self, r: Request, point: int) -> int:
-        """The hash of the partial block of ``r``'s prompt ending at ``point`` (mid-block)."""
-        k = point // self.block_size
-        chain = self._chain(r)
-        return partial_hash(chain[k - 1] if k else None, r.prompt_token_ids[k * self.block_size : point])
-
     def _partial_store(self, r: Request, point: int, planned: set[int]) -> BlockStore | None:
         """A partial block of ``r``'s prompt ending at ``point`` (registered by ``commit``), unless already cached."""
-        k = point // self.block_size
-        h = self._partial_hash(r, point)
+        B = self.block_size
+        k = point // B
+        chain = self._chain(r)
+        h = partial_hash(chain[k - 1] if k else None, r.prompt_token_ids[k * B : point])
         if self.pool.has(h) or h in planned:
             return None
         try:
