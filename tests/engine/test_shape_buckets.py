@@ -79,7 +79,7 @@ def test_bucketed_engine_gives_the_same_tokens_with_far_fewer_attention_shapes(t
             fp = self.current_pass()
             if fp.width > 1:
                 seen.append((fp.stop - fp.start, fp.width, fp.t_used, isinstance(fp.mask, mx.array),
-                             fp.stop == self._rows_cap))
+                             fp.stop == self._rows_cap, (max(fp.offsets) + fp.width) % POSITION_STEP == 0))
             return out
 
         monkeypatch.setattr(SlotBatch, "forward", forward)
@@ -97,6 +97,26 @@ def test_bucketed_engine_gives_the_same_tokens_with_far_fewer_attention_shapes(t
     exact, bucketed = {s[:4] for s in shapes[False]}, {s[:4] for s in shapes[True]}
     assert len(shapes[False]) >= 20 and len(exact) >= 0.8 * len(shapes[False])  # exact shapes: nearly all new
     assert len(bucketed) <= 0.75 * len(exact), (len(bucketed), len(exact))
-    for rows, width, keys, masked, at_capacity in shapes[True]:
-        assert bucket(width) == width and (bucket(rows) == rows or at_capacity)  # rows stop at the slots' end
+    for rows, width, keys, masked, at_capacity, capped in shapes[True]:
+        assert bucket(width) == width or capped  # tokens stop at the exact pass's 256-position end
+        assert bucket(rows) == rows or at_capacity  # rows stop at the slots' end
         assert keys % POSITION_STEP == 0 or not masked
+
+
+def test_padding_never_grows_the_slots_past_an_exact_pass(tiny_loaded):
+    """A bucketed pass pads tokens only as far as the exact pass's end rounded up to 256 positions: the slots hold
+    no more positions than admission charged for (exact: 250 + 40 -> 512; bucket(40) = 40, fine; 250 + 230 -> 512,
+    bucket(230) = 256 would need 506 -> still 512; 200 + 300 -> 512, bucket(300) = 320 would need 520 -> 768)."""
+    for offset, tokens, want_cap in ((250, 40, 512), (250, 230, 512), (200, 300, 512)):
+        b = SlotBatch(2)
+        b.batched_moves = True
+        b.shape_buckets = True
+        b.allocate(2, 32, mx.float32)
+        kv = [(mx.zeros((1, 2, offset, 32)), mx.zeros((1, 2, offset, 32))) for _ in range(2)]
+        for i in range(2):
+            b.add(f"r{i}", kv, offset)
+        b.forward(tiny_loaded.model, 0, [[5] * tokens, [6] * (tokens - 1)])
+        mx.eval(b.kv_arrays())
+        assert b._pos_cap == want_cap, (offset, tokens, b._pos_cap)
+        fp = b.current_pass()
+        assert max(fp.offsets) + fp.width <= want_cap

@@ -71,7 +71,8 @@ def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes:
 
 def bucketed_pass(start: int, offsets: Sequence[int], width: int, row_room: int, kv_step: int) -> ForwardPass:
     """A prefill pass padded to a recurring shape (GPU, batched writes): rows and tokens rounded up by ``bucket``
-    (rows at most ``row_room``: the slots past ``start``), keys to a multiple of ``kv_step``.
+    (rows at most ``row_room``: the slots past ``start``; tokens at most what keeps every row's end within the exact
+    pass's end rounded up to ``kv_step``), keys to a multiple of ``kv_step``.
 
     MLX's CUDA attention builds a cuDNN graph for each new (rows, tokens, keys) shape, ~55 ms each (up to 1 s), and
     keeps 256. Exact shapes are new at nearly every prefill step (a 2048-row label run: 71 of 75), so a long job
@@ -81,7 +82,10 @@ def bucketed_pass(start: int, offsets: Sequence[int], width: int, row_room: int,
     not depend on where the rows start."""
     n = len(offsets)
     rows = max(n, min(bucket(n), row_room))
-    T = bucket(width)
+    # padding never needs more positions than the exact pass (its end rounded up to ``kv_step``): the slots'
+    # positions stay what admission charged for
+    end = -(-max(o + width for o in offsets) // kv_step) * kv_step
+    T = min(bucket(width), end - max(offsets))
     padded = list(offsets) + [offsets[0]] * (rows - n)
     if len(set(offsets)) == 1:  # the causal mode (keys = offset + T): cheaper in cuDNN than a mask, and the offset
         return plan_forward(start, padded, T, True, written=n)  # recurs (0, a shared prefix, a chunk boundary)

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxbatch.engine.kv import copies
-from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache, bucket, bucketed_pass, plan_forward, write_kv
+from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache, bucketed_pass, plan_forward, write_kv
 from mlxbatch.engine.outputs import Traffic
 
 POSITION_STEP = 256
@@ -387,7 +387,7 @@ class SlotBatch:
         # (not committed yet) already wrote some
         offsets = list(offsets) if offsets is not None else self.lengths[start : start + n]
         if self.shape_buckets and T > 1:
-            self._ensure(start + n, _round_up(max(o + bucket(T) for o in offsets), POSITION_STEP))
+            self._ensure(start + n, _round_up(max(o + T for o in offsets), POSITION_STEP))  # as an exact pass
             self._pass = bucketed_pass(start, offsets, T, self._rows_cap - start, POSITION_STEP)
         else:
             self._ensure(start + n, max(o + T for o in offsets))
