@@ -119,8 +119,8 @@ class EngineCore:
             try:
                 self._compiler = GrammarCompiler(self.loaded.tokenizer, width, self._eos)
             except (ValueError, TypeError) as exc:  # e.g. a slow (non-Rust) tokenizer
-                raise InvalidRequestError("constraint", "<any>",
-                                          f"this model's tokenizer does not support constrained decoding: {exc}") from exc
+                msg = f"this model's tokenizer does not support constrained decoding: {exc}"
+                raise InvalidRequestError("constraint", "<any>", msg) from exc
         return self._compiler
 
     # -- submission ----------------------------------------------------------------------------

@@ -76,7 +76,8 @@ class KVLayout(Protocol):
         ...
 
     def read_blocks(self, sources: Sequence[tuple[str, int]], block_size: int) -> tuple[list[mx.array], list[mx.array]]:
-        """Blocks of rows (row id, first position), lazily, per layer ``[n, H, block_size, D]``: one gather per buffer."""
+        """Blocks of rows (row id, first position), lazily, per layer ``[n, H, block_size, D]``: one gather per
+        buffer."""
         ...
 
     def extract(self, request_id: str) -> list[tuple[mx.array, mx.array]]:

@@ -38,10 +38,10 @@ def slices(items: Sequence[T], size: Callable[[T], int], limit: int | None = Non
 
 
 def replace_each(lists: Sequence[list[mx.array]], make: Callable[[mx.array], mx.array], traffic: Traffic) -> None:
-    """``bufs[i] = make(bufs[i])`` for every buffer of every list (a resize: each new buffer is made from its old one), evaluated in
-    slices whose new buffers add up to at most ``MAX_COPY_BYTES``. Once a slice is evaluated its old buffers are
-    freed, so at the peak only one slice's old buffers sit beside the new ones. Each sync is also counted in
-    ``traffic.resize_syncs``."""
+    """``bufs[i] = make(bufs[i])`` for every buffer of every list (a resize: each new buffer is made from its old
+    one), evaluated in slices whose new buffers add up to at most ``MAX_COPY_BYTES``. Once a slice is evaluated its
+    old buffers are freed, so at the peak only one slice's old buffers sit beside the new ones. Each sync is also
+    counted in ``traffic.resize_syncs``."""
     pending: list[mx.array] = []
     size = 0
     for bufs in lists:

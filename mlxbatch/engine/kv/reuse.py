@@ -21,7 +21,8 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
     """Rows for newly admitted sequences, starting from the KV they reuse.
 
     The copies are batched (one gather and one scatter per buffer) in slices of at most ``max_bytes`` gathered
-    (default ``copies.MAX_COPY_BYTES``): all at once, ~200 fewshot rows x 37 blocks made a 1.4 GB transient on the 0.5B shape.
+    (default ``copies.MAX_COPY_BYTES``): all at once, ~200 fewshot rows x 37 blocks made a 1.4 GB transient on the
+    0.5B shape.
     """
     live: list[tuple[str, str, int]] = []
     cached: list[tuple[str, CachedBlocks]] = []
@@ -53,7 +54,8 @@ def store_blocks(batch: KVLayout, store: PrefixStore, stores: Sequence[BlockStor
     """Finished prompts' blocks into the prefix store (one sync for all), before any row moves again.
 
     With batched moves (GPU) every block of the step goes in one gather from the slots and one scatter per buffer
-    (per-row writes took 228 ms a store step on an H200 in the chat workload: a scatter per row and buffer); on the CPU row by row."""
+    (per-row writes took 228 ms a store step on an H200 in the chat workload: a scatter per row and buffer); on the
+    CPU row by row."""
     if not stores:
         return
     if batch.batched_moves:

@@ -52,7 +52,8 @@ def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes:
     w = n if written is None else written
     off = mx.array(list(offsets), dtype=mx.int32)
     q_pos = off[:, None] + mx.arange(T)[None, :]  # [n, T]
-    aligned = len(set(offsets[:w])) == 1
+    aligned = len(set(offsets[:w])) == 1  # the rows that write start together
+    same_end = aligned and len(set(offsets)) == 1  # and so do the padding rows: every query is among the last T keys
     t_used = kv_width if kv_width is not None else max(o + T for o in offsets)
     if aligned:
         mode = "slice"  # one contiguous block: a slice update, far cheaper than a scatter
@@ -62,7 +63,7 @@ def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes:
         mode = "scatter"
     index = (mx.arange(start, start + w)[:, None, None], q_pos[:w, None, :]) if mode == "scatter" else None
     fp = ForwardPass(start, start + n, tuple(offsets), T, t_used, off, q_pos, None, mode, index, w)
-    if kv_width is not None or not (aligned and len(set(offsets)) == 1):
+    if kv_width is not None or not same_end:
         mask: mx.array | str | None = fp.array_mask()
     else:  # all rows end together: the queries are the last T keys, which SDPA's fused causal mode handles
         mask = "causal" if T > 1 else None  # without materialising a mask (about 2x faster prefill on CPU)
