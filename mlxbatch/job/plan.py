@@ -6,7 +6,10 @@ Owns the plan report and the prediction of the run's prefill tokens (what report
   window's text rows are planned along their token trie: the floor is the trie's node count (``distinct_tokens``);
   as in the engine, a row starts from the longest prefix one of the last ``LIVE_SOURCES`` rows submitted holds
   (to the token: within a window the row before it in trie order, across windows the last rows of the one before)
-  or from whole blocks of the prefix cache, which outlives a window;
+  if that row was admitted in an earlier step, or from whole blocks of the prefix cache, which outlives a window.
+  The steps follow the engine's admission: a row waits for a row computing whole blocks of its prefix, and at most
+  ``max_num_seqs`` rows are admitted in a step; a row admitted with the row it shares the most with recomputes the
+  tail of their shared prefix past the cached blocks;
 - ``task: score`` rows prefill their context once and each candidate after it; every candidate but the first
   recomputes the context's last token (its logits predict the candidate's first token);
 - rows with images are not planned by the run (pictures are decoded only when a row runs): they reuse whole
@@ -96,6 +99,10 @@ class _BlockCache:
     def __init__(self) -> None:
         self.seen: set[int] = set()
 
+    def new_blocks(self, tokens: Sequence[int]) -> frozenset[int]:
+        """The hashes of ``tokens``' whole blocks not cached yet (what its prefill adds)."""
+        return frozenset(h for h in block_hashes(list(tokens), BLOCK_SIZE) if h not in self.seen)
+
     def cached(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> int:
         """Leading tokens whose whole blocks are cached (never the last token: its logits are needed)."""
         chain = block_hashes(list(tokens), BLOCK_SIZE, media)
@@ -113,6 +120,16 @@ class _BlockCache:
         computed = len(tokens) - self.cached(tokens, media)
         self.store(tokens, media)
         return computed
+
+
+@dataclass(frozen=True)
+class _Submitted:
+    """A recently submitted row, as the prediction follows it: its tokens, the whole blocks its prefill adds to
+    the cache, and the step it is predicted to be admitted in."""
+
+    tokens: Sequence[int]
+    added: frozenset[int]
+    step: int
 
 
 @dataclass
@@ -137,7 +154,9 @@ class _Planner:
         self.spec, self.tok, self.loaded = spec, tok, loaded
         self.encoder = PromptEncoder(tok)
         self.cache = _BlockCache()
-        self.recent: collections.deque[Sequence[int]] = collections.deque(maxlen=LIVE_SOURCES)
+        self.recent: collections.deque[_Submitted] = collections.deque(maxlen=LIVE_SOURCES)
+        self.submitted = 0  # rows submitted so far (text rows), for the step a row can be admitted in at the earliest
+        self.base_step = 0  # the step the next window's rows can start in
         self.t = _Tally()
         self.sample_size = spec.engine.max_num_seqs
 
@@ -161,6 +180,7 @@ class _Planner:
                 more_prompt += sum(lens) + len(ids) * (len(lens) - 1)
                 extra += lens[0] + sum(1 + n for n in lens[1:])
         if seqs:
+            self.base_step = max([self.base_step] + [r.step + 1 for r in self.recent])  # fed after the last window
             p = plan(seqs)
             t.windows += 1
             t.planned += len(seqs)
@@ -183,10 +203,21 @@ class _Planner:
                 t.sample.append(encoded_prompt)
 
     def _reuse(self, seq: Sequence[int]) -> int:
-        """Tokens ``seq`` computes, submitted now: it starts from the longest prefix a recently submitted row holds
-        (to the token; in trie order the row before shares the most) or the cache's whole blocks."""
-        reuse = max([self.cache.cached(seq)] + [common_prefix_len(seq, s) for s in self.recent])
-        self.recent.append(seq)
+        """Tokens ``seq`` computes, submitted now, by the engine's admission rules (``engine.sched.prefix``).
+
+        A row waits while a recent row computes whole blocks of its prefix (``in_progress``), so it runs a step
+        after that row. It then starts from the longest prefix a recent row admitted in an earlier step holds (to
+        the token: a running row, or the partial block its prefill cached) or from the cache's whole blocks; a row
+        admitted in the same step as the row it shares the most with cannot read that row's KV and recomputes the
+        tail of their shared prefix past the cached blocks (1-15 tokens). At most ``max_num_seqs`` rows are
+        admitted in one step."""
+        chain = set(block_hashes(list(seq), BLOCK_SIZE)[: (len(seq) - 1) // BLOCK_SIZE])
+        step = max([self.base_step + self.submitted // self.spec.engine.max_num_seqs]
+                   + [r.step + 1 for r in self.recent if r.added & chain])
+        reuse = max([self.cache.cached(seq)] + [common_prefix_len(seq, r.tokens) for r in self.recent
+                                                if r.step < step])
+        self.recent.append(_Submitted(seq, self.cache.new_blocks(seq), step))
+        self.submitted += 1
         self.cache.store(seq)
         return len(seq) - min(reuse, len(seq) - 1)
 

@@ -19,12 +19,9 @@ from mlxbatch.job.runner import JobRunner
 from mlxbatch.job.validate import validate_job
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTIAL_BLOCK = pytest.mark.xfail(strict=True, reason=(
-    "the engine reuses shared prefixes to the token (cached partial blocks), but rows admitted in the same step as "
-    "the row they share the most with can only reuse what is cached or held by rows admitted earlier: 1-2 tokens a "
-    "row past the cached prefix are recomputed (the run stays within 1.03 of the floor, 2.2-2.8% above the plan's "
-    "prediction here, which assumes rows one after another)"))
-SCORE_PARTIAL_BLOCK = PARTIAL_BLOCK
+NO_PLAN_TAIL = pytest.mark.xfail(strict=True, reason=(
+    "without a plan (longest first) the prediction follows the engine's admission steps less closely: 444 predicted "
+    "against 458 computed here (3.1%); with a plan, windowed or not, and for the chat form it is within 2%"))
 
 
 def prefill_of(report):
@@ -39,10 +36,10 @@ def plan_and_run(job, overrides=None, calibrate=False):
 
 
 @pytest.mark.parametrize("name, limit", [
-    pytest.param("demo", 16, marks=PARTIAL_BLOCK),
+    ("demo", 16),
     ("label", 12),  # 12 rows run at once: reuse from running rows covers them (120 rows do not: 1450 vs 539)
-    pytest.param("eval", 4, marks=SCORE_PARTIAL_BLOCK),
-    pytest.param("eval_generate", 6, marks=PARTIAL_BLOCK),
+    ("eval", 4),
+    ("eval_generate", 6),
     pytest.param("caption", None),
 ])
 def test_predicted_prefill_of_the_shipped_jobs(tmp_path, name, limit):
@@ -51,10 +48,11 @@ def test_predicted_prefill_of_the_shipped_jobs(tmp_path, name, limit):
     assert planned.prefill_tokens == pytest.approx(prefill_of(report), rel=0.02), (planned, report["prefix_reuse"])
 
 
-@pytest.mark.parametrize("plan", [{"window": 8}, {"window": 8, "enabled": False},
-                                  pytest.param({"enabled": False}, marks=PARTIAL_BLOCK)])
+@pytest.mark.parametrize("plan", [{"window": 8}, {"window": 8, "enabled": False}, {"enabled": False}])
 @pytest.mark.parametrize("chat", [False, True])
-def test_predicted_prefill_with_windows_and_without_the_plan(tmp_path, tiny_model_path, plan, chat):
+def test_predicted_prefill_with_windows_and_without_the_plan(request, tmp_path, tiny_model_path, plan, chat):
+    if plan == {"enabled": False} and not chat:
+        request.applymarker(NO_PLAN_TAIL)
     instruction = "Label the following text as alpha or beta, carefully and with care. " * 3
     rows = [{"id": f"r{i}", "text": f"item number {i} " * (1 + i % 3)} for i in range(40)]
     data = write_jsonl(tmp_path / "in.jsonl", rows)
