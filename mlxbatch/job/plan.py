@@ -99,26 +99,30 @@ class _BlockCache:
     def __init__(self) -> None:
         self.seen: set[int] = set()
 
-    def new_blocks(self, tokens: Sequence[int]) -> frozenset[int]:
-        """The hashes of ``tokens``' whole blocks not cached yet (what its prefill adds)."""
-        return frozenset(h for h in block_hashes(list(tokens), BLOCK_SIZE) if h not in self.seen)
-
-    def cached(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> int:
-        """Leading tokens whose whole blocks are cached (never the last token: its logits are needed)."""
-        chain = block_hashes(list(tokens), BLOCK_SIZE, media)
+    def cached(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = (),
+               chain: Sequence[int] | None = None) -> int:
+        """Leading tokens whose whole blocks are cached (never the last token: its logits are needed). ``chain``:
+        the tokens' block hashes, when the caller has them already."""
+        chain = block_hashes(list(tokens), BLOCK_SIZE, media) if chain is None else chain
         usable = min((len(tokens) - 1) // BLOCK_SIZE, len(chain))
         hits = 0
         while hits < usable and chain[hits] in self.seen:
             hits += 1
         return hits * BLOCK_SIZE
 
-    def store(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> None:
-        self.seen.update(block_hashes(list(tokens), BLOCK_SIZE, media))
+    def store(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = (),
+              chain: Sequence[int] | None = None) -> frozenset[int]:
+        """Cache the tokens' whole blocks; returns the hashes that were not cached yet (what the prefill adds)."""
+        chain = block_hashes(list(tokens), BLOCK_SIZE, media) if chain is None else chain
+        added = frozenset(h for h in chain if h not in self.seen)
+        self.seen.update(added)
+        return added
 
     def prefill(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> int:
         """Tokens computed for ``tokens`` (then cached)."""
-        computed = len(tokens) - self.cached(tokens, media)
-        self.store(tokens, media)
+        chain = block_hashes(list(tokens), BLOCK_SIZE, media)
+        computed = len(tokens) - self.cached(tokens, chain=chain)
+        self.store(tokens, chain=chain)
         return computed
 
 
@@ -211,14 +215,14 @@ class _Planner:
         admitted in the same step as the row it shares the most with cannot read that row's KV and recomputes the
         tail of their shared prefix past the cached blocks (1-15 tokens). At most ``max_num_seqs`` rows are
         admitted in one step."""
-        chain = set(block_hashes(list(seq), BLOCK_SIZE)[: (len(seq) - 1) // BLOCK_SIZE])
+        chain = block_hashes(list(seq), BLOCK_SIZE)  # hashed once for the wait, the cache's hits and the store
+        needed = set(chain[: (len(seq) - 1) // BLOCK_SIZE])
         step = max([self.base_step + self.submitted // self.spec.engine.max_num_seqs]
-                   + [r.step + 1 for r in self.recent if r.added & chain])
-        reuse = max([self.cache.cached(seq)] + [common_prefix_len(seq, r.tokens) for r in self.recent
-                                                if r.step < step])
-        self.recent.append(_Submitted(seq, self.cache.new_blocks(seq), step))
+                   + [r.step + 1 for r in self.recent if r.added & needed])
+        reuse = max([self.cache.cached(seq, chain=chain)] + [common_prefix_len(seq, r.tokens) for r in self.recent
+                                                             if r.step < step])
+        self.recent.append(_Submitted(seq, self.cache.store(seq, chain=chain), step))
         self.submitted += 1
-        self.cache.store(seq)
         return len(seq) - min(reuse, len(seq) - 1)
 
     def predict(self, prompts: list[Any]) -> int:
