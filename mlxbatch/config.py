@@ -26,6 +26,9 @@ class EngineConfig:
     prefix_cache_bytes: int | None = None  # None: a quarter of the KV budget, at most 2 GiB
     seed: int | None = None  # engine-wide seed: unseeded requests derive theirs from it and their id
     vision_cache_bytes: int = 1 << 30  # vision-language models: image features kept by content hash (0: none)
+    # GPUs: what MLX may allocate during a step beyond what it holds at the step's start (a pass's activations);
+    # past it MLX waits for earlier kernels to free theirs (mx.set_memory_limit). None: by device; 0: no bound
+    step_memory_bytes: int | None = None
     warm_up: bool = True
     # every row's tokens and logprobs bitwise identical whatever shares its batch, cache hits, preemption and
     # max_num_seqs: fixed forward shapes (engine.kv.invariant); costs speed, so off by default
@@ -40,5 +43,9 @@ class EngineConfig:
                 raise InvalidRequestError(name, v, "must be an integer >= 1")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
             raise InvalidRequestError("kv_memory_fraction", self.kv_memory_fraction, "must be in (0, 1]")
+        if self.step_memory_bytes is not None and (isinstance(self.step_memory_bytes, bool)
+                                                   or not isinstance(self.step_memory_bytes, int)
+                                                   or self.step_memory_bytes < 0):
+            raise InvalidRequestError("step_memory_bytes", self.step_memory_bytes, "must be an integer >= 0")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes < 1:
             raise InvalidRequestError("kv_budget_bytes", self.kv_budget_bytes, "must be >= 1")

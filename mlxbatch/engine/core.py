@@ -76,7 +76,7 @@ class EngineCore:
                           loaded.vlm is not None)
         self.memory = mem
         self._limits = MemoryLimits(dev.kind)
-        self._limits.apply(dev.total_memory, self.worker.weights_bytes + mem.total)
+        self._limits.apply(dev.total_memory, self.worker.weights_bytes + mem.total, mem.step_bytes)
         self.runner = ModelRunner(loaded.model, geo, mem.prefix_blocks, BLOCK_SIZE, vlm=loaded.vlm,
                                   vision_cache_bytes=mem.vision_cache_bytes,
                                   batch_invariant=self.config.batch_invariant)
@@ -267,7 +267,8 @@ class EngineCore:
             if req.first_scheduled is None:
                 req.first_scheduled = now
         try:
-            result = self.runner.execute(out)
+            with self._limits.step_bound():
+                result = self.runner.execute(out)
         except OutOfMemoryError as exc:
             log.warning("step failed for lack of memory (%s); shrinking the batch", exc)
             self.runner.free([r.request_id for r in self.scheduler.preempt_for_memory(out)])

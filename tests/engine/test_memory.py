@@ -8,6 +8,7 @@ from mlxbatch.engine.model.memory import (
     HostMemory,
     MemoryLimits,
     default_kv_fraction,
+    default_step_bytes,
     default_step_tokens,
     device_available,
     host_memory,
@@ -97,6 +98,16 @@ class FakeMx:
         old, self.wired = self.wired, n
         return old
 
+    limit, active = 500 * GiB, 3 * GiB
+
+    def set_memory_limit(self, n: int) -> int:
+        self.calls.append(("set_memory_limit", n))
+        old, self.limit = self.limit, n
+        return old
+
+    def get_active_memory(self) -> int:
+        return self.active
+
 
 def test_metal_wires_weights_and_kv_and_restores_the_limits():
     fake = FakeMx()
@@ -117,6 +128,77 @@ def test_cuda_bounds_the_cache_but_wires_nothing_and_cpu_changes_nothing():
     fake = FakeMx()
     MemoryLimits("cpu", fake).apply(24 * GiB, 1 * GiB)
     assert fake.calls == []
+
+
+def test_a_step_is_bounded_to_what_mlx_holds_at_its_start_plus_the_step_bytes_and_the_limit_is_put_back():
+    fake = FakeMx()
+    limits = MemoryLimits("cuda", fake)
+    limits.apply(141 * GiB, 10 * GiB, step_bytes=2 * GiB)
+    with limits.step_bound():
+        assert fake.limit == 3 * GiB + 2 * GiB  # active at the step's start + the bound
+    assert fake.limit == 500 * GiB
+    fake.active = 7 * GiB  # the next step starts from what MLX holds then (the KV grew)
+    try:
+        with limits.step_bound():
+            assert fake.limit == 9 * GiB
+            raise RuntimeError("a failed step")
+    except RuntimeError:
+        pass
+    assert fake.limit == 500 * GiB  # put back when the step fails too
+    for kind, step_bytes in (("cpu", 2 * GiB), ("cuda", 0)):  # the CPU and a bound of 0 change nothing
+        fake = FakeMx()
+        limits = MemoryLimits(kind, fake)
+        limits.apply(24 * GiB, 1 * GiB, step_bytes=step_bytes)
+        with limits.step_bound():
+            pass
+        assert not any(c[0] == "set_memory_limit" for c in fake.calls)
+
+
+def test_step_bytes_by_device_and_by_config():
+    def budget(fraction):
+        return 8 * GiB
+
+    assert default_step_bytes("cuda", 2048 * GiB) == 2 * GiB and default_step_bytes("cpu", 24 * GiB) == 0
+    assert default_step_bytes("metal", 16 * GiB) == 1 * GiB and default_step_bytes("metal", 64 * GiB) == 2 * GiB
+    assert plan_memory(EngineConfig(), "cuda", 1024 * GiB, budget, 1 << 20, False).step_bytes == 2 * GiB
+    assert plan_memory(EngineConfig(step_memory_bytes=0), "cuda", 1024 * GiB, budget, 1 << 20, False).step_bytes == 0
+    assert plan_memory(EngineConfig(step_memory_bytes=GiB // 2), "cpu", 8 * GiB, budget, 1 << 20,
+                       False).step_bytes == GiB // 2
+
+
+def test_every_step_of_a_real_engine_runs_inside_the_bound(tiny_loaded):
+    """EngineCore.step executes the runner inside the step bound (a CUDA device's limits, MLX calls recorded), and
+    outside a step the limit is what it was."""
+    import mlx.core as mx
+
+    from mlxbatch.engine import Engine
+    from mlxbatch.types import SamplingParams
+
+    engine = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4))
+    core = engine.core
+    seen: list[tuple[int, int]] = []
+
+    class Recording(FakeMx):
+        def get_active_memory(self) -> int:
+            return mx.get_active_memory()
+
+    fake = Recording()
+    core._limits = MemoryLimits("cuda", fake)
+    core._limits.apply(24 * GiB, 1 * GiB, step_bytes=GiB)
+    execute = core.runner.execute
+
+    def recorded(out):
+        seen.append((fake.limit, mx.get_active_memory()))
+        return execute(out)
+
+    core.runner.execute = recorded
+    try:
+        outs = engine.generate(["a b c", "d e f g", "h"], SamplingParams(temperature=0.0, max_tokens=4))
+    finally:
+        engine.close()
+    assert len(outs) == 3 and len(seen) >= 4
+    assert all(active <= limit <= active + GiB for limit, active in seen)
+    assert fake.limit == 500 * GiB
 
 
 def test_info_shows_the_machine_memory_and_the_working_set_on_a_mac(monkeypatch):

@@ -104,7 +104,9 @@ class SlotBatch:
         self.traffic.evaluate(self._keys, self._values)  # nothing lazy may outlive the thread (and stream) that made it
 
     def _ensure(self, rows: int, positions: int) -> None:
-        new_rows = self._rows_cap if rows <= self._rows_cap else max(rows, 2 * self._rows_cap)
+        # rows grow to the capacity ``cost_positions`` charges (a power of two), however many join at once: 220 rows
+        # admitted together then grow to 256, not to 220 and then 440
+        new_rows = self._rows_cap if rows <= self._rows_cap else row_capacity(rows)
         new_pos = self._pos_cap if positions <= self._pos_cap else _round_up(positions, POSITION_STEP)
         if (new_rows, new_pos) == (self._rows_cap, self._pos_cap):
             return
@@ -128,7 +130,7 @@ class SlotBatch:
         need_pos = _round_up(max(self.lengths, default=0) + 1, POSITION_STEP)
         if need_rows * 4 > self._rows_cap and need_pos * 2 > self._pos_cap:
             return
-        rows, pos = min(self._rows_cap, 2 * need_rows), min(self._pos_cap, need_pos)
+        rows, pos = min(self._rows_cap, row_capacity(2 * need_rows)), min(self._pos_cap, need_pos)
         copies.replace_each((self._keys, self._values), lambda old: mx.contiguous(old[:rows, :, :pos, :]), self.traffic)
         self.traffic.grown_bytes += self.nbytes
         self.traffic.resizes += 1
