@@ -131,3 +131,16 @@ def test_cost_is_what_the_buffers_allocate(model):
         batch._ensure(len(batch.ids), 300)
         rows = batch.nbytes // (512 * per_position)
         assert rows & (rows - 1) == 0 and rows <= 16, rows
+
+
+def test_rows_starting_together_give_rope_one_offset_and_others_one_per_row():
+    """As mlx-lm's own cache does, a pass whose rows all start at one offset hands RoPE a number (its scalar path);
+    rows at different offsets, and fixed-width (batch-invariant, masked bucketed) passes, a per-row array."""
+    from mlxbatch.engine.kv.slot_forward import plan_forward
+
+    assert plan_forward(0, [7, 7, 7], 1, True).offset_array == 7
+    assert plan_forward(0, [0, 0], 16, False).offset_array == 0
+    ragged = plan_forward(0, [3, 7], 1, True).offset_array
+    assert isinstance(ragged, mx.array) and ragged.tolist() == [3, 7]
+    fixed = plan_forward(0, [7, 7], 1, True, kv_width=256).offset_array
+    assert isinstance(fixed, mx.array) and fixed.tolist() == [7, 7]

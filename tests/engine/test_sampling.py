@@ -37,6 +37,18 @@ def test_greedy_picks_argmax_and_top_k_1_is_greedy():
     assert [o.token_id for o in out] == best
 
 
+def test_greedy_rows_take_the_argmax_of_bfloat16_logits_as_float32_would():
+    """All-greedy steps skip the float32 copy of the logits: the choice is the same (bfloat16 converts exactly),
+    ties included (close values collide in bfloat16: the first index wins either way)."""
+    mx.random.seed(1)
+    lg = (mx.random.normal((64, 3000)) * 0.01).astype(mx.bfloat16)  # many ties at bfloat16's precision
+    out = sample(lg, [_row(temperature=0) for _ in range(64)])
+    assert [o.token_id for o in out] == mx.argmax(lg.astype(mx.float32), axis=-1).tolist()
+    mixed = sample(lg[:2], [_row(temperature=0), _row(temperature=0, logprobs=1)])  # logprobs: the float32 path
+    assert [o.token_id for o in mixed] == mx.argmax(lg[:2].astype(mx.float32), axis=-1).tolist()
+    assert mixed[1].logprob is not None and mixed[0].logprob is None
+
+
 def _draws(n: int, **kw) -> collections.Counter:
     lg = _logits(1, seed=3)
     rows = [_row(seed=s, **kw) for s in range(n)]

@@ -125,8 +125,12 @@ def sample(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array |
     an output constraint masked them, so a constrained label's logprob is the model's confidence in it, not 0.0 under a
     mask that left one token), else ``logits``."""
     assert logits.ndim == 2 and logits.shape[0] == len(rows)
-    logits = logits.astype(mx.float32)
     want_lp = [r.params.logprobs is not None for r in rows]
+    if not any(want_lp) and all(r.params.greedy and not (r.params.has_penalties or r.banned_ids) for r in rows):
+        # greedy rows only: the argmax of the logits as they are (a float32 copy of [rows, vocab] would change no
+        # value: bfloat16 and float16 convert exactly)
+        return [SampledToken(int(t), None) for t in mx.argmax(logits, axis=-1).tolist()]
+    logits = logits.astype(mx.float32)
     raw = logits if model_logits is None else model_logits.astype(mx.float32)
     raw_lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True) if any(want_lp) else None
     adjusted = _adjust(logits, rows)

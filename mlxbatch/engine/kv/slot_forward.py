@@ -22,7 +22,7 @@ class ForwardPass:
     offsets: tuple[int, ...]  # where each row's new tokens start
     width: int  # T: new tokens per row (right-padded)
     t_used: int  # key positions the pass reads: max(offset + T)
-    offset_array: mx.array  # [rows] RoPE offsets
+    offset_array: mx.array | int  # [rows] RoPE offsets, or one offset when every row starts there (scalar RoPE)
     q_pos: mx.array  # [rows, T] each query's position
     mask: mx.array | str | None  # "causal" when all rows end together (SDPA's fused mode), else an array
     mode: str  # how new KV is written: "slice" (one block), "rows" (a block per row), "scatter" (one scatter)
@@ -67,7 +67,10 @@ def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes:
         mask: mx.array | str | None = fp.array_mask()
     else:  # all rows end together: the queries are the last T keys, which SDPA's fused causal mode handles
         mask = "causal" if T > 1 else None  # without materialising a mask (about 2x faster prefill on CPU)
-    return ForwardPass(start, start + n, tuple(offsets), T, t_used, off, q_pos, mask, mode, index, w)
+    # every row at one offset: RoPE takes it as a number, as mlx-lm's own cache gives it (not with fixed key widths:
+    # batch-invariant passes keep one RoPE path whatever the batch)
+    rope: mx.array | int = offsets[0] if same_end and kv_width is None else off
+    return ForwardPass(start, start + n, tuple(offsets), T, t_used, rope, q_pos, mask, mode, index, w)
 
 
 def bucketed_pass(start: int, offsets: Sequence[int], width: int, row_room: int, kv_step: int) -> ForwardPass:
@@ -134,7 +137,7 @@ class SlotLayerCache:
         self._layer = layer
 
     @property
-    def offset(self) -> mx.array:  # per-row position of each row's first new token (RoPE offsets)
+    def offset(self) -> mx.array | int:  # per-row position of each row's first new token (RoPE offsets)
         return self._owner.current_pass().offset_array
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array | str | None:
