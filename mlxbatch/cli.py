@@ -128,6 +128,8 @@ def run(job_file: Path, progress: bool | None, sets: tuple[str, ...], limit: int
 @_job_options
 def validate(job_file: Path, sets: tuple[str, ...], limit: int | None, output: Path | None) -> None:
     """Check JOB_FILE without loading a model: keys, types, files, model, template fields, constraint."""
+    from mlxbatch.job.outdir import output_in_use
+    from mlxbatch.job.runner import OutputInUse
     from mlxbatch.job.spec import load_job
     from mlxbatch.job.validate import check_spec
 
@@ -138,6 +140,9 @@ def validate(job_file: Path, sets: tuple[str, ...], limit: int | None, output: P
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     spec = result.spec
+    in_use = output_in_use(spec)
+    if in_use is not None:  # run would fail on it (exit 1) before loading the model
+        _fail(OutputInUse(f"{in_use} (e.g. --output DIR)"))
     click.echo(f"{job_file}: ok (model {spec.model.path}, input {spec.input.dataset or spec.input.path}, "
                f"output {spec.output})")
 

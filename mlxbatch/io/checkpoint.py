@@ -5,7 +5,8 @@ Layout of ``out_dir``::
     manifest.json              shards (name, rows, bytes, sha256) in write order + job metadata ("meta")
     shards/shard-000001.arrow  one append() each; written as .tmp, fsynced, renamed, never rewritten
     shards/corrupt/            shards found truncated or unreadable, moved aside (their rows are redone)
-    .lock                      held (flock) while a CheckpointStore is open: one writer per folder (holds its pid)
+    .lock                      held (flock) while a CheckpointStore is open: one writer per folder (holds its pid;
+                               ``lock``)
 
 Owns the shard files, the manifest and recovery after a crash or a lying disk. A crash can leave: a ``.tmp``
 (deleted on open), a renamed shard the manifest does not list yet (validated fully and adopted), a truncated file
@@ -17,7 +18,6 @@ means (``keys``) or the final outputs (``writers``).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -34,13 +34,9 @@ import pyarrow as pa
 from mlxbatch.io.atomic import TMP_SUFFIX, atomic_write_json, fsync_dir, fsync_file, tmp_path_for
 from mlxbatch.io.errors import CheckpointError
 from mlxbatch.io.faults import crash, fault_due
+from mlxbatch.io.lock import acquire_lock
 from mlxbatch.io.records import ResultRecord
 from mlxbatch.io.schema import ShardFormatError, from_arrow, read_shard, serialize_shard, to_arrow
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: no advisory lock
-    fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +47,6 @@ SHARDS_DIR = "shards"
 CORRUPT_DIR = "corrupt"
 _SHARD_RE = re.compile(r"^shard-(\d+)\.arrow$")
 _SEQ_RE = re.compile(r"^shard-(\d+)\.arrow")  # also matches .tmp leftovers and renamed casualties
-_NO_LOCKS = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.ENOLCK}
 
 
 @dataclass(frozen=True)
@@ -104,7 +99,7 @@ class CheckpointStore:
         self.shards_dir.mkdir(parents=True, exist_ok=True)
         self._appends = 0  # appends by this process (crash-test hooks count them)
         self._manifest_saves = 0
-        self._lock_fd: int | None = self._acquire_lock()
+        self._lock_fd: int | None = acquire_lock(self.out_dir)
         try:
             self._shards, self._meta = self._load_manifest()
             self.recovery = self._recover()
@@ -113,30 +108,6 @@ class CheckpointStore:
             raise
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
-    def _acquire_lock(self) -> int | None:
-        lock = self.out_dir / ".lock"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        if fcntl is None:
-            return fd
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in _NO_LOCKS:
-                raise CheckpointError(
-                    f"{self.out_dir}: the filesystem does not support file locking ({exc.strerror}), so two runs "
-                    "could write this folder at once; use an output folder on a local disk") from exc
-            holder = lock.read_text(errors="replace").strip() if lock.exists() else ""
-            who = f" (pid {holder})" if holder.isdigit() else ""
-            raise CheckpointError(f"{self.out_dir} is in use by another mlxbatch run{who}: wait for it to finish or "
-                                  "stop it, or use another output folder") from exc
-        try:  # who holds it, for the message another run prints
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
-        except OSError:
-            pass
-        return fd
-
     def close(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing the descriptor releases the flock

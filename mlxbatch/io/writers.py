@@ -187,9 +187,23 @@ def _with_token_text(logprobs: pa.ChunkedArray, token_text: Callable[[int], str]
     return pa.array(rows, LOGPROBS_TEXT_TYPE)
 
 
+Recompute = Mapping[str, Callable[[Mapping[str, Any], Mapping[str, Any]], Any]]  # extra column -> value(inputs, result)
+
+
+def _recomputed(extra_rows: list[dict[str, Any]], rows: list[dict[str, Any]], columns: dict[str, Any],
+                recompute: Recompute) -> None:
+    """Set each ``recompute`` column of ``extra_rows`` from the row's current inputs and its result (``text``,
+    ``error`` and its other extra values); a missing row's result has ``text`` None."""
+    texts, errors = columns["text"].to_pylist(), columns["error"].to_pylist()
+    for extra, inputs, text, error in zip(extra_rows, rows, texts, errors):
+        result = {**extra, "text": text, "error": error}
+        for name, value in recompute.items():
+            extra[name] = value(inputs, result)
+
+
 def _output_table(gathered: pa.Table, sel: _Selection, part: slice, inputs: list[InputColumn],
                   extras: list[InputColumn], schema: pa.Schema,
-                  token_text: Callable[[int], str] | None = None) -> pa.Table:
+                  token_text: Callable[[int], str] | None = None, recompute: Recompute | None = None) -> pa.Table:
     missing = pa.array(sel.positions[part] == MISSING)
     ids = sel.row_ids[part] if sel.row_ids is not None else gathered.column("row_id")
     keys = sel.keys[part] if sel.keys is not None else gathered.column("key")
@@ -202,6 +216,8 @@ def _output_table(gathered: pa.Table, sel: _Selection, part: slice, inputs: list
         columns[name] = gathered.column(name)
     if token_text is not None and "logprobs" in columns:
         columns["logprobs"] = _with_token_text(columns["logprobs"], token_text)
+    if recompute:
+        _recomputed(extra_rows, rows, columns, recompute)
     for column in extras:
         columns[column.out_name] = build_column(extra_rows, column)
     columns["error"] = pc.if_else(missing, pa.scalar(MISSING_ERROR), columns["error"])
@@ -215,7 +231,7 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
              filename: str = RESULTS_NAME, input_types: Mapping[str, pa.DataType] | None = None,
              extra_types: Mapping[str, pa.DataType] | None = None,
              token_text: Callable[[int], str] | None = None,
-             metadata: Mapping[str, str] | None = None) -> FinalOutputs:
+             metadata: Mapping[str, str] | None = None, recompute: Recompute | None = None) -> FinalOutputs:
     """Write ``results.parquet``: one row per expected row, in the order given, streamed from the shards.
 
     ``expected`` is the current job's rows in input order as ``ExpectedRow(row_id, key)``; pass a generator
@@ -231,13 +247,17 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
     Memory: ~50 bytes per expected row plus one row group; shards (and the expected rows' inputs, spooled to a
     temporary Arrow file) stay memory-mapped. A write that fails raises ``OutputError`` and leaves no file behind.
     ``metadata`` goes into the Parquet schema's key-value metadata (e.g. ``mlxbatch.batch_invariant``).
+    ``recompute`` names extra columns (declared in ``extra_types``) whose values are computed again for every row
+    from its current inputs and its checkpointed result, ``value(inputs, result)`` with ``result`` the row's
+    ``text``, ``error`` and extra values: values that depend on input columns outside the key (e.g. ``correct``
+    against a gold column edited since the row ran).
     """
     out = Path(out_dir)
     spool = _InputsSpool(out / _INPUTS_SPOOL)
     try:
         return _finalize(store, out, expected, keep_columns, row_group_size, include_logprobs, allow_missing,
                          filename, spool, input_types=input_types, extra_types=extra_types, token_text=token_text,
-                         metadata=metadata)
+                         metadata=metadata, recompute=recompute)
     except OSError as exc:
         raise OutputError(f"could not write {out / filename}: {_reason(exc)}. Nothing was left behind and the "
                           "checkpoint is intact: free some space and run the job again") from exc
@@ -249,7 +269,8 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
               keep_columns: Sequence[str] | None, row_group_size: int, include_logprobs: bool | None,
               allow_missing: bool, filename: str, spool: _InputsSpool, *,
               input_types: Mapping[str, pa.DataType] | None, extra_types: Mapping[str, pa.DataType] | None,
-              token_text: Callable[[int], str] | None, metadata: Mapping[str, str] | None = None) -> FinalOutputs:
+              token_text: Callable[[int], str] | None, metadata: Mapping[str, str] | None = None,
+              recompute: Recompute | None = None) -> FinalOutputs:
     index = ShardIndex(list(store.iter_tables()))
     sel = _select(index, expected, spool)
     n = len(sel.positions)
@@ -284,7 +305,7 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
     with atomic_writer(path) as f, pq.ParquetWriter(f, schema, compression="zstd") as writer:
         for part in _chunks(n, row_group_size):
             table = _output_table(index.gather(sel.positions[part], needed), sel, part, inputs, extras, schema,
-                                  token_text)
+                                  token_text, recompute)
             error_rows += table.num_rows - table.column("error").null_count
             writer.write_table(table, row_group_size=row_group_size)
             if fault_due("mid-results", 1):

@@ -5,7 +5,7 @@ Owns who may write a folder. A path that is a file is refused. A folder belongs 
 run writes, is refused (naming both jobs) unless the job sets ``output.overwrite: true``. Then another job's
 results are deleted before the run, and other files are left alone (mlxbatch's own names are replaced). A job's
 own folder is resumed, whatever else changed in the job (a renamed job file with the same input is still the
-same job).
+same job). ``output_in_use``: whether another run holds the folder now (``validate`` says so as ``run`` would).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbatch.io import CheckpointStore, OutputError, foreign_files, remove_outputs
+from mlxbatch.io.lock import in_use_message, lock_holder
 from mlxbatch.job.spec import JobSpec, JobSpecError
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,13 @@ def output_problems(spec: JobSpec) -> list[tuple[str, str]]:
         return [("output.path", f"{out} holds files that are not mlxbatch outputs ({shown}): use a new or empty "
                                 "folder, or set output.overwrite: true (mlxbatch's own files are written beside them)")]
     return []
+
+
+def output_in_use(spec: JobSpec) -> str | None:
+    """The message ``run`` would fail with when another mlxbatch process holds the output folder's lock (None: it
+    is free). Read-only: takes and writes nothing (for ``validate``; ``run`` finds out by taking the lock)."""
+    holder = lock_holder(spec.output) if spec.output.is_dir() else None
+    return None if holder is None else in_use_message(spec.output, holder)
 
 
 def prepare_output(spec: JobSpec) -> None:

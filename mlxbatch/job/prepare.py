@@ -44,6 +44,21 @@ def row_seed(job_seed: int, row_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{job_seed}:{row_id}".encode()).digest()[:7], "big")
 
 
+def _openai_logprobs(body: dict[str, Any]) -> int | None:
+    """The alternatives a body asks for per token (None: no logprobs). Chat (a body with ``messages``):
+    ``logprobs: true`` and ``top_logprobs: k``. Completions (a ``prompt``): ``logprobs: N``, the N alternatives
+    (0: only the sampled token's logprob)."""
+    asked = body.get("logprobs")
+    if body.get("messages") or isinstance(asked, bool):
+        return int(body.get("top_logprobs") or 0) if asked else None
+    if asked is None:
+        return None
+    if not isinstance(asked, int):
+        raise ValueError(f"logprobs of a completions request must be an integer (the alternatives per token), "
+                         f"got {asked!r:.40}")
+    return asked
+
+
 def _openai_params(body: dict[str, Any]) -> dict[str, Any]:
     """Sampling parameters of an OpenAI chat/completions body."""
     out: dict[str, Any] = {}
@@ -56,8 +71,9 @@ def _openai_params(body: dict[str, Any]) -> dict[str, Any]:
     stop = body.get("stop")
     if stop is not None:
         out["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
-    if body.get("logprobs"):
-        out["logprobs"] = int(body.get("top_logprobs") or 0)
+    logprobs = _openai_logprobs(body)
+    if logprobs is not None:
+        out["logprobs"] = logprobs
     constraint = openai_constraint(body)  # response_format / guided_*: InvalidRequestError -> a params row error
     if constraint is not None:
         out["constraint"] = constraint

@@ -3,7 +3,9 @@
 Owns what the report says and where each figure comes from:
 - **On disk, all runs.** ``rows`` (output / ok / errors), ``errors_by_kind``, ``tokens`` and ``accuracy`` are
   read from the final results.parquet, so they describe the results as they are, whichever runs made them (a
-  resume that redid nothing still reports the 26 error rows an earlier run wrote).
+  resume that redid nothing still reports the 26 error rows an earlier run wrote). A run stopped by
+  ``max_error_rate`` before every row finished counts the current rows checkpointed so far
+  (``summarize_checkpointed``) and says why it stopped (``stopped``).
 - **This run.** ``this_run``: rows finished and resumed, its errors, tokens, speed and wall time.
 - **The last run that did work.** Speed, the engine profile, ``prefix_reuse`` and ``plan`` come from the last run
   that finished rows (``run_figures_from`` says which): re-running a completed job keeps the real run's figures
@@ -13,8 +15,10 @@ Owns what the report says and where each figure comes from:
 from __future__ import annotations
 
 import collections
+import json
 import platform
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,9 +26,10 @@ from typing import Any
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from mlxbatch.io import ResultRecord
+from mlxbatch.io import CheckpointStore, ExpectedRow, ResultRecord, finalize
 from mlxbatch.job.spec import JobSpec
 
+_CHECKPOINTED_NAME = ".checkpointed.parquet.tmp"  # summarize_checkpointed's file (a leftover is a temporary file)
 _RUN_FIGURES = ("generated_tokens_per_s", "prompt_tokens_per_s", "rows_per_s", "wall_s", "prefix_reuse", "plan",
                 "vision_cache", "engine")
 
@@ -55,8 +60,9 @@ class DiskSummary:
         return self.rows - self.errors
 
 
-def summarize_results(results: Path) -> DiskSummary:
-    """Counts over the final results file, streamed by row group."""
+def summarize_results(results: Path, *, with_missing: bool = True) -> DiskSummary:
+    """Counts over the final results file, streamed by row group. ``with_missing`` False: rows without a result
+    (``error_kind`` "missing", written by ``finalize(allow_missing=True)``) are left out."""
     kinds: collections.Counter[str] = collections.Counter()
     rows = errors = prompt = generated = 0
     with pq.ParquetFile(results) as pf:
@@ -68,7 +74,23 @@ def summarize_results(results: Path) -> DiskSummary:
                 kinds[kind or "error"] += 1
             prompt += pc.sum(batch.column("prompt_tokens")).as_py() or 0
             generated += pc.sum(batch.column("generated_tokens")).as_py() or 0
+    if not with_missing:
+        missing = kinds.pop("missing", 0)
+        rows, errors = rows - missing, errors - missing
     return DiskSummary(rows, errors, dict(kinds.most_common()), prompt, generated, accuracy(results))
+
+
+def summarize_checkpointed(store: CheckpointStore, out_dir: Path, expected: Iterable[ExpectedRow],
+                           **columns: Any) -> DiskSummary:
+    """The current rows checkpointed so far, all runs (for a run stopped before every row finished): written as
+    ``finalize`` writes results (current keys; ``correct`` against the current gold), into a temporary file beside
+    the outputs with the rows not run yet marked missing, counted without those, and removed. ``columns``:
+    finalize's column arguments."""
+    try:
+        final = finalize(store, out_dir, expected, allow_missing=True, filename=_CHECKPOINTED_NAME, **columns)
+        return summarize_results(final.results_path, with_missing=False)
+    finally:
+        (out_dir / _CHECKPOINTED_NAME).unlink(missing_ok=True)
 
 
 @dataclass
@@ -160,6 +182,14 @@ class RunStats:
             **figures,
             "finished_at": finished_at,
         }
+
+
+def previous_report(out_dir: Path) -> dict[str, Any] | None:
+    """The folder's report.json from an earlier run (None when there is none or it does not read)."""
+    try:
+        return json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def _work_run_of(previous: dict[str, Any] | None) -> dict[str, Any] | None:

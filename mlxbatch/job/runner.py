@@ -53,7 +53,7 @@ from mlxbatch.job.feed import Resumed, RowFeed
 from mlxbatch.job.outdir import claim_output, prepare_output
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.progress import Progress
-from mlxbatch.job.report import RunStats, summarize_results
+from mlxbatch.job.report import RunStats, previous_report, summarize_checkpointed, summarize_results
 from mlxbatch.job.spec import JobSpec
 from mlxbatch.job.status import JOB_SPEC_META
 from mlxbatch.job.tasks import output_columns, prompt_text, record_for
@@ -71,6 +71,14 @@ class JobInterrupted(MlxbatchError):
 
 class JobFailed(MlxbatchError):
     """Too many rows failed (``max_error_rate``); what finished is checkpointed."""
+
+
+class _ErrorBudgetSpent(Exception):
+    """``max_error_rate`` passed while rows were running: ``run`` writes the report, then raises JobFailed."""
+
+    def __init__(self, message: str, stats: RunStats) -> None:
+        super().__init__(message)
+        self.message, self.stats = message, stats
 
 
 class OutputInUse(MlxbatchError):
@@ -138,20 +146,29 @@ class JobRunner:
             with self._open_store() as store:  # locked first: a refused run changes nothing in the folder
                 claim_output(spec, store)
                 clear_success(spec.output)
-                previous = _previous_report(spec.output)
+                previous = previous_report(spec.output)
                 progress.loading(spec.model.path)
                 with open_executor(spec) as executor:  # this process's engine, or engine actors on a Ray cluster
                     model = executor.model
                     self._save_job_meta(store, model)
-                    stats = self._generate(store, executor, is_openai)
-                    for _ in range(REDO_PASSES):  # shards that no longer match their checksum: redo their rows
-                        if not store.verify():
-                            break
-                        log.warning("checkpoint shards changed on disk were set aside; redoing their rows")
-                        self._generate(store, executor, is_openai, stats)
                     preparer = RowPreparer(spec, model.identity, is_openai, model.takes_images, model.context_length)
-                    final = finalize(store, spec.output, self._expected(preparer), keep_columns=spec.input.columns,
-                                     **output_columns(spec, model.tokenizer, self._input_schema()),
+                    columns = dict(keep_columns=spec.input.columns,
+                                   **output_columns(spec, model.tokenizer, self._input_schema()))
+                    try:
+                        stats = self._generate(store, executor, is_openai)
+                        for _ in range(REDO_PASSES):  # shards that no longer match their checksum: redo their rows
+                            if not store.verify():
+                                break
+                            log.warning("checkpoint shards changed on disk were set aside; redoing their rows")
+                            self._generate(store, executor, is_openai, stats)
+                    except _ErrorBudgetSpent as stop:  # the report of what is on disk, then the error
+                        stats = stop.stats
+                        stats.disk = summarize_checkpointed(store, spec.output, self._expected(preparer), **columns)
+                        stats.accuracy = stats.disk.accuracy
+                        message = f"{stop.message}. Errors by kind (all runs): {stats.disk.errors_by_kind}"
+                        write_report(spec.output, {**stats.report(spec, model, previous), "stopped": message})
+                        raise JobFailed(message) from None
+                    final = finalize(store, spec.output, self._expected(preparer), **columns,
                                      metadata={"mlxbatch.batch_invariant": str(stats.batch_invariant).lower()})
                     stats.final_rows = final.rows
                 if is_openai:
@@ -164,7 +181,8 @@ class JobRunner:
                 limit = ErrorRate(spec.max_error_rate)
                 if limit.exceeded_at_end(final.rows, final.error_rows):
                     raise JobFailed(limit.message(final.rows, final.error_rows, str(spec.output))
-                                    + "; results.parquet holds every row (no _SUCCESS)")
+                                    + f"; results.parquet holds every row (no _SUCCESS). Errors by kind (all runs): "
+                                    f"{stats.disk.errors_by_kind}")
                 mark_success(spec.output)
             return RunResult(str(spec.output), report)
         finally:
@@ -254,8 +272,7 @@ class JobRunner:
                 bar.show(stats, executor.in_flight, executor)
                 if errors.exceeded():
                     flush()
-                    raise JobFailed(f"{errors.message(errors.rows, errors.errors, str(spec.output))}. Errors by kind "
-                                    f"this run: {dict(stats.errors_by_kind)}")
+                    raise _ErrorBudgetSpent(errors.message(errors.rows, errors.errors, str(spec.output)), stats)
                 if self._stop_signal is not None:
                     executor.abort()
                     flush()
@@ -319,11 +336,3 @@ class JobRunner:
         if worker is not None:  # which engine actor ran it: kept in the shards, never in results.parquet
             record = dataclasses.replace(record, extra={**record.extra, "_worker": worker})
         return record
-
-
-def _previous_report(out_dir: Path) -> dict[str, Any] | None:
-    """The folder's report.json from an earlier run (None when there is none or it does not read)."""
-    try:
-        return json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None

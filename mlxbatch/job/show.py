@@ -1,7 +1,7 @@
 """``mlxbatch show``: a look at a job's results: a few rows and a summary.
 
-Owns what a user checks first after a run: for a few rows, the prompt (when ``output.keep_prompt`` kept it), the
-output and the error; then the rows' finish reasons, error kinds, the distribution of labels (the ``parsed``
+Owns what a user checks first after a run: for a few rows, the prompt (when ``output.keep_prompt`` kept it; a long
+one as its start and its end, where the row's own text is), the output and the error; then the rows' finish reasons, error kinds, the distribution of labels (the ``parsed``
 values of choice / regex outputs, or the chosen candidate of a score task) and the accuracy against a gold
 column. Reads results.parquet only (streamed by row group); loads no model.
 """
@@ -21,9 +21,21 @@ TOP_LABELS = 12
 _WIDTH = 400
 
 
+_PROMPT_HEAD, _PROMPT_TAIL = 100, 400  # a kept prompt's start, and its end: the row's own part
+
+
 def _cut(value: Any, width: int = _WIDTH) -> str:
     text = str(value)
     return text if len(text) <= width else text[:width] + f"... ({len(text)} characters)"
+
+
+def _cut_prompt(prompt: str) -> str:
+    """A long prompt's head and its tail: a shared system prompt comes first, the row's own text last (before the
+    chat template's assistant header), so the tail is what tells the rows apart."""
+    left_out = len(prompt) - _PROMPT_HEAD - _PROMPT_TAIL
+    if left_out <= 0:
+        return prompt
+    return f"{prompt[:_PROMPT_HEAD]} [... {left_out} of {len(prompt)} characters ...] {prompt[-_PROMPT_TAIL:]}"
 
 
 def results_path(target: Path) -> Path:
@@ -67,7 +79,7 @@ def show(target: Path, n: int = 5) -> str:
             if rows <= n:
                 lines.append(f"--- {r['id']}")
                 if r.get("rendered_prompt") is not None:
-                    lines.append(f"prompt: {_cut(r['rendered_prompt'])}")
+                    lines.append(f"prompt: {_cut_prompt(str(r['rendered_prompt']))}")
                 lines.append(f"output: {_cut(r.get('text'))!s}  [{r.get('finish_reason')}]")
                 if r.get("error") is not None:
                     lines.append(f"error ({r.get('error_kind')}): {_cut(r['error'], 240)}")

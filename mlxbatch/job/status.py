@@ -141,10 +141,18 @@ def _summary(out_dir: Path, current: list[_Record], stale: int, total: int | Non
         report = json.loads(report_path.read_text()) if report_path.exists() else None
     except ValueError:
         report = None
-    complete = (out_dir / "_SUCCESS").exists()
+    finished = (out_dir / "_SUCCESS").exists()  # a run finished, but perhaps under other keys than the current
     errors, done = sum(kinds.values()), len(current)
+    complete = finished and (total is None or done == total)
     percent = round(100 * done / total, 1) if total else None
-    lines = [f"{out_dir}: {'complete' if complete else 'incomplete (running, or run the job again to resume)'}",
+    if complete:
+        state = "complete"
+    elif finished:
+        state = (f"outdated: finished under other parameters or input; {done} of {total} current rows done "
+                 f"(run the job to update it)")
+    else:
+        state = "incomplete (running, or run the job again to resume)"
+    lines = [f"{out_dir}: {state}",
              f"  rows done: {done}" + (f" of {total} ({percent}%)" if total is not None else "")
              + f"; errors: {errors}; counted against {against}"]
     lines += [f"    {k}: {n}  e.g. {examples[k][:160]}" for k, n in kinds.most_common()]
@@ -157,12 +165,12 @@ def _summary(out_dir: Path, current: list[_Record], stale: int, total: int | Non
     progress = read_progress(out_dir)  # a distributed run: per engine actor
     if progress is not None and not complete:
         lines += progress_lines(progress)
-    if report and complete:
+    if report and finished:
         work = report.get("last_work_run") or {}
         lines.append(f"  last run that did work: {work.get('finished', report['rows'].get('finished_this_run'))} "
                      f"rows, {report.get('generated_tokens_per_s')} tok/s, {report.get('wall_s')} s "
                      f"(finished at {work.get('finished_at', report.get('finished_at'))})")
-    return {"complete": complete, "rows_done": done, "total_rows": total, "percent": percent,
+    return {"complete": complete, "outdated": finished and not complete, "rows_done": done, "total_rows": total, "percent": percent,
             "checkpointed_rows": done, "stale_records": stale, "shards": shards, "errors": errors,
             "errors_by_kind": dict(kinds), "unreadable_shards": unreadable, "counted_against": against,
             "report": report, "progress": progress, "summary": "\n".join(lines)}

@@ -195,7 +195,23 @@ def output_columns(spec: JobSpec, tokenizer: Any, input_types: dict[str, pa.Data
         extra["correct"] = pa.bool_()
     if task.keep_prompt:
         extra["rendered_prompt"] = pa.string()
-    return {"input_types": input_types, "extra_types": extra, "token_text": token_text_of(tokenizer)}
+    recompute = {"correct": gold_check(task.gold_column)} if task.gold_column is not None else None
+    return {"input_types": input_types, "extra_types": extra, "token_text": token_text_of(tokenizer),
+            "recompute": recompute}
+
+
+def gold_check(column: str) -> Any:
+    """``correct`` of a finished row against the gold value its input has *now*: finalize recomputes it for every
+    row, since the gold column is not part of the result key (a gold value edited, or ``output.gold`` added, after
+    the row ran reruns nothing). None when the row has no gold or no text (failed before generating)."""
+
+    def correct(inputs: dict[str, Any], result: dict[str, Any]) -> bool | None:
+        if result.get("text") is None:
+            return None
+        right = _gold_correct(result["text"], inputs.get(column))
+        return None if right is None else right and result.get("error") is None
+
+    return correct
 
 
 def token_text_of(tokenizer: Any) -> Any:

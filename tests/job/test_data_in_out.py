@@ -77,6 +77,8 @@ def test_openai_batch_text_parts_response_format_and_logprobs(tmp_path, tiny_mod
                   "response_format": {"type": "json_object"}}},
         {"custom_id": "completion", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "Once", "max_tokens": 3, "temperature": 0, "logprobs": 1}},
+        {"custom_id": "completion-0", "method": "POST", "url": "/v1/completions",  # the sampled token's only
+         "body": {"prompt": "Twice", "max_tokens": 3, "temperature": 0, "logprobs": 0}},
         {"custom_id": "bad-format", "method": "POST", "url": "/v1/chat/completions",
          "body": {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}},
     ]
@@ -100,6 +102,12 @@ def test_openai_batch_text_parts_response_format_and_logprobs(tmp_path, tiny_mod
     assert out["schema"]["response"]["body"]["choices"][0]["logprobs"] is None  # it did not ask
     lp = out["completion"]["response"]["body"]["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == 3
+    # completions' integer logprobs is the alternatives per token: one dict entry each (was {} for every token)
+    assert [len(top) for top in lp["top_logprobs"]] == [1, 1, 1], lp["top_logprobs"]
+    assert all(isinstance(x, float) for top in lp["top_logprobs"] for x in top.values())
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    lp0 = out["completion-0"]["response"]["body"]["choices"][0]["logprobs"]
+    assert len(lp0["token_logprobs"]) == 3 and lp0["top_logprobs"] == [{}, {}, {}]
     errors = [json.loads(line) for line in (tmp_path / "out" / "errors.jsonl").read_text().splitlines()]
     bad = {e["custom_id"]: e["error"] for e in errors}["bad-format"]
     assert bad["code"] == "params" and "response_format" in bad["message"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pyarrow.parquet as pq
@@ -64,6 +65,34 @@ def test_a_rerun_counts_the_errors_of_earlier_runs(tmp_path, tiny_model_path):
     assert done["rows"]["output"] == 31
     table = pq.read_table(tmp_path / "out" / "results.parquet")
     assert table.num_rows - table.column("error").null_count == 26
+
+
+def test_a_stopped_run_writes_the_report_of_every_run_and_counts_their_errors_by_kind(tmp_path, tiny_model_path):
+    """A run stopped by max_error_rate wrote no report.json, so the next run reported zeros as "this run" figures,
+    and its message counted only its own errors by kind ({} when it computed nothing)."""
+    data = write_jsonl(tmp_path / "in.jsonl", rows_with_bad(40, set(range(10, 40))))
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_path, data, out, checkpoint={"every_rows": 4})
+
+    def stopped():
+        with pytest.raises(JobFailed, match="max_error_rate") as failed:
+            run(job)
+        status = json.loads(CliRunner().invoke(main, ["status", str(out), "--json"]).output)
+        report = json.loads((out / "report.json").read_text())
+        assert status["errors_by_kind"]["render"] > 0  # the checkpointed current rows, all runs
+        assert f"Errors by kind (all runs): {status['errors_by_kind']}" in str(failed.value)
+        assert report["stopped"] == str(failed.value)
+        assert report["errors_by_kind"] == status["errors_by_kind"]
+        assert (report["rows"]["output"], report["rows"]["errors"]) == (status["rows_done"], status["errors"])
+        assert not (out / "results.parquet").exists() and not (out / "_SUCCESS").exists()
+        assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+        return report
+
+    first = stopped()
+    assert first["this_run"]["finished"] == first["rows"]["output"] > 0
+    again = stopped()  # the earlier errors are enough to stop it at once
+    assert again["this_run"]["finished"] == 0 and again["last_work_run"] == first["this_run"]
+    assert again["generated_tokens_per_s"] == first["generated_tokens_per_s"]
 
 
 def test_a_small_job_whose_rows_all_fail_does_not_succeed(tmp_path, tiny_model_path):

@@ -128,13 +128,36 @@ def test_a_locked_folder_is_left_as_it_was(tmp_path, tiny_model_path):
     assert (tmp_path / "out" / "_SUCCESS").exists(), "a refused run must not touch the finished folder"
 
 
+def test_validate_names_the_run_holding_the_folder_as_run_does(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(3))
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out")
+    run(job)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from mlxbatch.io import CheckpointStore; "
+                               f"s = CheckpointStore({str(tmp_path / 'out')!r}); print('held', flush=True); "
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        checked = CliRunner().invoke(main, ["validate", str(job)])
+        ran = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
+    finally:
+        holder.communicate(b"", timeout=30)
+    said = f"is in use by another mlxbatch run (pid {holder.pid})"
+    assert checked.exit_code == ran.exit_code == 1, (checked.output, ran.output)
+    assert said in checked.output and ": ok" not in checked.output, checked.output
+    assert said in ran.output
+    res = CliRunner().invoke(main, ["validate", str(job)])  # released: ok again, and validate took no lock
+    assert res.exit_code == 0 and ": ok" in res.output, res.output
+    assert (tmp_path / "out" / ".lock").read_text() != str(os.getpid())
+    assert CliRunner().invoke(main, ["run", str(job), "--no-progress"]).exit_code == 0
+
+
 def test_a_filesystem_without_locks_is_named(tmp_path, monkeypatch):
-    import mlxbatch.io.checkpoint as checkpoint
+    import mlxbatch.io.lock as lock
 
     def no_locks(fd, op):
         raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
 
-    monkeypatch.setattr(checkpoint.fcntl, "flock", no_locks)  # what flock says on an SMB mount
+    monkeypatch.setattr(lock.fcntl, "flock", no_locks)  # what flock says on an SMB mount
     with pytest.raises(CheckpointError, match="filesystem does not support file locking") as info:
         CheckpointStore(tmp_path)
     assert "another" not in str(info.value)

@@ -68,6 +68,23 @@ def test_status_counts_current_records_against_the_job(tmp_path, tiny_model_path
     assert status(out)["rows_done"] == 16  # against what the last run ran
 
 
+def test_status_of_a_finished_job_whose_parameters_changed_says_outdated(tmp_path, tiny_model_path):
+    data = write_jsonl(tmp_path / "in.jsonl", texts(12))
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_path, data, out, sampling={"max_tokens": 3})
+    run(job)
+    assert "complete" in CliRunner().invoke(main, ["status", str(job)]).output.splitlines()[0]
+    write_job(tmp_path, tiny_model_path, data, out, sampling={"max_tokens": 2})  # _SUCCESS is from the old keys
+    res = CliRunner().invoke(main, ["status", str(job)])
+    head = res.output.splitlines()[0]
+    assert res.exit_code == 0 and "complete" not in head, head
+    assert "outdated: finished under other parameters or input; 0 of 12 current rows done" in head, head
+    st = json.loads(CliRunner().invoke(main, ["status", str(job), "--json"]).output)
+    assert (st["complete"], st["outdated"], st["rows_done"], st["total_rows"]) == (False, True, 0, 12)
+    st = json.loads(CliRunner().invoke(main, ["status", str(out), "--json"]).output)  # the job the last run ran
+    assert (st["complete"], st["outdated"], st["rows_done"]) == (True, False, 12)
+
+
 def test_status_keys_a_prompt_too_long_for_the_model_as_the_run_did(tmp_path, tiny_model_path):
     rows = texts(4)
     rows[2]["text"] = "word " * 60_000  # 300,000 characters: past the tiny model's bound (4096 tokens x 64)

@@ -74,6 +74,57 @@ def test_show_prints_rows_and_a_summary_with_kept_prompts_and_accuracy(tmp_path,
     assert invoke("show", job, "-n", 0).output.count("--- row-") == 0  # the job file works too
 
 
+def test_gold_added_or_edited_after_the_rows_ran_is_checked_against_the_input_as_it_is_now(tmp_path,
+                                                                                          tiny_model_path):
+    rows = texts(10)
+    for i, r in enumerate(rows):
+        r["gold"] = "yes" if i % 3 else "no"
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    output = {"path": str(out), "choice": ["yes", "no"]}
+    job = write_job(tmp_path, tiny_model_path, data, out, output=output)
+    assert invoke("run", job, "--no-progress").exit_code == 0
+    write_job(tmp_path, tiny_model_path, data, out, output={**output, "gold": "gold"})  # gold: not in the key
+
+    def check(expected_gold):
+        res = invoke("run", job, "--no-progress")
+        assert res.exit_code == 0 and "(0 run now, 10 resumed)" in res.output, res.output
+        table = pq.read_table(out / "results.parquet").to_pylist()
+        assert [r["gold"] for r in table] == expected_gold
+        assert all(r["correct"] == (r["text"] == r["gold"]) for r in table), table
+        right = sum(r["correct"] for r in table)
+        report = json.loads((out / "report.json").read_text())
+        assert report["accuracy"] == {"answered": 10, "correct": right, "accuracy": round(right / 10, 4)}
+        assert f"accuracy {right / 10:.1%} ({right}/10)" in res.output
+        assert f"accuracy: {right / 10:.1%}" in invoke("show", out).output
+        return [r["correct"] for r in table]
+
+    before = check([r["gold"] for r in rows])  # output.gold added to a finished folder
+    for r in rows:
+        r["gold"] = "no" if r["gold"] == "yes" else "yes"
+    write_jsonl(data, rows)
+    after = check([r["gold"] for r in rows])  # every gold value flipped in the input
+    assert after == [not c for c in before]
+
+
+def test_show_keeps_the_end_of_a_long_prompt_where_the_rows_own_text_is(tmp_path, tiny_model_path):
+    rows = [{"id": f"t{i}", "text": f"ticket number {i}: the printer on floor {i} is on fire"} for i in range(3)]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    policy = "You route support tickets. " + "Rules: be brief, be kind, cite the policy. " * 40  # ~1,800 chars
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", sampling={"max_tokens": 2},
+                    prompt={"template": None, "system": policy,
+                            "messages": [{"role": "user", "content": "{{ text }}"}]},
+                    output={"path": str(tmp_path / "out"), "keep_prompt": True})
+    assert invoke("run", job, "--no-progress").exit_code == 0
+    shown = invoke("show", tmp_path / "out", "-n", 3).output
+    prompts = [block.split("prompt: ", 1)[1].split("\noutput: ", 1)[0] for block in shown.split("--- t")[1:]]
+    assert len(prompts) == 3
+    for row, prompt in zip(rows, prompts):
+        assert row["text"] in prompt, prompt  # the row's own text, after the long shared system prompt
+        assert "You route support tickets." in prompt[:100] and "characters ...]" in prompt
+        assert len(prompt) < 600
+
+
 def test_score_jobs_print_their_speed_and_accuracy(tmp_path, tiny_model_path):
     rows = [{"id": f"q{i}", "question": f"Is {i} even?", "answer": " yes" if i % 2 == 0 else " no"}
             for i in range(8)]
