@@ -185,13 +185,17 @@ def test_every_step_of_a_real_engine_runs_inside_the_bound(tiny_loaded):
     fake = Recording()
     core._limits = MemoryLimits("cuda", fake)
     core._limits.apply(24 * GiB, 1 * GiB, step_bytes=GiB)
-    execute = core.runner.execute
+    execute, ahead = core.runner.execute, core.runner.decode_ahead
 
     def recorded(out):
         seen.append((fake.limit, mx.get_active_memory()))
         return execute(out)
 
-    core.runner.execute = recorded
+    def recorded_ahead(rows, tokens):  # a decode step dispatched while the previous one is recorded
+        seen.append((fake.limit, mx.get_active_memory()))
+        return ahead(rows, tokens)
+
+    core.runner.execute, core.runner.decode_ahead = recorded, recorded_ahead
     try:
         outs = engine.generate(["a b c", "d e f g", "h"], SamplingParams(temperature=0.0, max_tokens=4))
     finally:
