@@ -30,9 +30,6 @@ class EngineConfig:
     # past it MLX waits for earlier kernels to free theirs (mx.set_memory_limit). None: by device; 0: no bound
     step_memory_bytes: int | None = None
     warm_up: bool = True
-    # while the host records a decode step's tokens, the next decode step already runs on the device (when nothing
-    # waits to be admitted and no sequence is constrained); False: every step waits for the previous one's records
-    decode_ahead: bool = True
     # every row's tokens and logprobs bitwise identical whatever shares its batch, cache hits, preemption and
     # max_num_seqs: fixed forward shapes (engine.kv.invariant); costs speed, so off by default
     batch_invariant: bool = False

@@ -24,12 +24,11 @@ from mlxbatch.engine.inputs import Prompt, encode_prompt
 from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.engine.model.memory import MemoryLimits, plan_memory
 from mlxbatch.engine.model.worker import Worker
-from mlxbatch.engine.outputs import RunnerOutput
-from mlxbatch.engine.request import Request, RequestStatus
-from mlxbatch.engine.runner import DecodeAhead, ModelRunner
+from mlxbatch.engine.request import Request
+from mlxbatch.engine.runner import ModelRunner
 from mlxbatch.engine.sched.blocks import BLOCK_SIZE, stable_hash
 from mlxbatch.engine.sched.prefix import PrefixIndex
-from mlxbatch.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from mlxbatch.engine.sched.scheduler import Scheduler, SchedulerConfig
 from mlxbatch.engine.vision.adapter import MultimodalPrompt
 from mlxbatch.engine.warmup import WarmUpReport, exercise
 from mlxbatch.errors import EngineClosedError, InvalidRequestError, OutOfMemoryError
@@ -96,8 +95,6 @@ class EngineCore:
         self._vocab_size = len(tok._tokenizer)
         self._hidden_ids = frozenset(int(t) for t in (getattr(tok, "all_special_ids", None) or ()))
         self._compiler: GrammarCompiler | None = None
-        self._ahead: DecodeAhead | None = None  # a decode step running on the device, not collected yet
-        self._deferred: list[str] = []  # rows to free once it is (nothing in flight may be written)
         if self.config.warm_up:
             self.worker.warm_up()
             if self.worker.device.kind != "cpu":  # GPU kernels compile on first use: not inside the first real steps
@@ -251,7 +248,7 @@ class EngineCore:
         if group is None:
             return
         gone = self.scheduler.abort([s.request_id for s in group.sequences])
-        self._free([s.request_id for s in gone])
+        self.runner.free([s.request_id for s in gone])
         self._aborted.add(request_id)  # its final delta goes out with the next step's
 
     @property
@@ -262,8 +259,6 @@ class EngineCore:
     def step(self) -> list[StreamDelta]:
         """One engine step; returns text deltas (streamed requests) and one final delta per finished request."""
         t0 = time.perf_counter()
-        if self._ahead is not None:
-            return self._step_ahead(t0)
         out = self.scheduler.schedule()
         if out.empty:
             return self._collect([])
@@ -275,31 +270,10 @@ class EngineCore:
             with self._limits.step_bound():
                 result = self.runner.execute(out)
         except OutOfMemoryError as exc:
-            self._out_of_memory(out, exc)
+            log.warning("step failed for lack of memory (%s); shrinking the batch", exc)
+            self.runner.free([r.request_id for r in self.scheduler.preempt_for_memory(out)])
+            self.worker.shutdown()  # frees MLX's buffer cache
             return []
-        return self._record_and_ahead(out, result, t0)
-
-    def _out_of_memory(self, failed: SchedulerOutput, exc: Exception) -> None:
-        log.warning("step failed for lack of memory (%s); shrinking the batch", exc)
-        self.runner.free([r.request_id for r in self.scheduler.preempt_for_memory(failed)])
-        self.worker.shutdown()  # frees MLX's buffer cache
-
-    def _record_and_ahead(self, out: SchedulerOutput, result: RunnerOutput, t0: float) -> list[StreamDelta]:
-        """Dispatch the next decode step if it can be (it runs while this one is recorded), then record this one. A
-        dispatch that fails for lack of memory is handled as a failed step once this one is recorded."""
-        try:
-            self._decode_ahead(out, result)
-            failed = None
-        except OutOfMemoryError as exc:
-            failed = exc
-        deltas = self._record(out, result, t0)
-        if failed is not None:
-            self._out_of_memory(SchedulerOutput(tuple(r for r in self.scheduler.running
-                                                      if r.status is RequestStatus.DECODING), ()), failed)
-        return deltas
-
-    def _record(self, out: SchedulerOutput, result: RunnerOutput, t0: float) -> list[StreamDelta]:
-        """The step ran: requests take its tokens and scores, the scheduler its books, finished rows are freed."""
         touched = []
         for rid, scored in result.scored.items():
             self._seqs[rid].add_scores(list(scored.logprobs), list(scored.greedy))
@@ -311,63 +285,9 @@ class EngineCore:
             req = self._seqs[rid]
             req.append(tok.token_id, tok.logprob, force_stop=rid in result.grammar_done)
             touched.append(req)
-        self._free([r.request_id for r in self.scheduler.finish_step(out)])
+        self.runner.free([r.request_id for r in self.scheduler.finish_step(out)])
         self.runner.end_step(time.perf_counter() - t0)
         return self._collect(touched)
-
-    def _free(self, request_ids: list[str]) -> None:
-        if self._ahead is not None:  # a step in flight reads the rows: moving them now would copy whole buffers
-            self._deferred += request_ids
-        else:
-            self.runner.free(request_ids)
-
-    def _decode_ahead(self, out: SchedulerOutput, result: RunnerOutput) -> None:
-        """Dispatch the next step now if it can only be a decode step of every row: nothing waits to be admitted,
-        every row decodes and was sampled this step (no prefill in progress, no fork pending), no constraint, no
-        min_tokens ban. Rows this step's token finishes (length, EOS, stop ids) are freed first; a stop string
-        found in the text is only known once recorded, so such a row decodes one token more, dropped."""
-        batch, sched = self.runner.batch, self.scheduler
-        if (not self.config.decode_ahead or sched.waiting or out.forks or not self.runner.can_decode_ahead
-                or batch.n_decode != len(batch) or len(sched.running) != len(batch)):
-            return
-        ending = []
-        for rid in batch.ids:
-            tok = result.sampled.get(rid)
-            req = self._seqs[rid]
-            if tok is None:  # a scoring row, done with its prefill
-                return
-            p, n_out = req.params, len(req.output_token_ids) + 1  # its output once this step's token is recorded
-            if p.min_tokens > n_out:
-                return  # its next draw bans EOS: the step decides that as it samples, keep it simple
-            stops = (not p.ignore_eos and tok.token_id in req.eos_token_ids) or tok.token_id in p.stop_token_ids
-            if stops or n_out >= p.max_tokens or req.num_tokens + 1 >= req.max_context:
-                ending.append(rid)
-        if len(ending) == len(batch):
-            return
-        self.runner.free(ending)  # nothing is in flight yet: these rows move now (recorded as finished below)
-        rows = [self._seqs[rid] for rid in batch.ids]  # the rows left, in their slot order after the moves
-        with self._limits.step_bound():
-            self._ahead = self.runner.decode_ahead(rows, [result.sampled[r.request_id].token_id for r in rows])
-
-    def _step_ahead(self, t0: float) -> list[StreamDelta]:
-        """Collect the decode step dispatched ahead, dispatch the next one if it can be, and record this one."""
-        pending, self._ahead = self._ahead, None
-        assert pending is not None
-        alive = [self._seqs[rid] for rid in pending.ids if rid in self._seqs and not self._seqs[rid].status.finished]
-        try:
-            sampled = self.runner.collect_ahead(pending)
-        except OutOfMemoryError as exc:  # nothing was committed: a failed step of these decodes
-            self.runner.free(self._deferred)
-            self._deferred = []
-            self._out_of_memory(SchedulerOutput(tuple(alive), ()), exc)
-            return []
-        self.runner.free(self._deferred)  # nothing in flight now
-        self._deferred = []
-        dropped = len(pending.ids) - len(alive)  # tokens of rows that finished meanwhile
-        self.runner.profile.decode_tokens -= dropped
-        self.runner.profile.dropped_tokens += dropped
-        out = self.scheduler.decode_step(alive)
-        return self._record_and_ahead(out, RunnerOutput({r.request_id: sampled[r.request_id] for r in alive}), t0)
 
     def _collect(self, touched: list[Request]) -> list[StreamDelta]:
         deltas: list[StreamDelta] = []

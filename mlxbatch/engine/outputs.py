@@ -60,8 +60,6 @@ class StepProfile:
     decode_tokens: int = 0
     grammar_mask_s: float = 0.0  # structured outputs: filling the allowed-token masks (host), inside sampling_s
     grammar_advance_s: float = 0.0  # ... advancing the matchers by the sampled tokens (host)
-    ahead_steps: int = 0  # decode steps dispatched while the previous step was recorded (of ``steps``)
-    dropped_tokens: int = 0  # their tokens for rows that had finished meanwhile (a stop string), not counted
     traffic: Traffic = field(default_factory=Traffic)
 
     @property
@@ -75,8 +73,7 @@ class StepProfile:
             "sampling_s": round(self.sampling_s, 4), "host_s": round(self.host_s, 4),
             "total_s": round(self.total_s, 4), "prefill_tokens": self.prefill_tokens,
             "decode_tokens": self.decode_tokens, "grammar_mask_s": round(self.grammar_mask_s, 5),
-            "grammar_advance_s": round(self.grammar_advance_s, 5), "ahead_steps": self.ahead_steps,
-            "dropped_tokens": self.dropped_tokens, **self.traffic.as_dict(),
+            "grammar_advance_s": round(self.grammar_advance_s, 5), **self.traffic.as_dict(),
         }
 
 

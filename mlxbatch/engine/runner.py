@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.decoding.sampling import Draw, SampledToken, SampleRow, draw, sample
+from mlxbatch.engine.decoding.sampling import SampleRow, sample
 from mlxbatch.engine.decoding.structured import Matcher, SequenceGrammars
 from mlxbatch.engine.kv import KVLayout, reuse
 from mlxbatch.engine.kv.fixed_forwards import FixedForwards
@@ -45,14 +44,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(m in text for m in _OOM_MARKERS)
-
-
-@dataclass(frozen=True)
-class DecodeAhead:
-    """A decode step dispatched before the previous step's tokens were recorded (``ModelRunner.decode_ahead``)."""
-
-    ids: tuple[str, ...]  # its rows, in slot order
-    draw: Draw  # its tokens, on the device until ``collect_ahead`` reads them
 
 
 class ModelRunner:
@@ -188,57 +179,6 @@ class ModelRunner:
             lg = fx.logits(step.score_hidden).astype(mx.float32)
             scored = score_positions(lg, step.score_targets, step.score_owners, self.traffic)
         return self._sample_commit(out, step.due, [fx.logits(step.hidden)] if step.due else [], scored)
-
-    @property
-    def can_decode_ahead(self) -> bool:
-        """Whether this runner's rows may decode ahead: not batch-invariant (fixed forwards), no image rows (positions
-        per row), no constrained sequence (its next mask needs the matcher advanced by the token just sampled)."""
-        return self._fixed is None and self._mm is None and not len(self._grammars)
-
-    def decode_ahead(self, rows: list[Request], tokens: list[int]) -> DecodeAhead:
-        try:
-            return self._decode_ahead(rows, tokens)
-        except Exception as exc:
-            if is_out_of_memory(exc):
-                raise OutOfMemoryError(str(exc)) from exc
-            raise
-
-    def _decode_ahead(self, rows: list[Request], tokens: list[int]) -> DecodeAhead:
-        """Dispatch the next decode step of every row (all of them decoding, in slot order) without waiting for it:
-        ``tokens`` are the tokens the step just finished sampled for them, which the host has read but the requests
-        do not hold yet. The draw is built as the requests will be once they hold them (position, output ids), so it
-        is the one the step would make after they did. Nothing in flight may be written meanwhile: the caller keeps
-        row moves (frees, shrinks) until ``collect_ahead``."""
-        batch = self.batch
-        assert self.can_decode_ahead and batch.n_decode == len(batch) == len(rows) == len(tokens)
-        assert [r.request_id for r in rows] == batch.ids, "rows in slot order"
-        t0 = time.perf_counter()
-        logits = self._forward(0, [[t] for t in tokens])
-        spec = [SampleRow(r.params, r.seed, len(r.output_token_ids) + 1, r.prompt_token_ids, [*r.output_token_ids, t])
-                for r, t in zip(rows, tokens)]
-        pending = DecodeAhead(tuple(batch.ids), draw(logits, spec))
-        pending.draw.start()
-        self.profile.decode_s += time.perf_counter() - t0
-        self.profile.decode_tokens += len(rows)
-        self.profile.ahead_steps += 1
-        return pending
-
-    def collect_ahead(self, pending: DecodeAhead) -> dict[str, SampledToken]:
-        """Wait for a step ``decode_ahead`` dispatched, commit its KV positions (rows removed since are skipped) and
-        return its tokens by row."""
-        t0 = time.perf_counter()
-        try:
-            tokens = pending.draw.read()
-        except Exception as exc:
-            if is_out_of_memory(exc):
-                raise OutOfMemoryError(str(exc)) from exc
-            raise
-        self.traffic.syncs += 1  # the sampled ids are read back
-        self.profile.decode_s += time.perf_counter() - t0  # mostly the wait for the forward
-        for rid in pending.ids:
-            if rid in self.batch:
-                self.batch.advance(rid, 1)
-        return dict(zip(pending.ids, tokens))
 
     def _sample_commit(self, out: SchedulerOutput, due: list[Request], logits: list[mx.array],
                        scored: dict[str, ScoredTokens]) -> RunnerOutput:

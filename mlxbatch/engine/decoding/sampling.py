@@ -124,50 +124,12 @@ def sample(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array |
     Logprobs (rows that ask for them) are the model's own distribution: ``model_logits`` when given (the logits before
     an output constraint masked them, so a constrained label's logprob is the model's confidence in it, not 0.0 under a
     mask that left one token), else ``logits``."""
-    return draw(logits, rows, model_logits).read()
-
-
-@dataclass
-class Draw:
-    """A step's choices, still on the device: ``start`` dispatches them, ``read`` waits and reads them back."""
-
-    rows: Sequence[SampleRow]
-    chosen: mx.array  # [rows] token ids
-    lp_rows: list[int]  # rows that asked for logprobs, and their arrays
-    chosen_lp: mx.array | None = None
-    top_ids: mx.array | None = None
-    top_vals: mx.array | None = None
-
-    def arrays(self) -> list[mx.array]:
-        return [a for a in (self.chosen, self.chosen_lp, self.top_ids, self.top_vals) if a is not None]
-
-    def start(self) -> None:
-        mx.async_eval(*self.arrays())
-
-    def read(self) -> list[SampledToken]:
-        tokens = [int(t) for t in self.chosen.tolist()]
-        out = [SampledToken(t, None) for t in tokens]
-        if not self.lp_rows:
-            return out
-        assert self.chosen_lp is not None
-        chosen_list = self.chosen_lp.tolist()
-        ids_list = self.top_ids.tolist() if self.top_ids is not None else None
-        vals_list = self.top_vals.tolist() if self.top_vals is not None else None
-        for j, i in enumerate(self.lp_rows):
-            k = self.rows[i].params.logprobs or 0
-            top = tuple(zip(ids_list[j][:k], vals_list[j][:k])) if ids_list and vals_list else ()
-            out[i] = SampledToken(tokens[i], TokenLogprob(tokens[i], chosen_list[j], top))
-        return out
-
-
-def draw(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array | None = None) -> Draw:
-    """``sample``'s work as a lazy ``Draw`` (nothing is evaluated or read back)."""
     assert logits.ndim == 2 and logits.shape[0] == len(rows)
     want_lp = [r.params.logprobs is not None for r in rows]
     if not any(want_lp) and all(r.params.greedy and not (r.params.has_penalties or r.banned_ids) for r in rows):
         # greedy rows only: the argmax of the logits as they are (a float32 copy of [rows, vocab] would change no
         # value: bfloat16 and float16 convert exactly)
-        return Draw(rows, mx.argmax(logits, axis=-1), [])
+        return [SampledToken(int(t), None) for t in mx.argmax(logits, axis=-1).tolist()]
     logits = logits.astype(mx.float32)
     raw = logits if model_logits is None else model_logits.astype(mx.float32)
     raw_lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True) if any(want_lp) else None
@@ -193,7 +155,7 @@ def draw(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array | N
         chosen = chosen[mx.array(inverse)]
     lp_rows = [i for i, w in enumerate(want_lp) if w]
     if not lp_rows:
-        return Draw(rows, chosen, [])
+        return [SampledToken(int(t), None) for t in chosen.tolist()]
     assert raw_lp is not None
     sel = mx.array(lp_rows)
     lp = raw_lp[sel] if len(lp_rows) < len(rows) else raw_lp
@@ -206,4 +168,13 @@ def draw(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array | N
         order_k = mx.argsort(-top_vals, axis=-1)
         top_ids = mx.take_along_axis(top_ids, order_k, axis=-1)
         top_vals = mx.take_along_axis(top_vals, order_k, axis=-1)
-    return Draw(rows, chosen, lp_rows, chosen_lp, top_ids, top_vals)
+    tokens = [int(t) for t in chosen.tolist()]
+    chosen_list = chosen_lp.tolist()
+    ids_list = top_ids.tolist() if top_ids is not None else None
+    vals_list = top_vals.tolist() if top_vals is not None else None
+    out = [SampledToken(t, None) for t in tokens]
+    for j, i in enumerate(lp_rows):
+        k = rows[i].params.logprobs or 0
+        top = tuple(zip(ids_list[j][:k], vals_list[j][:k])) if ids_list and vals_list else ()
+        out[i] = SampledToken(tokens[i], TokenLogprob(tokens[i], chosen_list[j], top))
+    return out

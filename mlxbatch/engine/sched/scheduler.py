@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from mlxbatch.engine.request import Request, RequestStatus
@@ -202,13 +202,6 @@ class Scheduler:
                       if r.fork_parent is not None and r.fork_parent in ending)
         stores = self.prefix.plan_stores(list(ending.values())) if self.prefix is not None else ()
         return SchedulerOutput(tuple(decodes), tuple(prefills), forks, tuple(admissions), stores)
-
-    def decode_step(self, rows: Sequence[Request]) -> SchedulerOutput:
-        """A step of these decodes alone, which the core decided ahead (it dispatched it before the previous step's
-        tokens were recorded: only when nothing waits to be admitted); counted as a step like ``schedule``'s."""
-        if self.prefix is not None:
-            self.prefix.begin_step()
-        return SchedulerOutput(tuple(rows), ())
 
     def _chunk(self, r: Request, budget: int) -> PrefillChunk:
         C = self.config.invariant_slice
