@@ -202,3 +202,28 @@ def test_a_row_identical_to_one_being_prefilled_forks_it_and_computes_nothing():
     assert ix.stats()["tokens_reused"] == 22
     out = s.schedule()  # the scoring row reuses the cache instead
     assert [adm.request.request_id for adm in out.admissions] == ["d"] and not out.forks
+
+
+def test_rows_that_waited_for_a_prompt_get_its_partial_block_where_they_share_it():
+    """Issue #15 (eval: 764 -> 647 tokens): rows waiting for a planned prompt's blocks share it to different depths
+    past its last whole block; when its prefill ends it also caches the partial block at each depth they share, so
+    once admitted they reuse it to the token though the prompt has finished (its retention point serves only the
+    row after it in the plan)."""
+    ix = PrefixIndex(64, B)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=64),
+                  lambda lengths: 0, ix)
+    head = list(range(1, 9))  # 2 whole blocks
+    a = req("a", head + [20, 21, 22, 23], cache_tokens=11)
+    b = req("b", head + [20, 21, 22, 50], cache_tokens=9)  # shares 11 with a
+    c = req("c", head + [20, 60, 61], cache_tokens=0)  # shares 9 with a and b
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()
+    assert [adm.request.request_id for adm in out.admissions] == ["a"]  # b and c wait for a's whole blocks
+    # 2 whole blocks, then partial blocks at 11 tokens (its retention: b) and at 9 (where c shares it)
+    assert [(st.first_block, len(st.block_ids)) for st in out.stores] == [(0, 2), (2, 1), (2, 1)]
+    a.status = RequestStatus.FINISHED  # a scoring row, or one that stopped at once: it is gone by the next step
+    s.finish_step(out)
+    out = s.schedule()
+    got = {adm.request.request_id: adm.source.num_tokens for adm in out.admissions}
+    assert got == {"b": 11, "c": 9}, got  # before: {"b": 11, "c": 8} (whole blocks only for c)

@@ -14,7 +14,8 @@ decision about them, on the scheduler's side of the step (pure Python: the runne
   wait a step or two, so the shared prefix is computed once.
 - **Keeping** (``plan_stores`` / ``commit``): a prefill that ends this step offers the blocks of its first
   ``cache_tokens`` prompt tokens (the plan's retention; ``None`` without a plan offers all), and a partial block up
-  to exactly ``cache_tokens`` (for a scoring sequence: its context but the last token); their cache blocks are
+  to exactly ``cache_tokens`` (for a scoring sequence: its context but the last token) and at each depth a sequence
+  that waited for its blocks this step shares it to (served to the token once admitted); their cache blocks are
   allocated when the step is scheduled and registered when it succeeded. Then newly admitted planned sequences'
   blocks past their ``cache_tokens`` are evicted: no later sequence shares them. Without a plan, or while blocks are
   still referenced, eviction is the pool's LRU.
@@ -80,6 +81,7 @@ class PrefixIndex:
         # a whole prompt -> the admitted sequence prefilling it last (text, not scoring): a twin forks its KV
         self._prompts: dict[tuple[int, int, tuple[int, ...]], Request] = {}
         self._prompt_keys: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+        self._waiters: list[tuple[Request, int]] = []  # waiting this step (in_progress), with the block they wait for
         self.lookups = 0
         self.tokens_reused = 0  # prompt tokens whose KV came from the cache
         self.live_tokens_reused = 0  # ... or from a running row
@@ -88,6 +90,7 @@ class PrefixIndex:
     # -- admission ------------------------------------------------------------------------------------
     def begin_step(self) -> None:
         self._step += 1
+        self._waiters = []
 
     def match(self, request: Request) -> PrefixSource | None:
         """Where ``request``'s reused KV comes from (None: nothing to reuse); counts it as admitted this step."""
@@ -214,7 +217,10 @@ class PrefixIndex:
             if not self.pool.has(h):
                 break
             cached += 1
-        return cached < len(hashes) and self._computing_count[hashes[cached]] > 0
+        waits = cached < len(hashes) and self._computing_count[hashes[cached]] > 0
+        if waits:
+            self._waiters.append((request, hashes[cached]))
+        return waits
 
     # -- keeping --------------------------------------------------------------------------------------
     def plan_stores(self, finishing: Sequence[Request]) -> tuple[BlockStore, ...]:
@@ -247,12 +253,35 @@ class PrefixIndex:
                 continue  # everything is in use: keep computing instead
             planned.update(new)
             stores.append(BlockStore(r.request_id, known, tuple(ids), tuple(new)))
+        waiting = self._waiting_points(finishing)
         for r in finishing:
-            for point in self._partial_points(r):
+            for point in sorted(self._partial_points(r) | waiting.get(r.request_id, set())):
                 partial = self._partial_store(r, point, planned)
                 if partial is not None:
                     stores.append(partial)
         return tuple(stores)
+
+    def _waiting_points(self, finishing: Sequence[Request]) -> dict[str, set[int]]:
+        """Where the sequences that waited this step for a planned prompt's blocks (``in_progress``) share it up to,
+        when that ends mid-block and within what the prompt keeps: its partial block there serves them to the token
+        once admitted, even when the prompt has finished by then (its retention point serves only the next row)."""
+        B = self.block_size
+        by_hash: dict[int, Request] = {}
+        for r in finishing:
+            if r.cache_tokens is not None:
+                for h in self._computing.get(r.request_id, ()):
+                    by_hash.setdefault(h, r)
+        points: dict[str, set[int]] = {}
+        for w, h in self._waiters:
+            r = by_hash.get(h)
+            if r is None:
+                continue
+            tokens = w.prompt_token_ids if w.score_from is None else w.prompt_token_ids[: w.score_from]
+            n = min(common_prefix_len(r.prompt_token_ids, tokens), r.num_prompt_tokens)
+            if n % B and n // B <= self._stored_tokens(r) // B:
+                points.setdefault(r.request_id, set()).add(n)
+        self._waiters = []
+        return points
 
     def _partial_points(self, r: Request) -> set[int]:
         """Where later sequences share exactly ``r``'s prompt, when that ends mid-block: the plan's ``cache_tokens``,
