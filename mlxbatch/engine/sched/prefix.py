@@ -98,7 +98,7 @@ class PrefixIndex:
         chain = self._chain(request)
         # a scoring sequence must compute the position before its continuation (it predicts the first token)
         cached = self._cached(tokens if request.score_from is None else tokens[: request.score_from], chain,
-                              request.request_id)
+                              request.request_id, to_the_end=not request.media)
         usable = (len(tokens) - 1) // self.block_size
         hashes = chain[: min(usable, self._stored_tokens(request) // self.block_size)]
         self._computing[request.request_id] = hashes
@@ -120,10 +120,11 @@ class PrefixIndex:
             self._held.append(cached)
         return cached
 
-    def _cached(self, tokens: Sequence[int], chain: list[int], rid: str) -> CachedBlocks | None:
-        """Whole cached blocks of ``tokens``, then the longest cached block after them: a partial one, or one that
-        also holds ``tokens``' last position (at least one token is always left to compute: a block holding all of
-        ``tokens``, as a row identical to an earlier one finds it, gives all but the last)."""
+    def _cached(self, tokens: Sequence[int], chain: list[int], rid: str, to_the_end: bool = True) -> CachedBlocks | None:
+        """Whole cached blocks of ``tokens``, then the longest cached block after them: a partial one, or (text rows:
+        ``to_the_end``) one that also holds ``tokens``' last position (at least one token is always left to compute: a
+        block holding all of ``tokens``, as a row identical to an earlier one finds it, gives all but the last). A row
+        with images takes no block past its last reusable token (its picture is encoded as before)."""
         B = self.block_size
         limit = len(tokens) - 1
         if limit <= 0:
@@ -132,11 +133,11 @@ class PrefixIndex:
         ids = self.pool.match(chain[: limit // B])
         n = len(ids) * B
         prev = chain[len(ids) - 1] if ids else None
-        if len(ids) == limit // B < len(chain) and self.pool.has(chain[len(ids)]):
+        if to_the_end and len(ids) == limit // B < len(chain) and self.pool.has(chain[len(ids)]):
             ids += self.pool.match([chain[len(ids)]])  # the prompt ends in this block: its last token is computed
             n = limit
         elif n < limit:
-            for r in range(min(B - 1, len(tokens) - n), 0, -1):
+            for r in range(min(B - 1, (len(tokens) if to_the_end else limit) - n), 0, -1):
                 h = partial_hash(prev, tokens[n : n + r])
                 if self.pool.has(h):
                     ids += self.pool.match([h])
