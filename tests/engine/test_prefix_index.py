@@ -157,3 +157,73 @@ def test_a_shared_prefix_ending_mid_block_is_reused_to_the_token_then_dropped():
     assert isinstance(src, CachedBlocks) and src.num_tokens == 6 and len(src.block_ids) == 2
     finish_prefill(ix, b)
     assert ix.pool.stats.blocks_cached == 0 and ix.plan_evictions == 2  # both dead once their last user is in
+
+
+def test_a_row_identical_to_a_finished_one_reuses_all_but_its_last_token():
+    """Issue #15: a prompt equal to an earlier one (the plan's retention: all of it) is cached to its end; the later
+    row reuses all but its last token (whose logits it needs) from the partial block, or from the whole block when
+    the prompt ends a block. Before: a 15-token partial never matched a 14-token lookup (label: 1450 vs 652)."""
+    for n in (7, 8):  # ends mid-block, ends a block
+        ix = PrefixIndex(16, B)
+        ix.begin_step()
+        a = req("a", list(range(1, n + 1)), cache_tokens=n)  # the next row shares all n tokens
+        admit(ix, a)
+        finish_prefill(ix, a)
+        a.status = RequestStatus.FINISHED
+        ix.free("a")
+        ix.begin_step()
+        b = req("b", list(range(1, n + 1)), cache_tokens=0)
+        src = admit(ix, b)
+        assert isinstance(src, CachedBlocks) and src.num_tokens == n - 1, (n, src)
+        assert len(src.block_ids) == 2
+        finish_prefill(ix, b)
+        assert ix.pool.stats.blocks_cached == 0, n  # dead once their last user is in (the prompt's last block too)
+
+
+def test_a_row_identical_to_one_being_prefilled_forks_it_and_computes_nothing():
+    """Duplicate rows admitted while their twin prefills (the same step, or its prefill still running) fork its
+    KV and last logits as another sample would: no prefill tokens, no extra pass; scoring rows never fork."""
+    ix = PrefixIndex(64, B)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=64),
+                  lambda lengths: 0, ix)
+    prompt = list(range(1, 12))
+    a, b, c = req("a", prompt, cache_tokens=11), req("b", prompt, cache_tokens=11), req("c", prompt, cache_tokens=0)
+    scored = req("d", prompt + [40])
+    scored.score_from = len(prompt)
+    for r in (a, b, c, scored):
+        s.add(r)
+    out = s.schedule()
+    assert [adm.request.request_id for adm in out.admissions] == ["a"]  # d waits for a's blocks
+    assert [(p.request_id, ch.request_id) for p, ch in out.forks] == [("a", "b"), ("a", "c")]
+    assert out.num_tokens == 11 and b.num_cached_tokens == c.num_cached_tokens == 11
+    assert a.cache_tokens == 11  # the parent keeps what its twins' later rows share
+    s.finish_step(out)
+    assert b.status is c.status is RequestStatus.DECODING and b.num_computed_tokens == 11
+    assert ix.stats()["tokens_reused"] == 22
+    out = s.schedule()  # the scoring row reuses the cache instead
+    assert [adm.request.request_id for adm in out.admissions] == ["d"] and not out.forks
+
+
+def test_rows_that_waited_for_a_prompt_get_its_partial_block_where_they_share_it():
+    """Issue #15 (eval: 764 -> 647 tokens): rows waiting for a planned prompt's blocks share it to different depths
+    past its last whole block; when its prefill ends it also caches the partial block at each depth they share, so
+    once admitted they reuse it to the token though the prompt has finished (its retention point serves only the
+    row after it in the plan)."""
+    ix = PrefixIndex(64, B)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=64),
+                  lambda lengths: 0, ix)
+    head = list(range(1, 9))  # 2 whole blocks
+    a = req("a", head + [20, 21, 22, 23], cache_tokens=11)
+    b = req("b", head + [20, 21, 22, 50], cache_tokens=9)  # shares 11 with a
+    c = req("c", head + [20, 60, 61], cache_tokens=0)  # shares 9 with a and b
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()
+    assert [adm.request.request_id for adm in out.admissions] == ["a"]  # b and c wait for a's whole blocks
+    # 2 whole blocks, then partial blocks at 11 tokens (its retention: b) and at 9 (where c shares it)
+    assert [(st.first_block, len(st.block_ids)) for st in out.stores] == [(0, 2), (2, 1), (2, 1)]
+    a.status = RequestStatus.FINISHED  # a scoring row, or one that stopped at once: it is gone by the next step
+    s.finish_step(out)
+    out = s.schedule()
+    got = {adm.request.request_id: adm.source.num_tokens for adm in out.admissions}
+    assert got == {"b": 11, "c": 9}, got  # before: {"b": 11, "c": 8} (whole blocks only for c)

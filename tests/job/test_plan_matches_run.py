@@ -35,25 +35,66 @@ def plan_and_run(job, overrides=None, calibrate=False):
     return planned, report
 
 
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    """Each shipped job planned and run once at its full size (demo 300 rows, label 120, eval 16, eval_generate 16,
+    caption 48): the plan's report and the run's report.json."""
+    done: dict[str, tuple] = {}
+
+    def get(name):
+        if name not in done:
+            out = tmp_path_factory.mktemp(name) / "out"
+            job, _, form = name.partition("-")
+            # demo-sentences: the demo's prompts answered in sentences, not its one-token labels
+            sets = ("output.choice=null", "sampling.max_tokens=12") if form == "sentences" else ()
+            done[name] = plan_and_run(ROOT / "jobs" / f"{job}.yaml", JobOverrides(sets=sets, output=out),
+                                      calibrate=job == "caption")  # image rows: the processor expands each image
+        return done[name]
+
+    return get
+
+
 ONE_TOKEN_ROWS = pytest.mark.xfail(strict=True, reason=(
-    "rows that finish in their prefill step (the demo's one-token choice labels; max_tokens: 1 does the same) do not "
-    "share their prefix with the rows after them: 294 predicted against 495 computed on 16 rows; with 2 tokens or "
-    "more per row the run computes the 294 predicted (an engine / planner matter, reported to their owners)"))
+    "rows that finish in their prefill step (the demo's one-token choice labels) do not share their prefix with the "
+    "rows after them as the plan predicts: 2633 predicted against 3044 computed on the 300 rows; answered in sentences "
+    "(demo-sentences) the run computes what the plan predicts"))
 
 
-@pytest.mark.parametrize("name, limit, sets", [
-    pytest.param("demo", 16, (), marks=ONE_TOKEN_ROWS),
-    ("demo", 16, ("output.choice=null", "sampling.max_tokens=12")),  # the demo's prompts, answered in sentences
-    ("label", 12, ()),  # 12 rows run at once: reuse from running rows covers them (120 rows do not: 1450 vs 539)
-    ("eval", 4, ()),
-    ("eval_generate", 6, ()),
-    pytest.param("caption", None, ()),
-])
-def test_predicted_prefill_of_the_shipped_jobs(tmp_path, name, limit, sets):
-    overrides = JobOverrides(sets=sets, limit=limit, output=tmp_path / "out")
-    planned, report = plan_and_run(ROOT / "jobs" / f"{name}.yaml", overrides,
-                                   calibrate=name == "caption")  # image rows: the processor expands each image
+@pytest.mark.parametrize("name", [pytest.param("demo", marks=ONE_TOKEN_ROWS), "demo-sentences", "label", "eval",
+                                  "eval_generate", "caption"])
+def test_predicted_prefill_of_the_shipped_jobs(shipped, name):
+    """Issue #15: at their full sizes (before: label 696 predicted, 1450 computed; demo 3600 and 3431; eval 647 and
+    764)."""
+    planned, report = shipped(name)
     assert planned.prefill_tokens == pytest.approx(prefill_of(report), rel=0.02), (planned, report["prefix_reuse"])
+
+
+SAME_STEP = ("rows admitted together in the step after the shared instruction share 1-5 tokens more with each other "
+             "than with the first row, so each recomputes them: 535 tokens against a floor of 509 (1.051); reusing "
+             "them means waiting a step, an extra prefill pass (rejected on the H200), or a trie order that puts the "
+             "largest subtree first")
+SCORED = ("each candidate is its own sequence: the first computes its context and candidate, every other one the "
+          "context's last token again and its candidate (7 tokens a row for 4 one-token letters: 621 at best, 1.22); "
+          "the floor counts the contexts only. Within the engine's design the run is 647 (1.27)")
+
+
+@pytest.mark.parametrize("name, bound", [
+    pytest.param("demo", 1.05, marks=ONE_TOKEN_ROWS),
+    ("demo-sentences", 1.05),
+    ("label", 1.05),  # 104 of its 120 rows repeat another row's ticket: they fork it, or reuse all but one token
+    pytest.param("eval_generate", 1.05, marks=pytest.mark.xfail(strict=True, reason=SAME_STEP)),
+    pytest.param("eval", 1.05, marks=pytest.mark.xfail(strict=True, reason=SCORED)),
+    ("eval_generate", 1.052),  # the tightest bounds out of reach of 1.05
+    ("eval", 1.28),
+])
+def test_the_shipped_jobs_run_close_to_the_floor(shipped, name, bound):
+    """Issue #15: report.json says how far from the floor (the plan's trie node count) the run's prefill was
+    (before: demo 1.334, label 2.69, eval 1.50, eval_generate 1.051)."""
+    planned, report = shipped(name)
+    reuse = report["prefix_reuse"]
+    assert reuse["floor_tokens"] == planned.distinct_tokens
+    assert reuse["floor_ratio"] == round(prefill_of(report) / planned.distinct_tokens, 4)
+    assert reuse["floor_ratio"] <= bound, reuse
 
 
 @pytest.mark.parametrize("plan", [{"window": 8}, {"window": 8, "enabled": False}, {"enabled": False}])

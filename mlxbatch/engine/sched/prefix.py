@@ -5,14 +5,17 @@ decision about them, on the scheduler's side of the step (pure Python: the runne
 - **At admission** (``match``), two sources; the longer wins. Cached blocks: whole 16-token blocks of earlier
   prompts, keyed by chained hashes (image hashes at image positions), then possibly one *partial* block: the tokens
   of a shared prefix past its last whole block (a ~50-token system prompt ends mid-block), kept for the rows the plan
-  says share exactly that much, so reuse from the cache goes to the token too. A running row: a sequence admitted in
-  an earlier step and still running that shares more with the new prompt than the cache holds (in the plan's order
-  the row before is usually still running): its KV is copied to the token.
+  says share exactly that much, so reuse from the cache goes to the token too (a block holding a prompt's end serves
+  a later identical prompt all but its last token). A running row: a sequence admitted in an earlier step and still
+  running that shares more with the new prompt than the cache holds: its KV is copied to the token.
+- **Twins** (``twin`` / ``fork``): a prompt identical to one an admitted sequence is prefilling now forks that
+  sequence's KV and last logits when its prefill ends, as another sample of it (nothing computed).
 - **Waiting** (``in_progress``): a sequence whose next prefix blocks an admitted sequence is computing right now can
   wait a step or two, so the shared prefix is computed once.
 - **Keeping** (``plan_stores`` / ``commit``): a prefill that ends this step offers the blocks of its first
   ``cache_tokens`` prompt tokens (the plan's retention; ``None`` without a plan offers all), and a partial block up
-  to exactly ``cache_tokens`` (for a scoring sequence: its context but the last token); their cache blocks are
+  to exactly ``cache_tokens`` (for a scoring sequence: its context but the last token) and at each depth a sequence
+  that waited for its blocks this step shares it to (served to the token once admitted); their cache blocks are
   allocated when the step is scheduled and registered when it succeeded. Then newly admitted planned sequences'
   blocks past their ``cache_tokens`` are evicted: no later sequence shares them. Without a plan, or while blocks are
   still referenced, eviction is the pool's LRU.
@@ -75,6 +78,10 @@ class PrefixIndex:
         self._planned: list[Request] = []  # admitted this step with a plan retention to apply
         self._partials_seen: dict[str, tuple[int, int]] = {}  # request id -> (hash, tokens) of the partial it matched
         self._held: list[CachedBlocks] = []  # matched this step, retained until the step's stores are allocated
+        # a whole prompt -> the admitted sequence prefilling it last (text, not scoring): a twin forks its KV
+        self._prompts: dict[tuple[int, int, tuple[int, ...]], Request] = {}
+        self._prompt_keys: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+        self._waiters: list[tuple[Request, int]] = []  # waiting this step (in_progress), with the block they wait for
         self.lookups = 0
         self.tokens_reused = 0  # prompt tokens whose KV came from the cache
         self.live_tokens_reused = 0  # ... or from a running row
@@ -83,6 +90,7 @@ class PrefixIndex:
     # -- admission ------------------------------------------------------------------------------------
     def begin_step(self) -> None:
         self._step += 1
+        self._waiters = []
 
     def match(self, request: Request) -> PrefixSource | None:
         """Where ``request``'s reused KV comes from (None: nothing to reuse); counts it as admitted this step."""
@@ -90,7 +98,7 @@ class PrefixIndex:
         chain = self._chain(request)
         # a scoring sequence must compute the position before its continuation (it predicts the first token)
         cached = self._cached(tokens if request.score_from is None else tokens[: request.score_from], chain,
-                              request.request_id)
+                              request.request_id, to_the_end=not request.media)
         usable = (len(tokens) - 1) // self.block_size
         hashes = chain[: min(usable, self._stored_tokens(request) // self.block_size)]
         self._computing[request.request_id] = hashes
@@ -98,6 +106,8 @@ class PrefixIndex:
         live = self._running_row(request, tokens, cached.num_tokens if cached is not None else 0)
         self._recent.append(request)
         self._admitted_at[request.request_id] = self._step
+        if self._forkable(request):
+            self._prompts[self._prompt_key(request)] = request
         if request.cache_tokens is not None:
             self._planned.append(request)
         if live is not None:  # a running sequence holds more of this prefix than the cache's whole blocks
@@ -110,9 +120,11 @@ class PrefixIndex:
             self._held.append(cached)
         return cached
 
-    def _cached(self, tokens: Sequence[int], chain: list[int], rid: str) -> CachedBlocks | None:
-        """Whole cached blocks of ``tokens``, then the longest cached partial block after them (at least one token
-        is always left to compute)."""
+    def _cached(self, tokens: Sequence[int], chain: list[int], rid: str, to_the_end: bool = True) -> CachedBlocks | None:
+        """Whole cached blocks of ``tokens``, then the longest cached block after them: a partial one, or (text rows:
+        ``to_the_end``) one that also holds ``tokens``' last position (at least one token is always left to compute: a
+        block holding all of ``tokens``, as a row identical to an earlier one finds it, gives all but the last). A row
+        with images takes no block past its last reusable token (its picture is encoded as before)."""
         B = self.block_size
         limit = len(tokens) - 1
         if limit <= 0:
@@ -121,13 +133,17 @@ class PrefixIndex:
         ids = self.pool.match(chain[: limit // B])
         n = len(ids) * B
         prev = chain[len(ids) - 1] if ids else None
-        for r in range(min(B - 1, limit - n), 0, -1):
-            h = partial_hash(prev, tokens[n : n + r])
-            if self.pool.has(h):
-                ids += self.pool.match([h])
-                n += r
-                self._partials_seen[rid] = (h, n)
-                break
+        if to_the_end and len(ids) == limit // B < len(chain) and self.pool.has(chain[len(ids)]):
+            ids += self.pool.match([chain[len(ids)]])  # the prompt ends in this block: its last token is computed
+            n = limit
+        elif n < limit:
+            for r in range(min(B - 1, (len(tokens) if to_the_end else limit) - n), 0, -1):
+                h = partial_hash(prev, tokens[n : n + r])
+                if self.pool.has(h):
+                    ids += self.pool.match([h])
+                    self._partials_seen[rid] = (h, n + r)
+                    n = min(n + r, limit)
+                    break
         if not ids:
             return None
         self.pool.retain(ids)
@@ -154,6 +170,40 @@ class PrefixIndex:
                 best = RunningRow(src.request_id, n)
         return best
 
+    def twin(self, request: Request, prefilling: set[str]) -> Request | None:
+        """An admitted sequence prefilling exactly ``request``'s prompt now (ids in ``prefilling``), whose KV and last
+        logits ``request`` can fork when that prefill ends instead of computing anything (a row identical to an
+        earlier one: even reuse to the token leaves its last token to compute). Text prompts that generate only."""
+        if not self._forkable(request):
+            return None
+        src = self._prompts.get(self._prompt_key(request))
+        if (src is None or src.request_id not in prefilling or not self._forkable(src)
+                or src.prompt_token_ids != request.prompt_token_ids):
+            return None
+        return src
+
+    def fork(self, request: Request, parent: Request) -> None:
+        """``request`` forks ``parent``'s KV (``twin``): all its prompt is reused, and the parent keeps (offers the
+        cache) what the plan says later sequences share with either."""
+        self.live_tokens_reused += request.num_prompt_tokens
+        if parent.cache_tokens is not None:
+            parent.cache_tokens = None if request.cache_tokens is None else max(parent.cache_tokens,
+                                                                                  request.cache_tokens)
+
+    @staticmethod
+    def _forkable(r: Request) -> bool:
+        return not r.media and r.score_from is None and r.fork_parent is None and not r.output_token_ids
+
+    def _prompt_key(self, r: Request) -> tuple[int, int, tuple[int, ...]]:
+        """The whole prompt, by its full blocks' chained hash and the tokens after them (computed once)."""
+        key = self._prompt_keys.get(r.request_id)
+        if key is None:
+            chain = self._chain(r)
+            n = len(chain) * self.block_size
+            key = self._prompt_keys[r.request_id] = (r.num_prompt_tokens, chain[-1] if chain else 0,
+                                                     tuple(r.prompt_token_ids[n:]))
+        return key
+
     def in_progress(self, request: Request) -> bool:
         """Whether an admitted sequence is computing the next blocks of ``request``'s prefix right now.
 
@@ -168,7 +218,10 @@ class PrefixIndex:
             if not self.pool.has(h):
                 break
             cached += 1
-        return cached < len(hashes) and self._computing_count[hashes[cached]] > 0
+        waits = cached < len(hashes) and self._computing_count[hashes[cached]] > 0
+        if waits:
+            self._waiters.append((request, hashes[cached]))
+        return waits
 
     # -- keeping --------------------------------------------------------------------------------------
     def plan_stores(self, finishing: Sequence[Request]) -> tuple[BlockStore, ...]:
@@ -201,12 +254,35 @@ class PrefixIndex:
                 continue  # everything is in use: keep computing instead
             planned.update(new)
             stores.append(BlockStore(r.request_id, known, tuple(ids), tuple(new)))
+        waiting = self._waiting_points(finishing)
         for r in finishing:
-            for point in self._partial_points(r):
+            for point in sorted(self._partial_points(r) | waiting.get(r.request_id, set())):
                 partial = self._partial_store(r, point, planned)
                 if partial is not None:
                     stores.append(partial)
         return tuple(stores)
+
+    def _waiting_points(self, finishing: Sequence[Request]) -> dict[str, set[int]]:
+        """Where the sequences that waited this step for a planned prompt's blocks (``in_progress``) share it up to,
+        when that ends mid-block and within what the prompt keeps: its partial block there serves them to the token
+        once admitted, even when the prompt has finished by then (its retention point serves only the next row)."""
+        B = self.block_size
+        by_hash: dict[int, Request] = {}
+        for r in finishing:
+            if r.cache_tokens is not None:
+                for h in self._computing.get(r.request_id, ()):
+                    by_hash.setdefault(h, r)
+        points: dict[str, set[int]] = {}
+        for w, h in self._waiters:
+            r = by_hash.get(h)
+            if r is None:
+                continue
+            tokens = w.prompt_token_ids if w.score_from is None else w.prompt_token_ids[: w.score_from]
+            n = min(common_prefix_len(r.prompt_token_ids, tokens), r.num_prompt_tokens)
+            if n % B and n // B <= self._stored_tokens(r) // B:
+                points.setdefault(r.request_id, set()).add(n)
+        self._waiters = []
+        return points
 
     def _partial_points(self, r: Request) -> set[int]:
         """Where later sequences share exactly ``r``'s prompt, when that ends mid-block: the plan's ``cache_tokens``,
@@ -256,12 +332,16 @@ class PrefixIndex:
         self._chains.pop(request_id, None)
         self._admitted_at.pop(request_id, None)
         self._partials_seen.pop(request_id, None)
+        key = self._prompt_keys.pop(request_id, None)
+        src = self._prompts.get(key) if key is not None else None
+        if src is not None and src.request_id == request_id:
+            del self._prompts[key]
 
     def _drop_after(self, r: Request) -> None:
         """Evict the cached blocks of ``r``'s chain past its first ``cache_tokens`` tokens (dead: the plan says no
         later sequence shares them). Referenced blocks stay."""
-        usable = max(0, (r.num_prompt_tokens - 1) // self.block_size)
-        for h in self._chain(r)[:usable][self._stored_tokens(r) // self.block_size:]:
+        whole = r.num_prompt_tokens // self.block_size  # the last may hold the prompt's end (an identical row uses it)
+        for h in self._chain(r)[:whole][self._stored_tokens(r) // self.block_size:]:
             bid = self.pool.cached_id(h)
             if bid is None:
                 break

@@ -161,11 +161,19 @@ class Scheduler:
                 continue
             if parent is not None and parent not in prefilling:
                 nxt.fork_parent = parent = None  # too late to fork: its parent's prefill is over
+            twin = self.prefix.twin(nxt, prefilling) if parent is None and self.prefix is not None else None
+            if twin is not None:  # the same prompt is being prefilled: fork it as another sample of it
+                parent = twin.request_id
             if parent is not None:  # admitted with its parent: shares its prefill, takes no tokens of the budget
                 cost = self._kv_cost(reserved + [nxt.reserved_tokens])
                 if cost > self._budget:
                     nxt.fork_parent = None  # no room to fork now: it prefills on its own later
                     break
+                if twin is not None:
+                    assert self.prefix is not None
+                    self.prefix.fork(nxt, twin)
+                    nxt.fork_parent = parent
+                    nxt.num_cached_tokens = nxt.num_prompt_tokens
                 del self.waiting[i]
                 nxt.status = RequestStatus.PREFILLING
                 self.running.append(nxt)
