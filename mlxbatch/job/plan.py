@@ -258,8 +258,8 @@ class _Planner:
         oldest = max((k for k in self.last_of_step if k < earliest), default=None)  # later rows start >= earliest
         for k in [k for k in self.last_of_step if oldest is not None and k < oldest]:
             del self.last_of_step[k]
-        if partial is not None and cache_tokens != cached // BLOCK_SIZE * BLOCK_SIZE + len(partial[1]):
-            del self.cache.partials[partial]  # the row matched it and shares another length with later rows
+        if partial is not None and (cache_tokens or 0) < cached // BLOCK_SIZE * BLOCK_SIZE + len(partial[1]):
+            del self.cache.partials[partial]  # the row matched it and shares less with later rows: dead
         self.recent.append(_Submitted(seq, self.cache.store(seq, chain=chain, step=step, point=cache_tokens), step))
         return len(seq) - min(reuse, len(seq) - 1)
 

@@ -227,3 +227,83 @@ def test_rows_that_waited_for_a_prompt_get_its_partial_block_where_they_share_it
     out = s.schedule()
     got = {adm.request.request_id: adm.source.num_tokens for adm in out.admissions}
     assert got == {"b": 11, "c": 9}, got  # before: {"b": 11, "c": 8} (whole blocks only for c)
+
+
+def gone(ix: PrefixIndex, *rs: Request) -> None:
+    """``rs`` finished in their prefill step (one-token answers): freed before the next step."""
+    for r in rs:
+        r.status = RequestStatus.FINISHED
+        ix.free(r.request_id)
+
+
+def test_a_partial_block_outlives_a_row_whose_next_row_shares_more():
+    """Issue #15 (demo, one-token answers: 3044 tokens computed against 2633 predicted): a row that matched the
+    partial block at 6 tokens and shares 7 with the row after it dropped that partial, so a row sharing exactly 6
+    with them, admitted with the group's last row, found the whole block only once they had finished (a running
+    row served it to the token when answers were sentences)."""
+    ix = PrefixIndex(16, B)
+    shared = [5, 6, 7, 8, 9, 10]  # a block and a half
+    a = req("a", shared + [1, 2, 3], cache_tokens=6)
+    ix.begin_step()
+    admit(ix, a)
+    finish_prefill(ix, a)
+    gone(ix, a)
+    b = req("b", shared + [20, 21, 1], cache_tokens=7)  # matches the partial at 6; its next row shares 7
+    ix.begin_step()
+    assert admit(ix, b).num_tokens == 6
+    finish_prefill(ix, b)
+    gone(ix, b)
+    c = req("c", shared + [20, 22, 2], cache_tokens=6)  # reuses 7 (b's retention point)
+    d = req("d", shared + [30, 31], cache_tokens=0)  # admitted with c, shares exactly 6 with all of them
+    ix.begin_step()
+    assert admit(ix, c).num_tokens == 7
+    src = admit(ix, d)
+    assert isinstance(src, CachedBlocks) and src.num_tokens == 6, src  # before: 4 (the whole block only)
+
+
+def test_a_forked_prompt_keeps_its_twins_retention_point():
+    """Issue #15: a twin forks its parent's KV; the row after the twin shares less with it than the twin with its
+    parent. The parent caches a partial block at the twin's retention point too, so that row reuses it to the token
+    after parent and twin finished in their prefill step (before: the parent's retention only)."""
+    ix = PrefixIndex(64, B)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=64),
+                  lambda lengths: 0, ix)
+    head = [1, 2, 3, 4, 5, 6]
+    a, b = req("a", head + [7, 8, 9], cache_tokens=9), req("b", head + [7, 8, 9], cache_tokens=6)
+    for r in (a, b):
+        s.add(r)
+    out = s.schedule()
+    assert [(p.request_id, ch.request_id) for p, ch in out.forks] == [("a", "b")]
+    # 2 whole blocks, partial blocks at 6 tokens (b's retention: before, none) and at 9 (a's)
+    assert [(st.first_block, len(st.block_ids)) for st in out.stores] == [(0, 2), (1, 1), (2, 1)]
+    a.status = b.status = RequestStatus.FINISHED
+    s.finish_step(out)
+    c = req("c", head + [40, 41], cache_tokens=0)
+    s.add(c)
+    out = s.schedule()
+    assert [adm.source.num_tokens for adm in out.admissions] == [6]
+
+
+def test_a_row_that_waited_keeps_its_blocks_when_rows_behind_it_are_admitted_first():
+    """Issue #15: rows behind a waiting row in the plan's order are admitted before it; the last of a group shares
+    nothing with its next row and its admission dropped the group's blocks, the waiting row's too (16 demo rows:
+    294 tokens predicted, 326 computed)."""
+    ix = PrefixIndex(64, B)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=64),
+                  lambda lengths: 0, ix)
+    a = req("a", list(range(1, 10)), cache_tokens=4)
+    s.add(a)
+    out = s.schedule()
+    a.status = RequestStatus.FINISHED
+    s.finish_step(out)
+    b = req("b", list(range(1, 9)) + [50, 51], cache_tokens=8)  # computes a second block
+    c = req("c", list(range(1, 9)) + [60, 61], cache_tokens=4)  # waits for it
+    d = req("d", list(range(1, 5)) + [70, 71, 72], cache_tokens=0)  # goes first, and drops block 1 (its own)
+    for r in (b, c, d):
+        s.add(r)
+    out = s.schedule()
+    assert [adm.request.request_id for adm in out.admissions] == ["b", "d"]
+    b.status = d.status = RequestStatus.FINISHED
+    s.finish_step(out)
+    out = s.schedule()
+    assert [(adm.request.request_id, adm.source.num_tokens) for adm in out.admissions] == [("c", 8)]

@@ -16,9 +16,13 @@ decision about them, on the scheduler's side of the step (pure Python: the runne
   ``cache_tokens`` prompt tokens (the plan's retention; ``None`` without a plan offers all), and a partial block up
   to exactly ``cache_tokens`` (for a scoring sequence: its context but the last token) and at each depth a sequence
   that waited for its blocks this step shares it to (served to the token once admitted); their cache blocks are
-  allocated when the step is scheduled and registered when it succeeded. Then newly admitted planned sequences'
-  blocks past their ``cache_tokens`` are evicted: no later sequence shares them. Without a plan, or while blocks are
-  still referenced, eviction is the pool's LRU.
+  allocated when the step is scheduled and registered when it succeeded. A prompt forked by twins also keeps a partial
+  block at each twin's retention point. Then newly admitted planned sequences' blocks past their ``cache_tokens``
+  are evicted: no later sequence shares them (but blocks a sequence that waited for them still needs: it is admitted
+  after rows the plan put behind it), and a partial block they matched when they share less than it with later rows.
+  Rows that finish in their prefill step (one-token answers) leave no running row to copy from, so the run reaches
+  the plan's reuse through these blocks alone. Without a plan, or while blocks are still referenced, eviction is the
+  pool's LRU.
 A prompt's block hashes are computed once per sequence. Does not own the KV tensors (the runner's prefix store).
 """
 
@@ -76,12 +80,19 @@ class PrefixIndex:
         self._computing_count: collections.Counter[int] = collections.Counter()
         self._chains: dict[str, list[int]] = {}  # request id -> its tokens' block hashes (until it is freed)
         self._planned: list[Request] = []  # admitted this step with a plan retention to apply
-        self._partials_seen: dict[str, tuple[int, int]] = {}  # request id -> (hash, tokens) of the partial it matched
         self._held: list[CachedBlocks] = []  # matched this step, retained until the step's stores are allocated
         # a whole prompt -> the admitted sequence prefilling it last (text, not scoring): a twin forks its KV
         self._prompts: dict[tuple[int, int, tuple[int, ...]], Request] = {}
         self._prompt_keys: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+        self._partials_seen: dict[str, tuple[int, int]] = {}  # request id -> (hash, tokens) of the partial it matched
         self._waiters: list[tuple[Request, int]] = []  # waiting this step (in_progress), with the block they wait for
+        # sequences that waited (in_progress) and are not admitted yet -> their reusable whole blocks' hashes: the
+        # plan's eviction (``_drop_after``) spares these, since such a sequence is admitted after rows the plan put
+        # behind it (a prefix's last planned user may be admitted before a sequence that still shares it)
+        self._pending: dict[str, list[int]] = {}
+        # a prompt forked by twins -> the retention points its twins had besides its own ``cache_tokens`` (a twin's
+        # next row shares less with it): the prompt keeps a partial block at each, as the twin would have
+        self._fork_points: dict[str, set[int]] = {}
         self.lookups = 0
         self.tokens_reused = 0  # prompt tokens whose KV came from the cache
         self.live_tokens_reused = 0  # ... or from a running row
@@ -96,6 +107,7 @@ class PrefixIndex:
         """Where ``request``'s reused KV comes from (None: nothing to reuse); counts it as admitted this step."""
         tokens = request.tokens(0, request.num_tokens)
         chain = self._chain(request)
+        self._pending.pop(request.request_id, None)
         # a scoring sequence must compute the position before its continuation (it predicts the first token)
         cached = self._cached(tokens if request.score_from is None else tokens[: request.score_from], chain,
                               request.request_id, to_the_end=not request.media)
@@ -187,8 +199,13 @@ class PrefixIndex:
         cache) what the plan says later sequences share with either."""
         self.live_tokens_reused += request.num_prompt_tokens
         if parent.cache_tokens is not None:
-            parent.cache_tokens = None if request.cache_tokens is None else max(parent.cache_tokens,
-                                                                                  request.cache_tokens)
+            if request.cache_tokens is None:
+                parent.cache_tokens = None
+                self._fork_points.pop(parent.request_id, None)
+                return
+            points = self._fork_points.setdefault(parent.request_id, set())
+            points.update((parent.cache_tokens, request.cache_tokens))
+            parent.cache_tokens = max(parent.cache_tokens, request.cache_tokens)
 
     @staticmethod
     def _forkable(r: Request) -> bool:
@@ -221,6 +238,7 @@ class PrefixIndex:
         waits = cached < len(hashes) and self._computing_count[hashes[cached]] > 0
         if waits:
             self._waiters.append((request, hashes[cached]))
+            self._pending[request.request_id] = hashes
         return waits
 
     # -- keeping --------------------------------------------------------------------------------------
@@ -256,7 +274,8 @@ class PrefixIndex:
             stores.append(BlockStore(r.request_id, known, tuple(ids), tuple(new)))
         waiting = self._waiting_points(finishing)
         for r in finishing:
-            for point in sorted(self._partial_points(r) | waiting.get(r.request_id, set())):
+            points = self._partial_points(r) | waiting.get(r.request_id, set())
+            for point in sorted(points):
                 partial = self._partial_store(r, point, planned)
                 if partial is not None:
                     stores.append(partial)
@@ -289,6 +308,7 @@ class PrefixIndex:
         and a scoring sequence's context but its last token (its siblings compute that one: it predicts their first
         candidate token)."""
         points = {r.cache_tokens} if r.cache_tokens else set()
+        points |= self._fork_points.get(r.request_id, set())
         if r.score_from:
             points.add(r.score_from - 1)
         return {p for p in points if p % self.block_size and p <= r.num_prompt_tokens}
@@ -317,8 +337,9 @@ class PrefixIndex:
             self.pool.release(list(s.block_ids))  # cached, unreferenced: evictable when space is needed
         for r in finished_prefills:
             self._done_computing(r.request_id)
+        spared = {h for hashes in self._pending.values() for h in hashes}
         for r in self._planned:
-            self._drop_after(r)
+            self._drop_after(r, spared)
         self._planned = []
 
     def abort_step(self, stores: Sequence[BlockStore]) -> None:
@@ -330,24 +351,31 @@ class PrefixIndex:
     def free(self, request_id: str) -> None:
         self._done_computing(request_id)
         self._chains.pop(request_id, None)
-        self._admitted_at.pop(request_id, None)
+        self._pending.pop(request_id, None)
+        self._fork_points.pop(request_id, None)
         self._partials_seen.pop(request_id, None)
+        self._admitted_at.pop(request_id, None)
         key = self._prompt_keys.pop(request_id, None)
         src = self._prompts.get(key) if key is not None else None
         if src is not None and src.request_id == request_id:
             del self._prompts[key]
 
-    def _drop_after(self, r: Request) -> None:
+    def _drop_after(self, r: Request, spared: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         """Evict the cached blocks of ``r``'s chain past its first ``cache_tokens`` tokens (dead: the plan says no
-        later sequence shares them). Referenced blocks stay."""
+        later sequence shares them), but those in ``spared`` (a sequence that waited for them is not admitted yet).
+        Referenced blocks stay."""
         whole = r.num_prompt_tokens // self.block_size  # the last may hold the prompt's end (an identical row uses it)
         for h in self._chain(r)[:whole][self._stored_tokens(r) // self.block_size:]:
+            if h in spared:
+                continue
             bid = self.pool.cached_id(h)
             if bid is None:
                 break
             self.plan_evictions += self.pool.evict(bid)
         seen = self._partials_seen.pop(r.request_id, None)
-        if seen is not None and seen[1] not in self._partial_points(r):  # later rows share more, or less
+        # dead when the rows after ``r`` share less with it (in trie order no later row shares more with that prefix
+        # than with ``r``); when they share more, the rows after them may again share exactly the partial's tokens
+        if seen is not None and self._stored_tokens(r) < seen[1]:
             bid = self.pool.cached_id(seen[0])
             if bid is not None:
                 self.plan_evictions += self.pool.evict(bid)
