@@ -6,9 +6,10 @@ rows (as many as run at once):
 1. **prefill**: the first rows (as many as run at once, up to ``PREFILL_PROBE_TOKENS`` predicted prefill tokens)
    with one token each: seconds per *predicted* prefill token, so the rate holds what the engine really does for
    such rows (prefix copies, any recomputed partial blocks), whatever the plan's prediction leaves out;
-2. **length**: the same rows again with the job's sampling (its constraint too), ``max_tokens`` capped at
-   ``DECODE_PROBE_TOKENS``: how many tokens a row generates (rows the cap cut are counted at the job's
-   ``max_tokens``, an upper bound);
+2. **length**: the same rows again, each with the sampling the run gives it (``output.choice`` / ``regex`` /
+   ``json_schema`` or its ``constraint_column`` value, overrides, seed), ``max_tokens`` capped at
+   ``DECODE_PROBE_TOKENS``: how many tokens a row generates (rows the cap cut are counted at their ``max_tokens``,
+   an upper bound);
 3. **step**: as many short rows as the run keeps running at once, a few greedy tokens each: seconds per decode
    step at the run's batch size.
 ETA = start-up + predicted prefill tokens x seconds per token + generated tokens / rows at once x seconds per step
@@ -85,11 +86,12 @@ class _Probe:
 
 
 def _run(core: Any, prompts: list[Any], params: Any) -> _Probe:
-    """Run ``prompts`` to the end, timing each engine step."""
+    """Run ``prompts`` to the end (``params``: one ``SamplingParams`` for all, or a list, one per prompt), timing
+    each engine step. Outputs come in the prompts' order."""
     before = core.stats()["profile"]["prefill_tokens"]
     t0 = time.perf_counter()
-    for p in prompts:
-        core.add_request(p, params)
+    per_row = params if isinstance(params, list) else [params] * len(prompts)
+    order = {core.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, per_row, strict=True))}
     outs, decode_steps, done = [], [], before
     while core.has_unfinished:
         t1 = time.perf_counter()
@@ -100,15 +102,19 @@ def _run(core: Any, prompts: list[Any], params: Any) -> _Probe:
             decode_steps.append(dt)
         done = now
     decode_steps.sort()
+    outs.sort(key=lambda o: order[o.request_id])
     return _Probe(time.perf_counter() - t0, done - before,
                   decode_steps[len(decode_steps) // 2] if decode_steps else None, outs)
 
 
 def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: int, gen_rows: int,
-                 host_s: float, predicted: Callable[[list[Any]], int]) -> Eta | None:
+                 host_s: float, predicted: Callable[[list[Any]], int],
+                 sample_params: list[Any] | None = None) -> Eta | None:
     """The ETA from short real runs of the job's first rows ``sample`` (token ids or encoded prompts).
     ``predicted(rows)`` is the plan's prefill prediction for those rows alone: prefill is timed per *predicted*
-    token, so whatever the engine recomputes beyond the prediction (or copies to reuse) is in the rate."""
+    token, so whatever the engine recomputes beyond the prediction (or copies to reuse) is in the rate.
+    ``sample_params``: each sample row's ``SamplingParams`` as the run prepares it (output constraint included);
+    None: the job's sampling with its output constraint (``output.choice`` / ``regex`` / ``json_schema``)."""
     from mlxbatch.types import FinishReason, SamplingParams
 
     if not sample:
@@ -128,16 +134,16 @@ def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: 
         first = _run(core, probe, SamplingParams(temperature=0, max_tokens=1))
         per_token = first.wall_s / max(predicted(probe), 1)
         params = spec.sampling.params
+        if spec.task.constraint is not None:
+            params = dataclasses.replace(params, constraint=spec.task.constraint)
         decode_s = step = per_row = 0.0
         if gen_rows:
-            # how long rows are: the probe rows again (their prompts cached now) with the job's own sampling
-            capped = dataclasses.replace(params, max_tokens=min(params.max_tokens, DECODE_PROBE_TOKENS),
-                                         min_tokens=min(params.min_tokens, DECODE_PROBE_TOKENS))
-            if capped.seed is None and not capped.greedy:
-                capped = dataclasses.replace(capped, seed=spec.seed)
-            cut = capped.max_tokens < params.max_tokens
-            lengths = [params.max_tokens * params.n if cut and o.finish_reason is FinishReason.LENGTH
-                       else o.generated_tokens for o in _run(core, probe, capped).outputs]
+            # how long rows are: the probe rows again (their prompts cached now), each with the run's sampling
+            rows = list(sample_params[:len(probe)]) if sample_params else [params] * len(probe)
+            capped = [_capped(p, spec.seed) for p in rows]
+            lengths = [p.max_tokens * p.n if c.max_tokens < p.max_tokens and o.finish_reason is FinishReason.LENGTH
+                       else o.generated_tokens for p, c, o in zip(rows, capped, _run(core, probe, capped).outputs,
+                                                                  strict=True)]
             per_row = sum(lengths) / len(lengths)
             # a decode step at the run's batch size: as many short rows as run at once
             at_once = max(1, min(spec.engine.max_num_seqs, gen_rows * params.n))
@@ -151,6 +157,15 @@ def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: 
         core.shutdown()
     return Eta(per_token * prefill_tokens, decode_s, "measured", startup, host_s, prefill_s_per_token=per_token,
                decode_s_per_step=step, tokens_per_row=per_row)
+
+
+def _capped(params: Any, seed: int) -> Any:
+    """A row's sampling for the length probe: ``max_tokens`` (and ``min_tokens``) capped at DECODE_PROBE_TOKENS."""
+    capped = dataclasses.replace(params, max_tokens=min(params.max_tokens, DECODE_PROBE_TOKENS),
+                                 min_tokens=min(params.min_tokens, DECODE_PROBE_TOKENS))
+    if capped.seed is None and not capped.greedy:
+        capped = dataclasses.replace(capped, seed=seed)
+    return capped
 
 
 def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int, new_tokens: int) -> Eta | None:

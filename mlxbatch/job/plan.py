@@ -170,6 +170,7 @@ class _Tally:
     prefill: int = 0
     peak: int = 0
     sample: list[list[int]] = field(default_factory=list)  # the first rows' token ids, to calibrate the ETA
+    sample_params: list[Any] = field(default_factory=list)  # their sampling as the run gives it (constraint too)
 
 
 class _Planner:
@@ -201,6 +202,7 @@ class _Planner:
             seqs.append(array("i", ids))
             if len(t.sample) < self.sample_size:
                 t.sample.append(list(ids))
+                t.sample_params.append(prep.params)
             if prep.candidates is not None:
                 t.scored += 1
                 lens = [len(self.tok.encode(c, add_special_tokens=False)) for c in prep.candidates]
@@ -228,6 +230,7 @@ class _Planner:
                 t.prefill += self.cache.prefill(ids, media) if spec.engine.prefix_cache else len(ids)
             if encoded_prompt is not None and len(t.sample) < self.sample_size:
                 t.sample.append(encoded_prompt)
+                t.sample_params.append(prep.params)
 
     def _reuse(self, seq: Sequence[int], cache_tokens: int | None = None) -> int:
         """Tokens ``seq`` computes, submitted now with the plan's retention ``cache_tokens``, by the engine's admission
@@ -328,7 +331,7 @@ def plan_job(spec: JobSpec, window: int | None = None, with_eta: bool = True, ca
         p = spec.sampling.params
         gen_rows = 0 if spec.task.kind == "score" else t.planned + t.images
         host_s = 2 * prep_s  # the run prepares and tokenizes every row, then prepares it again for the results
-        eta = measured_eta(spec, loaded, t.sample, t.prefill, gen_rows, host_s, planner.predict) \
+        eta = measured_eta(spec, loaded, t.sample, t.prefill, gen_rows, host_s, planner.predict, t.sample_params) \
             if loaded is not None else None
         if eta is None:
             eta = estimate(spec, model_dir, t.planned + t.images, t.prefill, gen_rows * p.max_tokens * p.n)

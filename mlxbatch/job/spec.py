@@ -145,8 +145,9 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
         c.bad("output.path", "required: the output folder")
     overwrite = c.typed(o, "output", "overwrite", bool, False)
     task = parse_task(c, raw, o)
-    if task.gold_column is not None and inp.columns is not None and task.gold_column not in inp.columns:
-        inp = dataclasses.replace(inp, columns=inp.columns + (task.gold_column,))  # kept: correct is checked on it
+    for answers in (task.gold_column, task.answer_column):  # kept: correct is checked on it at finalize
+        if answers is not None and inp.columns is not None and answers not in inp.columns:
+            inp = dataclasses.replace(inp, columns=inp.columns + (answers,))
     checkpoint = parse_checkpoint(c, raw)
     engine = parse_engine(c, raw)
     plan = parse_plan(c, raw)

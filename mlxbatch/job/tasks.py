@@ -83,12 +83,13 @@ def _check(text: str, constraint: OutputConstraint, finish: FinishReason | None,
     return None, why or f"the output does not match the {constraint.kind}", "truncated" if cut else "unparsed"
 
 
-def _correct(answer: Any, candidates: tuple[str, ...], choice: int) -> bool | None:
+def _correct(answer: Any, text: str, choice: int) -> bool | None:
+    """Whether a score row's best candidate (``text``, at index ``choice``) is its answer (an index or a text)."""
     if answer is None:
         return None
     if isinstance(answer, int) and not isinstance(answer, bool):
         return answer == choice
-    return str(answer) in (candidates[choice], candidates[choice].strip())
+    return str(answer) in (text, text.strip())
 
 
 def _gold_correct(text: str, gold: Any) -> bool | None:
@@ -109,7 +110,7 @@ def record_for(prep: PreparedRow, out: RequestOutput, model: str, task: TaskSect
         choice = max(range(len(sums)), key=sums.__getitem__)
         extra |= {"scores": sums, "token_logprobs": [[lp.logprob for lp in c.logprobs or ()] for c in out.completions],
                   "greedy": [bool(c.greedy) for c in out.completions], "choice": choice}
-        correct = _correct(prep.answer, prep.candidates, choice)
+        correct = _correct(prep.answer, prep.candidates[choice], choice)
         if correct is not None:
             extra["correct"] = correct
         return ResultRecord(**common, text=prep.candidates[choice], finish_reason="stop", extra=extra)
@@ -195,7 +196,8 @@ def output_columns(spec: JobSpec, tokenizer: Any, input_types: dict[str, pa.Data
         extra["correct"] = pa.bool_()
     if task.keep_prompt:
         extra["rendered_prompt"] = pa.string()
-    recompute = {"correct": gold_check(task.gold_column)} if task.gold_column is not None else None
+    recompute = {"correct": gold_check(task.gold_column)} if task.gold_column is not None else \
+        {"correct": answer_check(task.answer_column)} if task.answer_column is not None else None
     return {"input_types": input_types, "extra_types": extra, "token_text": token_text_of(tokenizer),
             "recompute": recompute}
 
@@ -210,6 +212,19 @@ def gold_check(column: str) -> Any:
             return None
         right = _gold_correct(result["text"], inputs.get(column))
         return None if right is None else right and result.get("error") is None
+
+    return correct
+
+
+def answer_check(column: str) -> Any:
+    """``correct`` of a finished score row against the answer its input has *now* (``score.answer``), as
+    ``gold_check`` for generate rows: the answer column is not part of the result key either. None when the row
+    has no answer or no best candidate (failed before scoring)."""
+
+    def correct(inputs: dict[str, Any], result: dict[str, Any]) -> bool | None:
+        if result.get("text") is None or result.get("choice") is None or result.get("error") is not None:
+            return None
+        return _correct(inputs.get(column), result["text"], result["choice"])
 
     return correct
 

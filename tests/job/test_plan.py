@@ -79,3 +79,25 @@ def test_windowed_plan_sums_its_windows(tmp_path, tiny_model_path):
     assert windowed.prompt_tokens == whole.prompt_tokens and windowed.planned_rows == 50
     # each of the 5 windows computes the shared start once: 4 more times than the whole plan
     assert whole.distinct_tokens < windowed.distinct_tokens < whole.prompt_tokens
+
+
+def test_calibration_generates_under_the_jobs_output_constraint(tmp_path, tiny_model_path):
+    """The length probe runs the first rows with their own sampling, the output constraint included: a choice job's
+    rows are a token or two, not free text cut by the probe's cap and counted at max_tokens."""
+    from mlxbatch.job.plan import plan_job
+    from mlxbatch.job.validate import validate_job
+
+    rows = [{"id": f"r{i}", "text": f"sentence number {i}", "only": {"choice": ["maybe", "never"]}}
+            for i in range(6)]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+
+    def tokens_per_row(**output):
+        job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", sampling={"max_tokens": 200},
+                        output={"path": str(tmp_path / "out"), **output})
+        eta = plan_job(validate_job(job), calibrate=True).eta
+        assert eta is not None and eta.method == "measured", eta
+        return eta.tokens_per_row
+
+    assert tokens_per_row() > 24  # free text: cut by the probe's cap, counted at max_tokens
+    assert tokens_per_row(choice=["yes", "no"]) <= 4
+    assert tokens_per_row(constraint_column="only") <= 4  # each row's own constraint

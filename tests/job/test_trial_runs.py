@@ -107,6 +107,41 @@ def test_gold_added_or_edited_after_the_rows_ran_is_checked_against_the_input_as
     assert after == [not c for c in before]
 
 
+def test_score_answers_added_or_edited_after_the_rows_ran_are_checked_against_the_input_as_it_is_now(
+        tmp_path, tiny_model_path):
+    rows = [{"id": f"q{i}", "question": f"Is {i} even?", "answer": (" yes", "no", 0, 1)[i % 4]} for i in range(8)]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    kw = dict(prompt={"template": "{{ question }}"}, task="score", input={"columns": ["question"]})
+    job = write_job(tmp_path, tiny_model_path, data, out, score={"candidates": [" yes", " no"]}, **kw)
+    assert invoke("run", job, "--no-progress").exit_code == 0
+    write_job(tmp_path, tiny_model_path, data, out, score={"candidates": [" yes", " no"], "answer": "answer"},
+              **kw)  # score.answer added to a finished folder: not in the key (nor in input.columns)
+
+    def right(row, answer):
+        return row["choice"] == answer if isinstance(answer, int) else row["text"].strip() == answer.strip()
+
+    def check():
+        res = invoke("run", job, "--no-progress")
+        assert res.exit_code == 0 and "(0 run now, 8 resumed)" in res.output, res.output
+        table = pq.read_table(out / "results.parquet").to_pylist()
+        assert all("answer" in r for r in table)  # kept: correct is checked on it (mixed types: as JSON text)
+        assert [r["correct"] for r in table] == [right(t, r["answer"]) for t, r in zip(table, rows)], table
+        n = sum(r["correct"] for r in table)
+        report = json.loads((out / "report.json").read_text())
+        assert report["accuracy"] == {"answered": 8, "correct": n, "accuracy": round(n / 8, 4)}
+        assert f"accuracy {n / 8:.1%} ({n}/8)" in res.output
+        return [r["correct"] for r in table]
+
+    before = check()
+    flip = {" yes": "no", "no": " yes", 0: 1, 1: 0}
+    for r in rows:
+        r["answer"] = flip[r["answer"]]
+    write_jsonl(data, rows)
+    after = check()  # every answer flipped in the input (two candidates: every correct flips)
+    assert after == [not c for c in before]
+
+
 def test_show_keeps_the_end_of_a_long_prompt_where_the_rows_own_text_is(tmp_path, tiny_model_path):
     rows = [{"id": f"t{i}", "text": f"ticket number {i}: the printer on floor {i} is on fire"} for i in range(3)]
     data = write_jsonl(tmp_path / "in.jsonl", rows)
