@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import os
 import resource
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -111,18 +113,25 @@ def test_an_output_path_that_is_a_file_is_refused_by_validate_and_run(tmp_path, 
         run(job, check=False)
 
 
+@contextlib.contextmanager
+def held_by_another_process(out: Path):
+    """Another process holds ``out`` (a CheckpointStore open on it) until the block ends; yields that process."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from mlxbatch.io import CheckpointStore; "
+                               f"s = CheckpointStore({str(out)!r}); print('held', flush=True); "
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"held"
+        yield holder
+    finally:
+        holder.communicate(b"", timeout=30)
+
+
 def test_a_locked_folder_is_left_as_it_was(tmp_path, tiny_model_path):
     data = write_jsonl(tmp_path / "in.jsonl", texts(3))
     job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out")
     run(job)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from mlxbatch.io import CheckpointStore; "
-                               f"s = CheckpointStore({str(tmp_path / 'out')!r}); print('held', flush=True); "
-                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
-        assert holder.stdout.readline().strip() == b"held"
+    with held_by_another_process(tmp_path / "out") as holder:
         res = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
-    finally:
-        holder.communicate(b"", timeout=30)
     assert res.exit_code == 1, res.output
     assert f"in use by another mlxbatch run (pid {holder.pid})" in res.output, res.output
     assert (tmp_path / "out" / "_SUCCESS").exists(), "a refused run must not touch the finished folder"
@@ -132,15 +141,9 @@ def test_validate_names_the_run_holding_the_folder_as_run_does(tmp_path, tiny_mo
     data = write_jsonl(tmp_path / "in.jsonl", texts(3))
     job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out")
     run(job)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from mlxbatch.io import CheckpointStore; "
-                               f"s = CheckpointStore({str(tmp_path / 'out')!r}); print('held', flush=True); "
-                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
-        assert holder.stdout.readline().strip() == b"held"
+    with held_by_another_process(tmp_path / "out") as holder:
         checked = CliRunner().invoke(main, ["validate", str(job)])
         ran = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
-    finally:
-        holder.communicate(b"", timeout=30)
     said = f"is in use by another mlxbatch run (pid {holder.pid})"
     assert checked.exit_code == ran.exit_code == 1, (checked.output, ran.output)
     assert said in checked.output and ": ok" not in checked.output, checked.output
