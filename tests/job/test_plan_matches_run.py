@@ -89,6 +89,12 @@ def test_the_shipped_jobs_run_close_to_the_floor(shipped, name, bound):
     assert reuse["floor_tokens"] == planned.distinct_tokens
     assert reuse["floor_ratio"] == round(prefill_of(report) / planned.distinct_tokens, 4)
     assert reuse["floor_ratio"] <= bound, reuse
+    # every engine sequence's prompt is computed or reused: one sequence a row, one a candidate for a score row
+    assert reuse["sequence_prompt_tokens"] == reuse["prefill_tokens_computed"] + reuse["cached_tokens"]
+    if name == "eval":
+        assert reuse["sequence_prompt_tokens"] > reuse["prompt_tokens"]
+    else:
+        assert reuse["sequence_prompt_tokens"] == reuse["prompt_tokens"], reuse
 
 
 @pytest.mark.parametrize("plan", [{"window": 8}, {"window": 8, "enabled": False}, {"enabled": False}])
