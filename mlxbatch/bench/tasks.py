@@ -6,8 +6,9 @@
 ``nsample``: R prompts with n=8 samples each (one request per prompt) vs the same prompts submitted as 8 separate
 rows (8R requests), prefix cache off for both, then the separate rows with the prefix cache on; prefill work is
 the engine's computed prefill tokens. ``score``: multiple-choice rows (a few-shot context shared by all rows,
-a question, 4 candidates) scored by ``Engine.score`` vs the direct way without an engine (one full forward of
-context + candidate at a time, log-softmax, gather: what an mlx-lm loop does).
+a question, 4 candidates of 1-6 tokens, then 4 one-token ones) scored by ``Engine.score`` vs the direct way
+without an engine (one full forward of context + candidate at a time, log-softmax, gather: what an mlx-lm loop
+does).
 """
 
 from __future__ import annotations
@@ -87,14 +88,21 @@ def score_section(b: Bench) -> list[Table]:
     rows = a.rows or (256 if b.on_gpu else 48)
     rng = random.Random(a.seed)
     shots = b.vocab.draw(rng, 400)  # a few-shot context every row shares
-    items = [(shots + b.vocab.draw(rng, rng.randint(20, 60)), [b.vocab.draw(rng, rng.randint(1, 6)) for _ in range(4)])
-             for _ in range(rows)]
-    C = b.concurrency
+    contexts = [shots + b.vocab.draw(rng, rng.randint(20, 60)) for _ in range(rows)]
+    forms = {  # candidates of several tokens: one sequence each; one-token candidates (letters): one per row
+        "4 candidates of 1-6 tokens": [(c, [b.vocab.draw(rng, rng.randint(1, 6)) for _ in range(4)]) for c in contexts],
+        "4 one-token candidates": [(c, [b.vocab.draw(rng, 1) for _ in range(4)]) for c in contexts],
+    }
+    return [_score_table(b, rows, form, items) for form, items in forms.items()]
+
+
+def _score_table(b: Bench, rows: int, form: str, items) -> Table:
+    a, C = b.args, b.concurrency
     _direct_scores(b, items[:2])
     t0 = time.perf_counter()
     ref = _direct_scores(b, items)
     direct = time.perf_counter() - t0
-    log(f"  direct: {direct:.2f} s")
+    log(f"  {form}, direct: {direct:.2f} s")
     _engine_run(b, lambda e: e.score(items[:2]), max_num_seqs=C)
     results = {}
     for cache in (True, False):
@@ -105,16 +113,19 @@ def score_section(b: Bench) -> list[Table]:
                                    prefix_cache=cache)
             walls.append(w)
             outs = box["o"]
-            log(f"  engine cache={'on' if cache else 'off'}: {w:.2f} s")
+            log(f"  {form}, engine cache={'on' if cache else 'off'}: {w:.2f} s")
         err = max(abs(c.cumulative_logprob - r) for o, rr in zip(outs, ref) for c, r in zip(o.completions, rr))
         results[cache] = (sorted(walls)[len(walls) // 2], stats["profile"]["prefill_tokens"], err)
     total = sum(len(c) + len(x) for c, xs in items for x in xs)
-    tab = Table(f"log-likelihood scoring: {rows} rows, a 400-token context shared by all, 4 candidates each",
+    tab = Table(f"log-likelihood scoring: {rows} rows, a 400-token context shared by all, {form}",
                 ["path", "wall s", "rows/s", "x direct", "prefill tok", "max |diff| vs direct"])
     tab.rows.append(["direct (one forward per candidate)", direct, rows / direct, 1.0, total, 0.0])
     for cache, (wall, pre, err) in results.items():
         tab.rows.append([f"Engine.score, cache {'on' if cache else 'off'}", wall, rows / wall, ratio(direct, wall),
                          pre, err])
+    one_token = all(len(x) == 1 for _, xs in items for x in xs)
+    seqs = [c for c, _ in items] if one_token else [c + x for c, xs in items for x in xs]
     tab.notes.append(f"median of {a.repeats} engine run(s), direct run once; floor of distinct tokens "
-                     f"{wl.distinct_trie_tokens([c + x for c, xs in items for x in xs])}.")
-    return [tab]
+                     f"{wl.distinct_trie_tokens(seqs)}" + (" (the contexts: one sequence a row)" if one_token else "")
+                     + ".")
+    return tab
