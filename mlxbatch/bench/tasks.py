@@ -125,7 +125,7 @@ def _score_table(b: Bench, rows: int, form: str, items) -> Table:
                          pre, err])
     one_token = all(len(x) == 1 for _, xs in items for x in xs)
     seqs = [c for c, _ in items] if one_token else [c + x for c, xs in items for x in xs]
+    alone = " (the contexts alone: one-token candidates need no more)" if one_token else ""
     tab.notes.append(f"median of {a.repeats} engine run(s), direct run once; floor of distinct tokens "
-                     f"{wl.distinct_trie_tokens(seqs)}" + (" (the contexts: one sequence a row)" if one_token else "")
-                     + ".")
+                     f"{wl.distinct_trie_tokens(seqs)}{alone}.")
     return tab

@@ -129,3 +129,16 @@ def test_section_names_match_the_registry_and_shapes():
 def test_the_streaming_child_does_not_import_mlx():
     code = "import sys, mlxbatch.bench.stream_child; print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlx'))"
     assert _run([sys.executable, "-c", code]).stdout.strip() == "[]"
+
+
+def test_score_section_scores_both_candidate_forms(tmp_path, tiny_model_path):
+    out = tmp_path / "score.json"
+    _run([sys.executable, "-m", "mlxbatch.bench", "score", "--model", "tiny", "--cache-dir",
+          str(_cache_with_tiny(tmp_path, tiny_model_path)), "--rows", "4", "--repeats", "1", "--json", str(out)])
+    tables = json.loads(out.read_text())["sections"]["score"]["tables"]
+    assert ["1-6 tokens" in tables[0]["title"], "one-token" in tables[1]["title"]] == [True, True]
+    for tab in tables:
+        direct, cache_on, cache_off = (dict(zip(tab["columns"], r)) for r in tab["rows"])
+        assert direct["path"].startswith("direct") and cache_on["path"] == "Engine.score, cache on"
+        assert max(cache_on["max |diff| vs direct"], cache_off["max |diff| vs direct"]) < 1e-3
+        assert 0 < cache_on["prefill tok"] <= cache_off["prefill tok"] <= direct["prefill tok"]
