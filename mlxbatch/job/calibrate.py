@@ -4,16 +4,19 @@ Owns the calibration. The model is loaded through the engine's public API and an
 job's engine settings (its start-up is timed: the run pays it too). Then two short real phases on the job's first
 rows (as many as run at once):
 1. **prefill**: the first rows (as many as run at once, up to ``PREFILL_PROBE_TOKENS`` predicted prefill tokens)
-   with one token each: seconds per *predicted* prefill token, so the rate holds what the engine really does for
-   such rows (prefix copies, any recomputed partial blocks), whatever the plan's prediction leaves out;
+   with one token each, submitted as the run submits them (the plan's order and retention): seconds per prefill
+   token the engine computed, so the rate holds what the engine does for such rows (prefix copies, reuse), and the
+   plan's prediction of the run's prefill tokens (within 2% of the run's count) scales it. (Submitted in input
+   order, the demo's first 32 rows computed 873 tokens against a floor of 512: the rate per predicted token was
+   1.7x the run's.);
 2. **length**: the same rows again, each with the sampling the run gives it (``output.choice`` / ``regex`` /
    ``json_schema`` or its ``constraint_column`` value, overrides, seed), ``max_tokens`` capped at
    ``DECODE_PROBE_TOKENS``: how many tokens a row generates (rows the cap cut are counted at their ``max_tokens``,
    an upper bound);
 3. **step**: as many short rows as the run keeps running at once, a few greedy tokens each: seconds per decode
    step at the run's batch size.
-ETA = start-up + predicted prefill tokens x seconds per token + generated tokens / rows at once x seconds per step
-+ host time (preparing and tokenizing every row twice: the run's feed and its final pass; timed by the plan).
+ETA = start-up + predicted prefill tokens x seconds per token + decode steps x seconds per step + host time
+(preparing and tokenizing every row twice: the run's feed and its final pass; timed by the plan).
 Without weights (a tokenizer-only folder) ``estimate`` gives the older FLOPs figure: the plan's prefill and every
 row at ``max_tokens`` over this device's measured matmul speed and memory bandwidth.
 """
@@ -85,13 +88,15 @@ class _Probe:
     outputs: list[Any]
 
 
-def _run(core: Any, prompts: list[Any], params: Any) -> _Probe:
-    """Run ``prompts`` to the end (``params``: one ``SamplingParams`` for all, or a list, one per prompt), timing
-    each engine step. Outputs come in the prompts' order."""
+def _run(core: Any, prompts: list[Any], params: Any, cache_tokens: list[int | None] | None = None) -> _Probe:
+    """Run ``prompts`` to the end (``params``: one ``SamplingParams`` for all, or a list, one per prompt; with the
+    plan's ``cache_tokens``, one per prompt), timing each engine step. Outputs come in the prompts' order."""
     before = core.stats()["profile"]["prefill_tokens"]
     t0 = time.perf_counter()
     per_row = params if isinstance(params, list) else [params] * len(prompts)
-    order = {core.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, per_row, strict=True))}
+    keep = cache_tokens if cache_tokens is not None else [None] * len(prompts)
+    order = {core.add_request(p, sp, cache_tokens=k): i
+             for i, (p, sp, k) in enumerate(zip(prompts, per_row, keep, strict=True))}
     outs, decode_steps, done = [], [], before
     while core.has_unfinished:
         t1 = time.perf_counter()
@@ -111,8 +116,8 @@ def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: 
                  host_s: float, predicted: Callable[[list[Any]], int],
                  sample_params: list[Any] | None = None) -> Eta | None:
     """The ETA from short real runs of the job's first rows ``sample`` (token ids or encoded prompts).
-    ``predicted(rows)`` is the plan's prefill prediction for those rows alone: prefill is timed per *predicted*
-    token, so whatever the engine recomputes beyond the prediction (or copies to reuse) is in the rate.
+    ``predicted(rows)`` is the plan's prefill prediction for those rows alone (it sizes the probe); prefill is timed
+    per token the engine computed, the probe's rows submitted in the plan's order with its retention.
     ``sample_params``: each sample row's ``SamplingParams`` as the run prepares it (output constraint included);
     None: the job's sampling with its output constraint (``output.choice`` / ``regex`` / ``json_schema``)."""
     from mlxbatch.types import FinishReason, SamplingParams
@@ -131,8 +136,9 @@ def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: 
         _run(core, [sample[0]], SamplingParams(temperature=0, max_tokens=2))  # warm-up: first kernels, buffers
         core.shutdown()
         core = _engine(spec, loaded)  # a fresh prefix cache: the probe computes what the run would
-        first = _run(core, probe, SamplingParams(temperature=0, max_tokens=1))
-        per_token = first.wall_s / max(predicted(probe), 1)
+        order, keep = _as_planned(probe)
+        first = _run(core, [probe[i] for i in order], SamplingParams(temperature=0, max_tokens=1), keep)
+        per_token = first.wall_s / max(first.prefill_tokens, 1)
         params = spec.sampling.params
         if spec.task.constraint is not None:
             params = dataclasses.replace(params, constraint=spec.task.constraint)
@@ -151,12 +157,26 @@ def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: 
             timed = _run(core, short, SamplingParams(temperature=0, max_tokens=STEP_PROBE_TOKENS, ignore_eos=True))
             step = timed.decode_step_s or 0.0
             # continuous batching packs rows: all tokens over the rows at once, plus the last wave's longest rows
-            steps = math.ceil(gen_rows * per_row / at_once) + max(lengths) - per_row
+            # (rows admitted in waves decode a step behind their prefill, so the first token counts too); rows of
+            # one token (a one-token label) take theirs from the prefill step and need no decode step at all
+            steps = math.ceil(gen_rows * per_row / at_once) + max(lengths) - per_row if max(lengths) > 1 else 0
             decode_s = steps * step
     finally:
         core.shutdown()
     return Eta(per_token * prefill_tokens, decode_s, "measured", startup, host_s, prefill_s_per_token=per_token,
                decode_s_per_step=step, tokens_per_row=per_row)
+
+
+def _as_planned(rows: list[Any]) -> tuple[list[int], list[int | None]]:
+    """The order the run submits ``rows`` in and each one's retention, as the job's feed plans a window: text rows
+    (token id lists) in the plan's submission order, then rows with images in input order."""
+    from mlxbatch.engine.sched.planner import plan, submission_order
+
+    text = [i for i, r in enumerate(rows) if isinstance(r, list)]
+    subs = submission_order(plan([rows[i] for i in text])) if text else []
+    order = [text[s.index] for s in subs] + [i for i, r in enumerate(rows) if not isinstance(r, list)]
+    keep = [s.cache_tokens for s in subs] + [None] * (len(rows) - len(subs))
+    return order, keep
 
 
 def _capped(params: Any, seed: int) -> Any:
