@@ -170,7 +170,7 @@ def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: 
 def _as_planned(rows: list[Any]) -> tuple[list[int], list[int | None]]:
     """The order the run submits ``rows`` in and each one's retention, as the job's feed plans a window: text rows
     (token id lists) in the plan's submission order, then rows with images in input order."""
-    from mlxbatch.engine.sched.planner import plan, submission_order
+    from mlxbatch.engine import plan, submission_order
 
     text = [i for i, r in enumerate(rows) if isinstance(r, list)]
     subs = submission_order(plan([rows[i] for i in text])) if text else []
