@@ -14,7 +14,8 @@ rows (as many as run at once):
    ``DECODE_PROBE_TOKENS``: how many tokens a row generates (rows the cap cut are counted at their ``max_tokens``,
    an upper bound);
 3. **step**: as many short rows as the run keeps running at once, a few greedy tokens each: seconds per decode
-   step at the run's batch size.
+   step at the run's batch size; the length phase's own decode steps (the first rows' contexts, rows finishing and
+   moving) when they take longer.
 ETA = start-up + predicted prefill tokens x seconds per token + decode steps x seconds per step + host time
 (preparing and tokenizing every row twice: the run's feed and its final pass; timed by the plan).
 Without weights (a tokenizer-only folder) ``estimate`` gives the older FLOPs figure: the plan's prefill and every
@@ -147,15 +148,18 @@ def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: 
             # how long rows are: the probe rows again (their prompts cached now), each with the run's sampling
             rows = list(sample_params[:len(probe)]) if sample_params else [params] * len(probe)
             capped = [_capped(p, spec.seed) for p in rows]
+            own = _run(core, probe, capped)
             lengths = [p.max_tokens * p.n if c.max_tokens < p.max_tokens and o.finish_reason is FinishReason.LENGTH
-                       else o.generated_tokens for p, c, o in zip(rows, capped, _run(core, probe, capped).outputs,
-                                                                  strict=True)]
+                       else o.generated_tokens for p, c, o in zip(rows, capped, own.outputs, strict=True)]
             per_row = sum(lengths) / len(lengths)
             # a decode step at the run's batch size: as many short rows as run at once
             at_once = max(1, min(spec.engine.max_num_seqs, gen_rows * params.n))
             short = [list(range(7 + i, 7 + i + STEP_PROBE_PROMPT)) for i in range(at_once)]
             timed = _run(core, short, SamplingParams(temperature=0, max_tokens=STEP_PROBE_TOKENS, ignore_eos=True))
-            step = timed.decode_step_s or 0.0
+            # the larger of the short rows' step at the run's batch size and the first rows' own decode step (their
+            # contexts' attention, the rows that finish and move): the run's steps have both (label: 0.14 and 0.35 s
+            # on 2 CPU cores, the run's 0.43)
+            step = max(timed.decode_step_s or 0.0, own.decode_step_s or 0.0)
             # continuous batching packs rows: all tokens over the rows at once, plus the last wave's longest rows
             # (rows admitted in waves decode a step behind their prefill, so the first token counts too); rows of
             # one token (a one-token label) take theirs from the prefill step and need no decode step at all
