@@ -135,9 +135,10 @@ def test_the_eta_is_measured_and_close_to_the_run(tmp_path):
     assert eta.tokens_per_row == 1 and eta.decode_s == 0 and report["engine"]["profile"]["decode_tokens"] == 0
     ratio = eta.total_s / report["wall_s"]
     print(f"ETA {eta.total_s:.1f} s, run {report['wall_s']:.1f} s: ratio {ratio:.2f}")
-    # the probe runs the rows as the run does (plan order and retention): 0.83, 0.91, 0.97, 1.07 here on 2 CPU cores
-    # (before, in input order, they computed 1.7x the tokens of the plan: 1.23-1.64)
-    assert 0.7 <= ratio <= 1.3, (eta, report["wall_s"])
+    # the probe runs the rows as the run does (plan order and retention): 0.83-1.23 here on 2 CPU cores, in one
+    # process with other tests (0.92 with plan and run in their own processes; before, in input order, the probe
+    # computed 1.7x the plan's tokens: 1.16-1.64). The band leaves room for a shared machine's neighbours.
+    assert 0.67 <= ratio <= 1.5, (eta, report["wall_s"])
 
 
 def test_the_eta_of_a_job_whose_rows_decode(shipped):
@@ -148,7 +149,7 @@ def test_the_eta_of_a_job_whose_rows_decode(shipped):
     ratio = eta.total_s / report["wall_s"]
     print(f"label ETA {eta.total_s:.1f} s (decode {eta.decode_s:.1f} s), run {report['wall_s']:.1f} s: {ratio:.2f}")
     assert eta.method == "measured" and eta.decode_s > 0 and report["engine"]["profile"]["decode_tokens"] > 0
-    assert 0.7 <= ratio <= 1.3, (eta, report["wall_s"])
+    assert 0.67 <= ratio <= 1.5, (eta, report["wall_s"])  # 0.95 and 1.06 here; 1.04 in separate processes
 
 
 def _fake_hub_cache(cache: Path, repo: str, model: Path) -> None:
