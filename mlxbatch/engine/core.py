@@ -59,9 +59,10 @@ class _Group:
         ends = [s.finished_at for s in self.sequences if s.finished_at is not None]
         timings = RequestTimings(self.arrival, min(sched, default=None), min(toks, default=None),
                                  max(ends) if self.finished and ends else None)
-        return RequestOutput(self.request_id, first.num_prompt_tokens,
-                             tuple(s.completion() for s in self.sequences), timings, self.finished,
-                             cached_tokens=first.num_cached_tokens)
+        # a score request's prompt is its context (each candidate sequence runs context + candidate)
+        prompt = first.score_from if first.score_from is not None else first.num_prompt_tokens
+        return RequestOutput(self.request_id, prompt, tuple(c for s in self.sequences for c in s.completions()),
+                             timings, self.finished, cached_tokens=first.num_cached_tokens)
 
 
 class EngineCore:
@@ -211,8 +212,10 @@ class EngineCore:
         whether each token is the greedy choice (the output's completions, in order; nothing is generated).
 
         Context and continuations are tokenized separately (a continuation's leading space stays its own), so
-        every candidate is scored on the same context tokens. The candidates share the context's KV through the
-        prefix cache: the first computes it, the others wait for its blocks and reuse them. ``cache_tokens``: the
+        every candidate is scored on the same context tokens. When every candidate is one token, they are one
+        sequence: the context's last position scores each (the context computed once, no candidate token run).
+        Otherwise each candidate is a sequence of its own; they share the context's KV through the prefix cache:
+        the first computes it, the others wait for its blocks and reuse them. ``cache_tokens``: the
         plan's retention of the context (what the next row's context shares with it), as for ``add_request``.
         """
         if self._closed:
@@ -226,17 +229,25 @@ class EngineCore:
             raise InvalidRequestError("candidates", continuations if isinstance(continuations, str) else "[]",
                                       "expected a non-empty list of continuations")
         tok = self.loaded.tokenizer
-        seqs = []
+        cands = []
         for i, cont in enumerate(continuations):
             ids = list(tok.encode(cont, add_special_tokens=False)) if isinstance(cont, str) else [int(t) for t in cont]
             if not ids:
                 raise InvalidRequestError(f"candidates[{i}]", cont, "is empty")
             self._check_ids(ctx_ids + ids, f"context + candidates[{i}]", cont, room=0)
-            seqs.append(Request(
+            cands.append(ids)
+
+        def sequence(i: int, ids: list[int], score_tokens: tuple[int, ...] = ()) -> Request:
+            return Request(
                 request_id=f"{request_id}#{i}", group_id=request_id, index=i, prompt_token_ids=ctx_ids + ids,
                 params=_SCORE_PARAMS, seed=0, eos_token_ids=self._eos, max_context=self.loaded.context_length,
                 text=TextTracker(tok, (), False, False, self._hidden_ids, self._vocab_size),
-                score_from=len(ctx_ids), cache_tokens=cache_tokens))
+                score_from=len(ctx_ids), score_tokens=score_tokens, cache_tokens=cache_tokens)
+
+        if all(len(ids) == 1 for ids in cands):  # one sequence: the context's last logits score every candidate
+            seqs = [sequence(0, [], tuple(ids[0] for ids in cands))]
+        else:
+            seqs = [sequence(i, ids) for i, ids in enumerate(cands)]
         self._groups[request_id] = _Group(request_id, seqs, False)
         for s in seqs:
             self._seqs[s.request_id] = s

@@ -48,6 +48,9 @@ class Request:
     fork_parent: str | None = None
     # scoring: the prompt's tokens from here on are a continuation to score (log-probabilities, no generation)
     score_from: int | None = None
+    # scoring one-token candidates: the prompt is the context, and its last position scores each of these tokens
+    # (one sequence for them all); empty: the prompt's own tokens from ``score_from`` on are scored
+    score_tokens: tuple[int, ...] = ()
     score_greedy: list[bool] = field(default_factory=list)
     # prompt tokens later sequences will reuse (the plan's retention); None: unknown, cache every full block
     cache_tokens: int | None = None
@@ -84,6 +87,20 @@ class Request:
     @property
     def last_token(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def score_targets(self) -> list[tuple[int, int]]:
+        """(position, token) pairs this scoring sequence scores, in order: the position's logits give the token's
+        log-probability (position ``p`` of the prompt predicts what follows it)."""
+        assert self.score_from is not None
+        n = self.num_prompt_tokens
+        if self.score_tokens:
+            return [(n - 1, t) for t in self.score_tokens]
+        return [(p, self.prompt_token_ids[p + 1]) for p in range(self.score_from - 1, n - 1)]
+
+    @property
+    def has_score_siblings(self) -> bool:
+        """A scoring sequence of one multi-token candidate: its request's other candidates reuse its context."""
+        return self.score_from is not None and not self.score_tokens
 
     @property
     def reserved_tokens(self) -> int:
@@ -136,7 +153,7 @@ class Request:
 
     def finish_scored(self) -> None:
         """Every continuation token is scored: the sequence is done (it generates nothing)."""
-        assert self.score_from is not None and len(self.score_greedy) == self.num_prompt_tokens - self.score_from
+        assert self.score_from is not None and len(self.score_greedy) == len(self.score_targets())
         if self.first_token is None:
             self.first_token = time.perf_counter()
         self._finish(FinishReason.STOP, None)
@@ -150,6 +167,17 @@ class Request:
 
     def abort(self, reason: FinishReason = FinishReason.ABORT) -> None:
         self._finish(reason, None)
+
+    def completions(self) -> list[Completion]:
+        """What this sequence gives its request's output: one completion, or one per one-token candidate."""
+        if self.score_tokens:
+            done = self.status.finished
+            lps = self.logprobs or []
+            return [Completion(index=self.index + i, text="", token_ids=(t,), finish_reason=self.finish_reason,
+                               logprobs=(lps[i],) if i < len(lps) else (),
+                               greedy=self.score_greedy[i] if done else None)
+                    for i, t in enumerate(self.score_tokens)]
+        return [self.completion()]
 
     def completion(self) -> Completion:
         if self.score_from is not None:

@@ -69,7 +69,9 @@ class ModelRunner:
             shapes = shapes_for(device, geometry.dtype, smallest_linear_out(model))
             failed = check_rows(body, head, shapes)
             if failed:
-                raise InvalidRequestError("batch_invariant", True, f"cannot hold on this device: {failed}")
+                hint = ("; OpenBLAS's float32 kernel for this CPU is not row-invariant: OPENBLAS_CORETYPE=Sandybridge "
+                        "(x86-64) selects one that is" if device == "cpu" and geometry.dtype == "float32" else "")
+                raise InvalidRequestError("batch_invariant", True, f"cannot hold on this device: {failed}{hint}")
             self._fixed = FixedForwards(slots, shapes, body, head, self.profile)
         # prefill chunks and reused prefixes start at multiples of this (0: anywhere), for the scheduler
         self.invariant_slice = self._fixed.shapes.slice_tokens if self._fixed is not None else 0
@@ -214,27 +216,32 @@ class ModelRunner:
 
     def _score(self, start: int, group: list[PrefillChunk], tokens: list[list[int]], last: list[int],
                seqs: list[RowInput], scored: dict[str, ScoredTokens]) -> mx.array:
-        """A prefill forward that also scores continuation tokens (log-probability and greedy match).
+        """A prefill forward that also scores tokens (log-probability and greedy match).
 
-        For a scoring row, position ``p`` of its chunk predicts prompt token ``p + 1``; every position from the
-        one before the continuation up to the last but one is scored (a target in the next chunk is known: it
-        is in the prompt). Results go to ``scored``; returns the last-position logits of ``last`` rows.
+        A scoring row's ``score_targets`` pair a position with the token its logits are asked about (position ``p``
+        predicts what follows it: the continuation's next prompt token, or each one-token candidate at the
+        context's last position); the pairs inside this chunk are scored, each position's hidden state gathered
+        once. Results go to ``scored``; returns the last-position logits of ``last`` rows.
         """
         fn, head = self._body_head(seqs)
         out = self.batch.forward(fn, start, tokens, full=True)  # [rows, T, dim]
-        rows, cols, targets, owners = [], [], [], []
+        at: dict[tuple[int, int], int] = {}  # (row, column) -> its index among the gathered positions
+        picks, targets, owners = [], [], []
         for i, c in enumerate(group):
             r = c.request
             if r.score_from is None:
                 continue
-            for p in range(max(c.start, r.score_from - 1), min(c.end, r.num_prompt_tokens - 1)):
-                rows.append(i)
-                cols.append(p - c.start)
-                targets.append(r.prompt_token_ids[p + 1])
-                owners.append(r.request_id)
-        if rows:
+            for p, t in r.score_targets():
+                if c.start <= p < c.end:
+                    picks.append(at.setdefault((i, p - c.start), len(at)))
+                    targets.append(t)
+                    owners.append(r.request_id)
+        if picks:
+            rows, cols = zip(*at)
             h = out[mx.array(rows), mx.array(cols)]
             lg = (head(h) if head is not None else h).astype(mx.float32)
+            if len(at) < len(picks):
+                lg = lg[mx.array(picks)]
             scored.update(score_positions(lg, targets, owners, self.traffic))
         if not last:
             return out[:0, 0]

@@ -6,9 +6,9 @@ batches (``engine.inputs``, exactly as the engine would). Each window's runnable
 (``engine.planner``): rows sharing a prefix reach the engine back to back in trie order, each with the plan's
 retention (how much of its prompt later rows reuse), and rows sharing nothing come after them, longest first.
 
-Windows are cut by input position, counting every row, and a trie order restricted to a subset of its rows is
-that subset's own trie order. So a resumed run, which skips the rows already done, follows the same plan as the
-first run. Memory holds one window. Every item carries its row's input position (``index``, 0-based, every row
+Windows are cut by input position, counting every row. A resumed run plans a window's rows done by an earlier run
+with the others and then skips them (``plan(skip=)``): the trie order puts larger subtrees first, so it depends on
+every row, and the rows left follow the first run's plan. Memory holds one window. Every item carries its row's input position (``index``, 0-based, every row
 counted); rows done by an earlier run come back as ``Resumed`` items saying whether their result is an error, so
 the runner can judge the error rate on rows in input order, across runs.
 """
@@ -113,6 +113,7 @@ class RowFeed:
     def _read_window(self) -> None:
         runnable: list[tuple[int, PreparedRow]] = []
         imaged: list[tuple[int, PreparedRow]] = []  # decoded only when submitted (pictures are big): not planned
+        done: list[PreparedRow] = []  # text rows done by an earlier run: planned with the rest, not submitted
         for _ in range(self.window):
             row = next(self._rows, None)
             if row is None:
@@ -123,6 +124,8 @@ class RowFeed:
             if prep.key in self._done:
                 self.skipped += 1
                 self._queue.append(Resumed(index, prep.key in self._done_errors))
+                if prep.error is None and prep.prompt is not None and not prep.images:
+                    done.append(prep)
             elif prep.error is not None or prep.prompt is None:
                 self._queue.append(Failed(prep, prep.error or "no prompt", prep.error_kind or "input", index))
             elif prep.images:
@@ -142,7 +145,12 @@ class RowFeed:
         if not rows:
             self._queue.extend(Submit(prep, None, None, index) for index, prep in imaged)
             return
-        p = plan([ids for _, ids, _ in rows])
+        # the first run planned these rows with the ones done since: the order of a trie's rows depends on every
+        # row (larger subtrees first), so the done rows are planned too, then skipped
+        done_ids = [ids for ids in self._encoder.encode_many([d.prompt for d in done])  # type: ignore[misc]
+                    if ids and not isinstance(ids, str)] if done else []
+        seqs = [ids for _, ids, _ in rows]
+        p = plan(seqs + done_ids, skip=range(len(seqs), len(seqs) + len(done_ids)))
         st = self.stats
         st.windows += 1
         st.rows += len(rows)

@@ -10,8 +10,9 @@ Owns the plan report and the prediction of the run's prefill tokens (what report
   engine's admission: a row waits for a row computing whole blocks of its prefix, and at most ``max_num_seqs`` rows
   are admitted in a step; a row admitted with the row it shares the most with recomputes the tail of their shared
   prefix past what the cache holds;
-- ``task: score`` rows prefill their context once and each candidate after it; every candidate but the first
-  recomputes the context's last token (its logits predict the candidate's first token);
+- ``task: score`` rows prefill their context once; when every candidate is one token that is all (the context's
+  last logits score them), else each candidate is prefilled after it and every candidate but the first recomputes
+  the context's last token (its logits predict the candidate's first token);
 - rows with images are not planned by the run (pictures are decoded only when a row runs): they reuse whole
   16-token blocks of the prefix cache, keyed by the images' content, and are predicted so, from their real
   token ids (with the model loaded, the processor expands each image to its placeholder tokens);
@@ -58,7 +59,7 @@ class PlanReport:
     rows: int
     planned_rows: int  # text rows planned along the trie
     skipped_rows: int  # rows that cannot run (input or render errors, prompts the tokenizer rejects)
-    prompt_tokens: int  # every runnable row's prompt (score rows: context and candidates)
+    prompt_tokens: int  # every runnable row's prompt; score rows: their sequences' (context, candidates when run)
     distinct_tokens: int  # the planned rows' trie floor, window by window
     prefill_tokens: int  # what the run is predicted to compute (report.json: prefill_tokens_computed)
     saving: float  # 1 - prefill_tokens / prompt_tokens
@@ -206,8 +207,9 @@ class _Planner:
             if prep.candidates is not None:
                 t.scored += 1
                 lens = [len(self.tok.encode(c, add_special_tokens=False)) for c in prep.candidates]
-                more_prompt += sum(lens) + len(ids) * (len(lens) - 1)
-                extra += lens[0] + sum(1 + n for n in lens[1:])
+                if any(n > 1 for n in lens):  # else one sequence: the context's last logits score every candidate
+                    more_prompt += sum(lens) + len(ids) * (len(lens) - 1)
+                    extra += lens[0] + sum(1 + n for n in lens[1:])
         if seqs:
             self.base_step = max([self.base_step] + [r.step + 1 for r in self.recent])  # fed after the last window
             p = plan(seqs)
@@ -255,8 +257,9 @@ class _Planner:
         step = max([earliest] + [r.step + 1 for r in self.recent if r.added & needed])
         cached, partial = self.cache.cached(seq, chain=chain, step=step)
         earlier = max((k for k in self.last_of_step if k < step), default=None)
-        reuse = max([cached] + [common_prefix_len(seq, r.tokens) for r in self.recent if r.step < step]
-                    + ([common_prefix_len(seq, self.last_of_step[earlier])] if earlier is not None else []))
+        live = [common_prefix_len(seq, r.tokens) for r in self.recent if r.step < step] \
+            + ([common_prefix_len(seq, self.last_of_step[earlier])] if earlier is not None else [])
+        reuse = max([cached] + [n for n in live if n >= BLOCK_SIZE])  # a running row gives a block's worth or more
         self.last_of_step[step] = seq
         oldest = max((k for k in self.last_of_step if k < earliest), default=None)  # later rows start >= earliest
         for k in [k for k in self.last_of_step if oldest is not None and k < oldest]:

@@ -133,8 +133,9 @@ class RunStats:
         computed = prof.get("prefill_tokens", 0)
         floor = self.plan.get("prefill_floor_tokens", self.plan.get("distinct_tokens", 0))
         cached = (self.engine.get("prefix_cache") or {}).get("tokens_reused", 0)
-        # prompt_tokens counts each row once; the engine runs a score row as one sequence per candidate, so its
-        # sequences' prompt tokens (computed + cached) can exceed the rows'
+        # prompt_tokens counts each row once (a score row: its context); the engine runs a score row with a
+        # multi-token candidate as one sequence per candidate, so its sequences' prompt tokens (computed + cached)
+        # can exceed the rows'
         return {"prefill_tokens_computed": computed, "prompt_tokens": self.prompt_tokens,
                 "sequence_prompt_tokens": computed + cached, "cached_tokens": cached,
                 "floor_tokens": floor, "floor_ratio": round(computed / floor, 4) if floor else None}

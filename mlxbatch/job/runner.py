@@ -301,10 +301,10 @@ class JobRunner:
         """The plan's parameters go into the manifest on the first run; a resumed run plans with the saved ones
         (the same windows, hence the same order), whatever the job file says now."""
         saved = store.get_meta("plan")
-        current = {"window": self.spec.plan.window, "enabled": self.spec.plan.enabled, "order": "trie-v1"}
+        current = {"window": self.spec.plan.window, "enabled": self.spec.plan.enabled, "order": "trie-largest-first"}
         if saved is None:
             store.set_meta("plan", current)
-        elif saved != current:
+        elif (saved["window"], saved["enabled"]) != (current["window"], current["enabled"]):
             log.warning("resuming with the plan of the first run %s (the job file now says %s)", saved, current)
             self.spec = dataclasses.replace(self.spec, plan=dataclasses.replace(
                 self.spec.plan, window=int(saved["window"]), enabled=bool(saved["enabled"])))

@@ -26,6 +26,28 @@ def trie_node_count(seqs: list[list[int]]) -> int:
     return count
 
 
+def trie_order(seqs: list[list[int]], rows: list[int]) -> list[int]:
+    """Depth-first order of an explicitly built trie of ``rows``: at each node the rows ending there first (input
+    order), then its children by rows below them (most first), ties by token."""
+    root: dict = {"end": [], "kids": {}}
+    for i in rows:
+        node = root
+        for tok in seqs[i]:
+            node = node["kids"].setdefault(tok, {"end": [], "kids": {}})
+        node["end"].append(i)
+
+    def size(node: dict) -> int:
+        return len(node["end"]) + sum(size(k) for k in node["kids"].values())
+
+    def walk(node: dict) -> list[int]:
+        out = list(node["end"])
+        for tok in sorted(node["kids"], key=lambda t: (-size(node["kids"][t]), t)):
+            out += walk(node["kids"][tok])
+        return out
+
+    return walk(root)
+
+
 def naive_lcp(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -44,8 +66,8 @@ def check_plan(seqs: list[list[int]], p: Plan, window: int | None, min_shared: i
     n = len(seqs)
     size = window or max(n, 1)
     windows = [list(range(w0, min(w0 + size, n))) for w0 in range(0, n, size)]
-    # order: lexicographic inside each window, stable for equal rows, windows in input order
-    assert list(p.order) == [i for w in windows for i in sorted(w, key=lambda i: (seqs[i], len(seqs[i]), i))]
+    # order: depth first in each window's trie, larger subtrees first, stable for equal rows, windows in input order
+    assert list(p.order) == [i for w in windows for i in trie_order(seqs, w)]
     assert [r.order for r in p.rows] == list(range(n))
     window_of = {i: k for k, w in enumerate(windows) for i in w}
     for k, r in enumerate(p.rows):
@@ -121,6 +143,42 @@ def test_small_example_pinned() -> None:
     assert p.total_tokens == 21 + 2 + 22 + 20 + 22
     assert p.peak_retained_tokens() == 21
     assert [r.new_tokens for r in p.rows] == [20, 2, 1, 1, 2]
+
+
+def test_larger_subtrees_first() -> None:
+    """After a shared instruction the rows of the largest subtree come first: the rows admitted together with the
+    one computing the instruction share the most with it."""
+    seqs = [[1, 2, 3], [1, 5, 6], [1, 5, 7], [1, 5, 8], [1, 2, 4], [1, 5, 8, 9], [0]]
+    p = plan(seqs, min_shared_tokens=1)
+    assert p.order == (3, 5, 1, 2, 0, 4, 6)  # [1,5] holds 4 rows, [1,2] 2; under [1,5], [1,5,8] holds 2
+    assert [r.shared_prefix for r in p.rows] == [0, 3, 2, 2, 1, 2, 0]
+    assert p.distinct_tokens == trie_node_count(seqs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pool_rows, st.integers(1, 7), st.data())
+def test_skipped_rows_keep_the_order_of_the_whole(seqs: list[list[int]], window: int, data) -> None:
+    """A resumed run plans the rows it skips with the rest: the others keep the order the whole plan gives them
+    (planning only the rest may not: subtree sizes change), and the plan counts the rest alone."""
+    skip = set(data.draw(st.lists(st.integers(0, max(len(seqs) - 1, 0)), max_size=len(seqs))) if seqs else ())
+    whole = plan(seqs, window=window, min_shared_tokens=2)
+    p = plan(seqs, window=window, min_shared_tokens=2, skip=skip)
+    assert list(p.order) == [i for i in whole.order if i not in skip]
+    assert [r.order for r in p.rows] == list(range(len(p.rows)))
+    kept = [r for r in whole.rows if r.index not in skip]
+    assert [r.window for r in p.rows] == [r.window for r in kept]
+    assert p.total_tokens == sum(len(seqs[r.index]) for r in kept)
+    for k, r in enumerate(p.rows):
+        first = k == 0 or p.rows[k - 1].window != r.window
+        assert r.shared_prefix == (0 if first else naive_lcp(seqs[p.rows[k - 1].index], seqs[r.index]))
+
+
+def test_planning_only_the_rest_would_reorder() -> None:
+    """Why ``skip`` exists: with row 0 done, [1, 2] has one row left against [1, 5]'s two."""
+    seqs = [[1, 2, 3], [1, 2, 4], [1, 2, 6], [1, 5, 6], [1, 5, 7]]
+    assert plan(seqs).order == (0, 1, 2, 3, 4)
+    assert plan(seqs, skip={0, 1}).order == (2, 3, 4)
+    assert plan(seqs[2:]).order == (1, 2, 0)  # the rest planned alone: [1, 5] first
 
 
 def test_min_shared_tokens_drops_short_prefixes() -> None:

@@ -9,6 +9,7 @@ import pyarrow as pa
 from jobkit import write_job, write_jsonl
 from test_crash_resume import finish, start_until
 
+from mlxbatch.engine import plan
 from mlxbatch.job.runner import JobRunner
 from mlxbatch.job.validate import validate_job
 
@@ -23,12 +24,13 @@ def rows(n: int) -> list[dict]:
 
 
 def expected_order(loaded, data: list[dict], window: int) -> list[str]:
-    """Trie order of the rendered prompts' token ids, window by window of input rows."""
+    """The planner's order of the rendered prompts' token ids (``tests/engine/test_planner.py`` checks it is the
+    trie's, larger subtrees first), window by window of input rows: every row of a window planned together."""
     out = []
     for w in range(0, len(data), window):
         chunk = data[w : w + window]
-        ids = {r["id"]: loaded.tokenizer.encode(INSTRUCTION + r["text"] + "\n") for r in chunk}
-        out += sorted(ids, key=lambda k: (ids[k], k))
+        ids = [loaded.tokenizer.encode(INSTRUCTION + r["text"] + "\n") for r in chunk]
+        out += [chunk[i]["id"] for i in plan(ids).order]
     return out
 
 
@@ -61,7 +63,7 @@ def test_rows_run_in_trie_order_per_window_and_reuse_the_instruction(tmp_path, t
     assert reuse["cached_tokens"] > 0.5 * (reuse["prompt_tokens"] - plan["distinct_tokens"])
     assert reuse["prefill_tokens_computed"] <= plan["distinct_tokens"] + 30 * 15  # block granularity
     saved = json.loads((tmp_path / "out" / "manifest.json").read_text())["meta"]["plan"]
-    assert saved == {"window": 12, "enabled": True, "order": "trie-v1"}
+    assert saved == {"window": 12, "enabled": True, "order": "trie-largest-first"}
 
 
 def test_a_killed_run_resumes_in_the_same_plan_order(tmp_path, tiny_model_path, tiny_loaded):

@@ -127,12 +127,13 @@ class FixedForwards:
                 continue
             c, p0 = ordered[i], ordered[i].start + j * C
             r = c.request
-            if r.score_from is not None:  # position p predicts prompt token p + 1
-                for p in range(max(p0, r.score_from - 1), min(p0 + C, c.end, r.num_prompt_tokens - 1)):
-                    step.score_owners.append(r.request_id)
-                    step.score_targets.append(r.prompt_token_ids[p + 1])
-                    step.score_hidden.append(out[i - lo, p - p0])
-                    got.append(step.score_hidden[-1])
+            if r.score_from is not None:  # position p's logits score the token paired with it
+                for p, t in r.score_targets():
+                    if p0 <= p < min(p0 + C, c.end):
+                        step.score_owners.append(r.request_id)
+                        step.score_targets.append(t)
+                        step.score_hidden.append(out[i - lo, p - p0])
+                        got.append(step.score_hidden[-1])
             elif c.last and c.end == r.num_tokens and p0 + C >= c.end:  # its last slice: the next token is due
                 step.due.append(r)
                 step.hidden.append(out[i - lo, c.end - 1 - p0])

@@ -1,10 +1,9 @@
 """Prefix planner: the order an offline job runs its rows in, and how long each shared prefix's KV is kept.
 
-An offline job knows every prompt before it starts. Sorting the token sequences lexicographically visits
-the rows in depth-first order of their token trie, so rows sharing a prefix run back to back and each
-distinct trie token has to be prefilled only once: ``distinct_tokens`` (the trie's node count) is the
-prefill floor, reached when every row reuses the KV of ``shared_prefix`` tokens it shares with the row
-before it.
+An offline job knows every prompt before it starts. The rows are visited in depth-first order of their token
+trie (sorted lexicographically, then each node's larger subtrees first), so rows sharing a prefix run back to back
+and each distinct trie token has to be prefilled only once: ``distinct_tokens`` (the trie's node count) is the
+prefill floor, reached when every row reuses the KV of ``shared_prefix`` tokens it shares with the row before it.
 
 Retention comes from the LCP array of the sorted rows (``lcp[k]`` = tokens row ``k`` shares with row
 ``k - 1``): each *LCP interval* ``[i, j]`` with value ``L`` (``min(lcp[i+1..j]) == L`` and the interval
@@ -22,7 +21,7 @@ Pure Python: no mlx, no numpy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from mlxbatch.errors import InvalidRequestError
@@ -118,12 +117,54 @@ def _lcp_intervals(lcp: list[int], start: int, min_len: int) -> list[Retention]:
     return out
 
 
-def plan(token_seqs: Sequence[Sequence[int]], window: int | None = None, min_shared_tokens: int = 16) -> Plan:
+def _largest_subtree_first(idx: list[int], lcp: list[int], seqs: Sequence[Sequence[int]]) -> list[int]:
+    """``idx`` (rows in lexicographic order, ``lcp[k]`` shared by rows ``k - 1`` and ``k``) in depth-first order of
+    their trie with each node's larger subtrees (more rows) first; rows that end at a node stay before its children.
+
+    The first rows admitted after a shared prefix then share the most with each other: they come from one subtree,
+    the row computing that prefix among them. The trie is built bottom-up from the LCP array (the stack algorithm of
+    ``_lcp_intervals``): O(rows)."""
+    # a node: [depth, rows below it, children]; a leaf: the row's position in ``idx``
+    root: list = [0, 0, []]
+    stack: list[list] = [root]
+    for k in range(1, len(idx) + 1):
+        cur = lcp[k] if k < len(lcp) else 0
+        last: int | list = k - 1
+        while cur < stack[-1][0]:
+            node = stack.pop()
+            node[2].append(last)
+            node[1] = sum(c[1] if isinstance(c, list) else 1 for c in node[2])
+            last = node
+        if cur > stack[-1][0]:
+            stack.append([cur, 0, [last]])
+        else:
+            stack[-1][2].append(last)
+
+    def key(child: int | list, depth: int) -> tuple[int, int]:
+        if isinstance(child, list):
+            return 1, -child[1]
+        return (0, 0) if len(seqs[idx[child]]) == depth else (1, -1)
+
+    out: list[int] = []
+    todo: list[int | list] = [root]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, list):
+            todo.extend(reversed(sorted(item[2], key=lambda c, d=item[0]: key(c, d))))  # stable: ties lexicographic
+        else:
+            out.append(idx[item])
+    return out
+
+
+def plan(token_seqs: Sequence[Sequence[int]], window: int | None = None, min_shared_tokens: int = 16,
+         skip: Collection[int] = ()) -> Plan:
     """Order the rows along their token trie and derive which prefix to keep until when.
 
-    Order: lexicographic by token ids (a row that is a prefix of another comes first), equal rows in input
-    order. With ``window`` each run of ``window`` consecutive input rows is ordered on its own and the
-    windows follow each other in input order.
+    Order: depth first along the token trie, a node's larger subtrees (more rows) first and otherwise
+    lexicographic by token ids (a row that is a prefix of another comes first), equal rows in input order. With
+    ``window`` each run of ``window`` consecutive input rows is ordered on its own and the windows follow each other
+    in input order. ``skip``: input indices ordered with the others and then left out (rows a resumed run has done:
+    the rest keep the first run's order, which depends on every row's subtree).
     """
     if window is not None and window < 1:
         raise InvalidRequestError("window", window, "must be a positive number of rows or None")
@@ -137,20 +178,24 @@ def plan(token_seqs: Sequence[Sequence[int]], window: int | None = None, min_sha
     total = distinct = 0
     for w, w0 in enumerate(range(0, n, size)):
         idx = sorted(range(w0, min(w0 + size, n)), key=seqs.__getitem__)  # stable: equal rows keep input order
-        lcp = [0] * len(idx)
-        prev: list[int] = []
+        idx = _largest_subtree_first(idx, _lcp(idx, seqs), seqs)
+        if skip:
+            idx = [i for i in idx if i not in skip]
+        lcp = _lcp(idx, seqs)
+        start = len(rows)
         for k, i in enumerate(idx):
-            seq = seqs[i]
-            if k:
-                lcp[k] = common_prefix_len(prev, seq)
-            rows.append(PlannedRow(i, w0 + k, len(seq), lcp[k], w))
-            total += len(seq)
-            distinct += len(seq) - lcp[k]
-            prev = seq
-        retention.extend(_lcp_intervals(lcp, w0, min_shared_tokens))
+            rows.append(PlannedRow(i, start + k, len(seqs[i]), lcp[k], w))
+            total += len(seqs[i])
+            distinct += len(seqs[i]) - lcp[k]
+        retention.extend(_lcp_intervals(lcp, start, min_shared_tokens))
     retention.sort(key=lambda r: (r.first_order, r.prefix_len))
     return Plan(tuple(rows), tuple(retention), total, distinct, windowed=n > size, window_size=window,
                 min_shared_tokens=min_shared_tokens)
+
+
+def _lcp(idx: list[int], seqs: list[list[int]]) -> list[int]:
+    """``lcp[k]``: tokens row ``idx[k]`` shares with row ``idx[k - 1]`` (0 for the first)."""
+    return [common_prefix_len(seqs[idx[k - 1]], seqs[i]) if k else 0 for k, i in enumerate(idx)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,8 +164,9 @@ class PrefixIndex:
 
     def _running_row(self, request: Request, tokens: list[int], at_least: int) -> RunningRow | None:
         """A sequence admitted in an earlier step and still running whose committed KV shares more than
-        ``at_least`` leading tokens with ``request``. Rows with images are left out: their placeholder tokens do
-        not say which picture they stand for."""
+        ``at_least`` leading tokens with ``request``, and at least a block's worth (a copy of a few tokens out of
+        a running row's buffers costs more than computing them). Rows with images are left out: their placeholder
+        tokens do not say which picture they stand for."""
         if request.media:
             return None
         limit = len(tokens) - 1 if request.score_from is None else request.score_from - 1
@@ -178,7 +179,7 @@ class PrefixIndex:
             if not src.prompt_token_ids or src.prompt_token_ids[0] != tokens[0]:
                 continue
             n = min(common_prefix_len(tokens, src.prompt_token_ids), src.num_computed_tokens, limit)
-            if n > (best.num_tokens if best else at_least):
+            if n > (best.num_tokens if best else at_least) and n >= self.block_size:
                 best = RunningRow(src.request_id, n)
         return best
 
@@ -309,8 +310,8 @@ class PrefixIndex:
         candidate token)."""
         points = {r.cache_tokens} if r.cache_tokens else set()
         points |= self._fork_points.get(r.request_id, set())
-        if r.score_from:
-            points.add(r.score_from - 1)
+        if r.has_score_siblings:
+            points.add(r.score_from - 1)  # type: ignore[operator]
         return {p for p in points if p % self.block_size and p <= r.num_prompt_tokens}
 
     def _partial_store(self, r: Request, point: int, planned: set[int]) -> BlockStore | None:
@@ -396,7 +397,7 @@ class PrefixIndex:
         n = request.num_prompt_tokens
         if request.cache_tokens is None:
             return n
-        keep = request.cache_tokens if request.score_from is None else max(request.cache_tokens, request.score_from - 1)
+        keep = max(request.cache_tokens, request.score_from - 1) if request.has_score_siblings else request.cache_tokens
         return min(n, keep)
 
     def _done_computing(self, rid: str) -> None:
