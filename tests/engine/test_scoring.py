@@ -90,3 +90,28 @@ def test_a_context_of_whole_blocks_still_scores_its_first_candidate_token(tiny_l
     for out in outs:
         assert all(len(c.logprobs) == len(c.token_ids) for c in out.completions)
     assert abs(outs[1].completions[0].cumulative_logprob - ref.completions[0].cumulative_logprob) < 1e-4
+
+
+@pytest.mark.parametrize("cfg", [dict(prefix_cache=False), dict(prefill_chunk_size=5, max_num_seqs=2)])
+def test_one_token_candidates_are_one_sequence(tiny_loaded, cfg):
+    """All candidates one token: the context runs once and its last logits score each (no candidate token is run);
+    the scores, greedy flags and order are those of a direct forward."""
+    ctx = "Answer with a letter. The answer is"
+    cands = [[7], [300], [42], [7]]  # a repeated candidate is scored twice, in place
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, **cfg))
+    out = eng.score([(ctx, cands)])[0]
+    n_ctx = len(eng.core.encode(ctx))
+    assert out.prompt_tokens == n_ctx
+    assert eng.stats()["profile"]["prefill_tokens"] == n_ctx  # the context alone, once
+    assert [c.index for c in out.completions] == [0, 1, 2, 3]
+    assert [list(c.token_ids) for c in out.completions] == cands
+    for cand, c in zip(cands, out.completions):
+        want, greedy = _direct_ids(tiny_loaded, ctx, cand)
+        assert len(c.logprobs) == 1 and abs(c.logprobs[0].logprob - want) < 1e-4 and c.greedy == greedy
+    assert out.completions[0].logprobs == out.completions[3].logprobs
+
+
+def _direct_ids(loaded, context: str, ids: list[int]) -> tuple[float, bool]:
+    ctx = list(loaded.tokenizer.encode(context))
+    logits = loaded.model(mx.array([ctx]))[0, -1].astype(mx.float32)
+    return (logits - mx.logsumexp(logits)).tolist()[ids[0]], int(mx.argmax(logits).item()) == ids[0]
