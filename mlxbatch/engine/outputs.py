@@ -52,8 +52,8 @@ class StepProfile:
     """Where step time goes, summed over the engine's life (seconds), and what the steps moved (``traffic``)."""
 
     prefill_s: float = 0.0
-    decode_s: float = 0.0
-    sampling_s: float = 0.0
+    decode_s: float = 0.0  # decode forwards; in a decode-only step, its sampling too (one evaluation for both)
+    sampling_s: float = 0.0  # sampling in steps that prefill (their forwards were evaluated before it)
     total_s: float = 0.0
     steps: int = 0
     prefill_tokens: int = 0

@@ -133,7 +133,8 @@ class ModelRunner:
             rows = [by_id[rid] for rid in batch.ids[: batch.n_decode]]
             seqs = [RowInput(r, r.num_tokens - 1, 1) for r in rows] if self._mm is not None else None
             step_logits = self._forward(0, [[r.last_token] for r in rows], seqs=seqs)
-            self.traffic.evaluate(step_logits)
+            if out.prefills:  # evaluated before the prefill passes write KV; a decode-only step's forward is
+                self.traffic.evaluate(step_logits)  # evaluated with its sampling: one sync a step, not two
             prof.decode_s += time.perf_counter() - t0
             prof.decode_tokens += len(rows)
             due += rows
@@ -206,7 +207,10 @@ class ModelRunner:
         prof.grammar_mask_s += time.perf_counter() - t1
         tokens_out = sample(constrained, rows_s, all_logits if constrained is not all_logits else None)
         self.traffic.syncs += 1  # the sampled ids are read back
-        prof.sampling_s += time.perf_counter() - t0
+        if out.decodes and not out.prefills and self._fixed is None:  # the forward ran in this evaluation
+            prof.decode_s += time.perf_counter() - t0
+        else:
+            prof.sampling_s += time.perf_counter() - t0
         self._commit(out)
         t1 = time.perf_counter()
         self._grammars.advance(due_ids, [t.token_id for t in tokens_out])  # once the step can no longer fail

@@ -328,3 +328,20 @@ def test_copy_ins_are_sliced_so_their_transient_memory_is_bounded():
         assert mx.array_equal(x, y).item()
     assert a_whole >= rows * per_row  # all blocks gathered at once
     assert a_sliced <= 2 * (2 * per_row) + SLACK, a_sliced  # one slice (gathered, then its scatter's source)
+
+
+def test_a_decode_only_step_waits_for_the_device_once(tiny_loaded):
+    """A decode-only step's forward is evaluated with its sampling: one sync (the sampled ids read back), as a bare
+    decode loop does; a second evaluation after the forward left the GPU idle while the host built the sampling."""
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4, prefix_cache=False))
+    core = eng.core
+    for i in range(4):
+        core.add_request(f"row {i} says", SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=12,
+                                                         ignore_eos=True, logprobs=1 if i == 3 else None))
+    core.step()  # the prefills (and their first tokens)
+    tr = core.runner.traffic
+    for _ in range(5):
+        before = tr.snapshot()
+        core.step()
+        assert tr.since(before).syncs == 1
+    core.run_until_done()
