@@ -60,6 +60,7 @@ class Request:
     first_token: float | None = None
     finished_at: float | None = None
     mm: Any = None  # vision-language inputs (engine.vlm_model.MultimodalInputs), read only; None for text
+    plain_greedy: bool = field(init=False, default=False)  # set from ``params`` (see ``__post_init__``)
 
     @property
     def media(self) -> tuple[tuple[int, str], ...]:
@@ -69,6 +70,9 @@ class Request:
     def __post_init__(self) -> None:
         if (self.params.logprobs is not None or self.score_from is not None) and self.logprobs is None:
             self.logprobs = []
+        p = self.params
+        # its next token is the argmax of its logits as they are: no penalty, no banned token, no logprobs
+        self.plain_greedy = p.greedy and not p.has_penalties and p.min_tokens == 0 and p.logprobs is None
 
     @property
     def num_prompt_tokens(self) -> int:

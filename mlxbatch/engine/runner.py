@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.decoding.sampling import SampleRow, sample
+from mlxbatch.engine.decoding.sampling import SampleRow, sample, sample_greedy
 from mlxbatch.engine.decoding.structured import Matcher, SequenceGrammars
 from mlxbatch.engine.kv import KVLayout, reuse
 from mlxbatch.engine.kv.fixed_forwards import FixedForwards
@@ -196,16 +196,16 @@ class ModelRunner:
             all_logits = mx.concatenate([all_logits, all_logits[mx.array([pos[p.request_id] for p, _ in out.forks])]])
             due += [child for _, child in out.forks]
         t0 = time.perf_counter()
-        rows_s = [
-            SampleRow(r.params, r.seed, len(r.output_token_ids), r.prompt_token_ids, r.output_token_ids,
-                      r.banned_ids)
-            for r in due
-        ]
         due_ids = [r.request_id for r in due]
-        t1 = time.perf_counter()
-        constrained = self._grammars.constrain(due_ids, all_logits)
-        prof.grammar_mask_s += time.perf_counter() - t1
-        tokens_out = sample(constrained, rows_s, all_logits if constrained is not all_logits else None)
+        if not len(self._grammars) and all(r.plain_greedy for r in due):  # nothing per row to build
+            tokens_out = sample_greedy(all_logits)
+        else:
+            rows_s = [SampleRow(r.params, r.seed, len(r.output_token_ids), r.prompt_token_ids, r.output_token_ids,
+                                r.banned_ids) for r in due]
+            t1 = time.perf_counter()
+            constrained = self._grammars.constrain(due_ids, all_logits)
+            prof.grammar_mask_s += time.perf_counter() - t1
+            tokens_out = sample(constrained, rows_s, all_logits if constrained is not all_logits else None)
         self.traffic.syncs += 1  # the sampled ids are read back
         if out.decodes and not out.prefills and self._fixed is None:  # the forward ran in this evaluation
             prof.decode_s += time.perf_counter() - t0

@@ -81,11 +81,12 @@ def test_gpu_command_on_a_bare_copy_of_the_tree(tmp_path, tiny_model_path):
     assert suite["commit"] == "abc1234"
     label = suite["figures"]["label"]
     assert label["rows"] == 8 and label["floor"] > 0 and label["x_b1"] > 0 and label["prefill_over_floor"] >= 1
+    assert label["x_b1_again"] > 0 and "engine-again" in label["runs"]
     assert set(suite["figures"]["decode"]["1"]) >= {"engine_step", "mlx_lm", "bare"}
     md = (out / "gpu_suite.md").read_text()
     assert md.startswith("GPU figures measured at commit abc1234") and "### label: 8 rows" in md
     summary = json.loads((out / "all.json").read_text())["sections"]["gpu"]["tables"][0]
-    assert summary["rows"][0][0] == "label" and len(_numbers(summary["rows"][0])) == 5
+    assert summary["rows"][0][0] == "label" and len(_numbers(summary["rows"][0])) == 6
     assert json.loads((out / "all.json").read_text())["meta"]["git"] == "abc1234 (given)"
 
 

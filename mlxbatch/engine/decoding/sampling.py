@@ -118,6 +118,12 @@ def _draw(logits: mx.array, rows: Sequence[SampleRow]) -> mx.array:
     return mx.minimum(idx, probs.shape[-1] - 1)
 
 
+def sample_greedy(logits: mx.array) -> list[SampledToken]:
+    """The argmax of each row of ``logits`` as they are (rows with no penalty, banned token or logprobs; a float32
+    copy of [rows, vocab] would change no value: bfloat16 and float16 convert exactly)."""
+    return [SampledToken(t, None) for t in mx.argmax(logits, axis=-1).tolist()]
+
+
 def sample(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array | None = None) -> list[SampledToken]:
     """Choose the next token of every row of ``logits`` ([rows, vocab]) under that row's parameters.
 
@@ -127,9 +133,7 @@ def sample(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array |
     assert logits.ndim == 2 and logits.shape[0] == len(rows)
     want_lp = [r.params.logprobs is not None for r in rows]
     if not any(want_lp) and all(r.params.greedy and not (r.params.has_penalties or r.banned_ids) for r in rows):
-        # greedy rows only: the argmax of the logits as they are (a float32 copy of [rows, vocab] would change no
-        # value: bfloat16 and float16 convert exactly)
-        return [SampledToken(int(t), None) for t in mx.argmax(logits, axis=-1).tolist()]
+        return sample_greedy(logits)
     logits = logits.astype(mx.float32)
     raw = logits if model_logits is None else model_logits.astype(mx.float32)
     raw_lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True) if any(want_lp) else None

@@ -395,7 +395,8 @@ class SlotBatch:
             self._ensure(start + n, max(o + T for o in offsets))
             self._pass = plan_forward(start, offsets, T, self.batched_moves)
         rows, width = self._pass.stop - start, self._pass.width
-        pad = [list(t) + [0] * (width - len(t)) for t in tokens] + [[0] * width] * (rows - n)
+        pad = tokens if rows == n and width == 1 else \
+            [list(t) + [0] * (width - len(t)) for t in tokens] + [[0] * width] * (rows - n)
         out = model(mx.array(pad, dtype=mx.int32), cache=self.layers)
         if rows > n:
             out = out[:n]

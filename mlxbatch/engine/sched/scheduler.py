@@ -146,7 +146,8 @@ class Scheduler:
                 chunk = self._chunk(r, budget)
                 prefills.append(chunk)
                 budget -= chunk.end - chunk.start
-        reserved = [r.reserved_tokens for r in self.running]
+        admits = bool(self.waiting) and len(self.running) < self._max_seqs
+        reserved = [r.reserved_tokens for r in self.running] if admits else []  # only admission reads it
         # Admission in queue order, except that a sequence whose shared prefix an admitted sequence is computing
         # right now waits for that KV (computed once) while the sequences behind it go ahead: waiting at the head
         # of the queue serialised chains of nested prompts (multi-turn chats) to one admission a step.
