@@ -82,3 +82,36 @@ def test_a_killed_run_resumes_in_the_same_plan_order(tmp_path, tiny_model_path, 
     assert len(order) == len(set(order)) == 40
     assert order == expected_order(tiny_loaded, data, 16)
     assert "resuming with the plan of the first run" in res.stderr
+
+
+def test_a_resumed_window_keeps_the_order_its_first_run_had(tmp_path, tiny_model_path, tiny_loaded):
+    """The trie order puts larger subtrees first, so it depends on every row of a window: with two of the three
+    'alpha' rows done, the rest planned alone would put the two 'beta' rows first. The feed plans the done rows too
+    and skips them, so the rows left keep the first run's order (and their retention)."""
+    from mlxbatch.engine import plan as plan_rows
+    from mlxbatch.io import open_reader
+    from mlxbatch.job.feed import RowFeed, Submit
+    from mlxbatch.job.prepare import RowPreparer
+    from mlxbatch.job.validate import input_spec
+
+    texts = ["alpha: red", "beta: blue", "alpha: green", "beta: pink", "alpha: gray"]
+    data = [{"id": f"r{i}", "text": t} for i, t in enumerate(texts)]
+    path = write_jsonl(tmp_path / "in.jsonl", data)
+    spec = validate_job(write_job(tmp_path, tiny_model_path, path, tmp_path / "out",
+                                  prompt={"template": INSTRUCTION + "{{ text }}\n"}, plan={"window": 100}))
+    preparer = RowPreparer(spec, "identity")
+    keys = [preparer.prepare(r).key for r in open_reader(input_spec(spec))]
+
+    def submitted(done: set[str]) -> list[tuple[int, int | None]]:
+        feed = RowFeed(open_reader(input_spec(spec)), RowPreparer(spec, "identity"), tiny_loaded.tokenizer, done,
+                       window=100)
+        return [(s.index, s.cache_tokens) for s in feed.take(100) if isinstance(s, Submit)]
+
+    first = submitted(set())
+    assert sorted(i for i, _ in first[:3]) == [0, 2, 4]  # the alpha rows first: their subtree is the larger
+    done = {keys[0], keys[2]}
+    resumed = submitted(done)
+    assert [i for i, _ in resumed] == [i for i, _ in first if i not in (0, 2)]
+    ids = [tiny_loaded.tokenizer.encode(INSTRUCTION + texts[i] + "\n") for i in (1, 3, 4)]
+    alone = [(1, 3, 4)[k] for k in plan_rows(ids).order]
+    assert alone != [i for i, _ in resumed]  # what planning only the rest would have done
