@@ -4,12 +4,7 @@ Owns the plan report and the prediction of the run's prefill tokens (what report
 ``prefix_reuse.prefill_tokens_computed``):
 - rows are cut into the job's windows (``plan.window``) by input position, as the run's feed cuts them, and a
   window's text rows are planned along their token trie: the floor is the trie's node count (``distinct_tokens``);
-  as in the engine, a row identical to one admitted in its step forks it (computes nothing); another row starts
-  from the longest prefix a row admitted in an earlier step shares with it (to the token: a running row, or a partial
-  block cached where it shares it), or from the prefix cache's blocks, which outlive a window. The steps follow the
-  engine's admission: a row waits for a row computing whole blocks of its prefix, and at most ``max_num_seqs`` rows
-  are admitted in a step; a row admitted with the row it shares the most with recomputes the tail of their shared
-  prefix past what the cache holds;
+  each row's prefill is predicted in the run's submission order by ``job.reuse_model`` (the engine's reuse rules);
 - ``task: score`` rows prefill their context once; when every candidate is one token that is all (the context's
   last logits score them), else each candidate is prefilled after it and every candidate but the first recomputes
   the context's last token (its logits predict the candidate's first token);
@@ -25,29 +20,19 @@ weights).
 
 from __future__ import annotations
 
-import collections
 import time
 from array import array
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.engine import (
-    BLOCK_SIZE,
-    LIVE_SOURCES,
-    PromptEncoder,
-    block_hashes,
-    common_prefix_len,
-    is_vlm_folder,
-    plan,
-    submission_order,
-)
+from mlxbatch.engine import PromptEncoder, is_vlm_folder, plan, submission_order
 from mlxbatch.io import InputFormat, open_reader, resolve_inputs
 from mlxbatch.job.calibrate import Eta, estimate, measured_eta
 from mlxbatch.job.model_ref import local_model_dir
 from mlxbatch.job.model_size import config_sizes
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
+from mlxbatch.job.reuse_model import BlockCacheModel, ReuseModel
 from mlxbatch.job.spec import JobSpec
 from mlxbatch.job.validate import input_spec
 
@@ -95,69 +80,6 @@ class PlanReport:
         ] + ([self.eta.summary()] if self.eta is not None else []) + [f"note: {n}" for n in self.notes])
 
 
-class _BlockCache:
-    """The prefix cache as the engine keeps it: whole blocks (chained hashes) and the partial blocks of planned
-    rows' retention points, each with the step whose prefill cached it; never evicted but by a partial's last user
-    (in trie order no later row needs more of a row than its retention)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[int, int] = {}  # whole block hash -> the step that cached it
-        self.partials: dict[tuple[int, tuple[int, ...]], int] = {}  # (previous block hash, tokens) -> its step
-
-    def cached(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = (),
-               chain: Sequence[int] | None = None, step: int | None = None) -> tuple[int, tuple | None]:
-        """Leading tokens of ``tokens`` whose KV the cache holds (never the last token: its logits are needed) and
-        the partial block they end in (None: whole blocks only). ``chain``: the tokens' block hashes, when the caller
-        has them already. With ``step`` (the admission's), as ``engine.sched.prefix`` matches: then the longest
-        partial block, or a block holding the prompt's end, cached by an earlier step, counts to the token."""
-        chain = block_hashes(list(tokens), BLOCK_SIZE, media) if chain is None else chain
-        limit = len(tokens) - 1
-        usable = min(limit // BLOCK_SIZE, len(chain))
-        hits = 0
-        while hits < usable and chain[hits] in self.seen:
-            hits += 1
-        n = hits * BLOCK_SIZE
-        if step is None or hits < limit // BLOCK_SIZE or n >= limit:
-            return n, None
-        if hits < len(chain) and self.seen.get(chain[hits], step) < step:
-            return limit, None
-        prev = chain[hits - 1] if hits else 0
-        for r in range(min(BLOCK_SIZE - 1, len(tokens) - n), 0, -1):
-            key = (prev, tuple(tokens[n : n + r]))
-            if self.partials.get(key, step) < step:
-                return min(n + r, limit), key
-        return n, None
-
-    def store(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = (),
-              chain: Sequence[int] | None = None, step: int = 0, point: int | None = None) -> frozenset[int]:
-        """Cache the tokens' whole blocks, and the partial block ending at ``point`` (a planned row's retention);
-        returns the whole blocks' hashes that were not cached yet (what the prefill adds)."""
-        chain = block_hashes(list(tokens), BLOCK_SIZE, media) if chain is None else chain
-        added = frozenset(h for h in chain if h not in self.seen)
-        self.seen.update(dict.fromkeys(added, step))
-        if point and point % BLOCK_SIZE and point <= len(tokens):
-            k = point // BLOCK_SIZE
-            self.partials.setdefault((chain[k - 1] if k else 0, tuple(tokens[k * BLOCK_SIZE : point])), step)
-        return added
-
-    def prefill(self, tokens: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> int:
-        """Tokens computed for ``tokens`` (then cached): whole blocks only (image rows are not planned)."""
-        chain = block_hashes(list(tokens), BLOCK_SIZE, media)
-        computed = len(tokens) - self.cached(tokens, chain=chain)[0]
-        self.store(tokens, chain=chain)
-        return computed
-
-
-@dataclass(frozen=True)
-class _Submitted:
-    """A recently submitted row, as the prediction follows it: its tokens, the whole blocks its prefill adds to
-    the cache, and the step it is predicted to be admitted in."""
-
-    tokens: Sequence[int]
-    added: frozenset[int]
-    step: int
-
-
 @dataclass
 class _Tally:
     rows: int = 0
@@ -180,14 +102,9 @@ class _Planner:
     def __init__(self, spec: JobSpec, tok: Any, loaded: Any) -> None:
         self.spec, self.tok, self.loaded = spec, tok, loaded
         self.encoder = PromptEncoder(tok)
-        self.cache = _BlockCache()
-        self.recent: collections.deque[_Submitted] = collections.deque(maxlen=LIVE_SOURCES)
-        self.submitted = 0  # rows submitted so far (text rows), for the step a row can be admitted in at the earliest
-        self.base_step = 0  # the step the next window's rows can start in
-        self.last_of_step: dict[int, Sequence[int]] = {}  # the last row admitted in each step (from the latest on)
+        self.model = ReuseModel(spec.engine.max_num_seqs, forks=spec.task.kind != "score")
         self.t = _Tally()
         self.sample_size = spec.engine.max_num_seqs
-        self.forks = spec.task.kind != "score"  # a generating row identical to one being prefilled forks it
 
     def window(self, preps: list[PreparedRow]) -> None:
         t, spec = self.t, self.spec
@@ -211,7 +128,7 @@ class _Planner:
                     more_prompt += sum(lens) + len(ids) * (len(lens) - 1)
                     extra += lens[0] + sum(1 + n for n in lens[1:])
         if seqs:
-            self.base_step = max([self.base_step] + [r.step + 1 for r in self.recent])  # fed after the last window
+            self.model.start_window()
             p = plan(seqs)
             t.windows += 1
             t.planned += len(seqs)
@@ -221,58 +138,23 @@ class _Planner:
             if not spec.engine.prefix_cache:
                 t.prefill += p.total_tokens + more_prompt
             elif spec.plan.enabled:
-                t.prefill += sum(self._reuse(seqs[s.index], s.cache_tokens) for s in submission_order(p)) + extra
+                t.prefill += sum(self.model.reuse(seqs[s.index], s.cache_tokens) for s in submission_order(p)) + extra
             else:  # longest first (the same reuse rules, in the run's order)
-                t.prefill += sum(self._reuse(s) for s in sorted(seqs, key=lambda s: -len(s))) + extra
+                t.prefill += sum(self.model.reuse(s) for s in sorted(seqs, key=lambda s: -len(s))) + extra
         for prep in (p for p in preps if p.images):
             t.images += 1
             ids, media, encoded_prompt = self._image_tokens(prep)
             t.prompt += len(ids) * spec.sampling.params.n  # each sample of an image row prefills on its own
             for _ in range(spec.sampling.params.n):
-                t.prefill += self.cache.prefill(ids, media) if spec.engine.prefix_cache else len(ids)
+                t.prefill += self.model.cache.prefill(ids, media) if spec.engine.prefix_cache else len(ids)
             if encoded_prompt is not None and len(t.sample) < self.sample_size:
                 t.sample.append(encoded_prompt)
                 t.sample_params.append(prep.params)
 
-    def _reuse(self, seq: Sequence[int], cache_tokens: int | None = None) -> int:
-        """Tokens ``seq`` computes, submitted now with the plan's retention ``cache_tokens``, by the engine's admission
-        rules (``engine.sched``).
-
-        A row identical to one admitted in the step it can be admitted in forks that row's KV and logits (nothing
-        to compute). Else it waits while a recent row computes whole blocks of its prefix (``in_progress``), so it
-        runs a step after that row. It then starts from the longest prefix a row admitted in an earlier step
-        shares with it, to the token: a running row's KV, or the partial block that row's prefill cached where the
-        rows waiting for its blocks share it (in trie order the last row of the latest earlier step shares the
-        most), or the cache's blocks (whole ones, then a partial block cached at an earlier row's retention point).
-        A row admitted in the same step as the row it shares the most with cannot read that row's KV and recomputes
-        the tail of their shared prefix past what the cache holds. At most ``max_num_seqs`` rows are admitted in
-        one step."""
-        earliest = self.base_step + self.submitted // self.spec.engine.max_num_seqs
-        self.submitted += 1
-        if self.forks and any(r.step >= earliest and len(r.tokens) == len(seq) and r.tokens == seq
-                              for r in self.recent):
-            return 0  # the same prompt is admitted in that step: this row forks its KV and logits
-        chain = block_hashes(list(seq), BLOCK_SIZE)  # hashed once for the wait, the cache's hits and the store
-        needed = set(chain[: (len(seq) - 1) // BLOCK_SIZE])
-        step = max([earliest] + [r.step + 1 for r in self.recent if r.added & needed])
-        cached, partial = self.cache.cached(seq, chain=chain, step=step)
-        earlier = max((k for k in self.last_of_step if k < step), default=None)
-        live = [common_prefix_len(seq, r.tokens) for r in self.recent if r.step < step] \
-            + ([common_prefix_len(seq, self.last_of_step[earlier])] if earlier is not None else [])
-        reuse = max([cached] + [n for n in live if n >= BLOCK_SIZE])  # a running row gives a block's worth or more
-        self.last_of_step[step] = seq
-        oldest = max((k for k in self.last_of_step if k < earliest), default=None)  # later rows start >= earliest
-        for k in [k for k in self.last_of_step if oldest is not None and k < oldest]:
-            del self.last_of_step[k]
-        if partial is not None and (cache_tokens or 0) < cached // BLOCK_SIZE * BLOCK_SIZE + len(partial[1]):
-            del self.cache.partials[partial]  # the row matched it and shares less with later rows: dead
-        self.recent.append(_Submitted(seq, self.cache.store(seq, chain=chain, step=step, point=cache_tokens), step))
-        return len(seq) - min(reuse, len(seq) - 1)
-
     def predict(self, prompts: list[Any]) -> int:
         """The prefill predicted for ``prompts`` (token ids or encoded image prompts) run alone, as one window."""
         text = [p for p in prompts if isinstance(p, list)]
-        cache = _BlockCache()
+        cache = BlockCacheModel()
         images = sum(cache.prefill(p.token_ids, p.mm.media) for p in prompts if not isinstance(p, list))
         return (plan(text).distinct_tokens if text else 0) + images
 
