@@ -16,6 +16,14 @@ from mlxbatch.io.checkpoint import CheckpointStore, RecoveryReport, ShardInfo
 from mlxbatch.io.errors import CheckpointError, IncompleteResultsError, InputError, OutputError
 from mlxbatch.io.keys import DuplicateIdTracker, canonical_params, result_key
 from mlxbatch.io.openai_output import OpenAIBatchOutputs, write_openai_batch_output
+from mlxbatch.io.output_folder import (
+    PROGRESS_NAME,
+    clear_success,
+    foreign_files,
+    mark_success,
+    remove_outputs,
+    write_report,
+)
 from mlxbatch.io.readers import (
     InputFormat,
     InputSpec,
@@ -27,17 +35,7 @@ from mlxbatch.io.readers import (
 )
 from mlxbatch.io.records import InputRow, ResultRecord
 from mlxbatch.io.schema import SHARD_SCHEMA, from_arrow, to_arrow
-from mlxbatch.io.writers import (
-    PROGRESS_NAME,
-    ExpectedRow,
-    FinalOutputs,
-    clear_success,
-    finalize,
-    foreign_files,
-    mark_success,
-    remove_outputs,
-    write_report,
-)
+from mlxbatch.io.writers import ExpectedRow, FinalOutputs, finalize
 
 __all__ = [
     "PROGRESS_NAME", "SHARD_SCHEMA", "CheckpointError", "CheckpointStore", "DuplicateIdTracker", "ExpectedRow", "FinalOutputs",

@@ -1,19 +1,14 @@
-"""The final outputs of a job: ``results.parquet`` (one row per input row), the run report and the
-``_SUCCESS`` marker.
+"""The final results of a job: ``results.parquet``, one row per input row, in input order.
 
-Owns the results file layout and the order of completion writes. Call, in this order, once every row is
-checkpointed: ``finalize`` -> ``write_openai_batch_output`` (OpenAI batch inputs only) -> ``write_report`` ->
-``mark_success``. Call ``clear_success`` when a run starts, so a half-rewritten folder never looks finished.
-Every file is written atomically (tmp + fsync + rename); a write that fails (a full disk) raises ``OutputError``
-and leaves no temporary file. Also owns which files of an output folder are mlxbatch's (``foreign_files``,
-``remove_outputs``). Does not own the shards (``checkpoint``).
-"""
+Owns the results file's layout: ``finalize`` re-reads the input, recomputes each row's key and streams the
+checkpointed results (or an error row for a missing one) into Parquet, with the input columns' own types. Call it
+once every row is checkpointed, then ``write_openai_batch_output`` (OpenAI batch inputs only), then the report and
+the ``_SUCCESS`` marker (``output_folder``). Written atomically (tmp + fsync + rename); a write that fails (a full
+disk) raises ``OutputError`` and leaves no temporary file. Does not own the shards (``checkpoint``)."""
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,28 +20,21 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from mlxbatch.io.atomic import TMP_SUFFIX, atomic_write_bytes, atomic_write_json, atomic_writer, fsync_dir
-from mlxbatch.io.card import CARD_NAME, is_own_card
-from mlxbatch.io.checkpoint import MANIFEST_NAME, SHARDS_DIR, CheckpointStore
+from mlxbatch.io.atomic import TMP_SUFFIX, atomic_writer
+from mlxbatch.io.checkpoint import CheckpointStore
 from mlxbatch.io.columns import ColumnPlanner, InputColumn, build_column, decode_inputs
 from mlxbatch.io.errors import IncompleteResultsError, OutputError
 from mlxbatch.io.faults import crash, fault_due
-from mlxbatch.io.openai_output import ERRORS_NAME, OUTPUT_NAME
+from mlxbatch.io.output_folder import RESULTS_NAME, oserror_text
 from mlxbatch.io.schema import LOGPROBS_TEXT_TYPE, LOGPROBS_TYPE, encode_json
 from mlxbatch.io.shard_index import MISSING, ShardIndex
 
 logger = logging.getLogger(__name__)
 
-RESULTS_NAME = "results.parquet"
-REPORT_NAME = "report.json"
-SUCCESS_NAME = "_SUCCESS"
-PROGRESS_NAME = "progress.json"  # a distributed run's per-actor progress (job.actor_progress)
 DEFAULT_ROW_GROUP_SIZE = 10_000
 MISSING_ERROR = "no result: the row was not processed"
 _EXPECTED_CHUNK = 65_536
 _INPUTS_SPOOL = ".inputs.arrow" + TMP_SUFFIX  # the current input columns while results.parquet is written
-OUTPUT_FILES = (RESULTS_NAME, REPORT_NAME, SUCCESS_NAME, OUTPUT_NAME, ERRORS_NAME, PROGRESS_NAME)
-_OWN_NAMES = frozenset(OUTPUT_FILES) | {MANIFEST_NAME, SHARDS_DIR, ".lock"}
 
 # Result columns after ``id``, ``key`` and the input columns; logprobs only when some row has them. The records'
 # ``extra`` JSON (task results: n > 1 samples, parsed JSON, scores) becomes one typed column per key, at the end
@@ -259,7 +247,7 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
                          filename, spool, input_types=input_types, extra_types=extra_types, token_text=token_text,
                          metadata=metadata, recompute=recompute)
     except OSError as exc:
-        raise OutputError(f"could not write {out / filename}: {_reason(exc)}. Nothing was left behind and the "
+        raise OutputError(f"could not write {out / filename}: {oserror_text(exc)}. Nothing was left behind and the "
                           "checkpoint is intact: free some space and run the job again") from exc
     finally:
         spool.remove()
@@ -320,63 +308,3 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
     logger.info("wrote %s: %d rows (%d errors, %d missing), %d stale records skipped", path, n, error_rows,
                 missing_rows, result.stale_records)
     return result
-
-
-def _reason(exc: OSError) -> str:
-    return os.strerror(exc.errno) if exc.errno else str(exc)
-
-
-def write_report(out_dir: str | Path, report: Mapping[str, Any], *, filename: str = REPORT_NAME) -> Path:
-    """Write the run report as JSON (atomically)."""
-    path = Path(out_dir) / filename
-    try:
-        atomic_write_json(path, dict(report))
-    except OSError as exc:
-        raise OutputError(f"could not write {path}: {_reason(exc)}") from exc
-    return path
-
-
-def mark_success(out_dir: str | Path) -> Path:
-    """Write the empty ``_SUCCESS`` marker: the last write of a completed job."""
-    if fault_due("before-success", 1):
-        crash()
-    path = Path(out_dir) / SUCCESS_NAME
-    try:
-        atomic_write_bytes(path, b"")
-    except OSError as exc:
-        raise OutputError(f"could not write {path}: {_reason(exc)}") from exc
-    return path
-
-
-def foreign_files(out_dir: str | Path) -> list[str]:
-    """Names in ``out_dir`` that no mlxbatch run writes (sorted); empty for a new or an mlxbatch folder."""
-    out = Path(out_dir)
-    if not out.is_dir():
-        return []
-    return sorted(p.name for p in out.iterdir() if p.name not in _OWN_NAMES and not p.name.endswith(TMP_SUFFIX)
-                  and not (p.name == CARD_NAME and is_own_card(p)))
-
-
-def remove_outputs(out_dir: str | Path) -> None:
-    """Remove the final outputs of an earlier run (``overwrite``); the checkpoint is the store's to reset."""
-    out = Path(out_dir)
-    for name in OUTPUT_FILES:
-        (out / name).unlink(missing_ok=True)
-    if is_own_card(out / CARD_NAME):  # the user's README.md stays
-        (out / CARD_NAME).unlink()
-    for tmp in out.glob("*" + TMP_SUFFIX):
-        if tmp.is_dir():
-            shutil.rmtree(tmp)
-        else:
-            tmp.unlink()
-    fsync_dir(out)
-
-
-def clear_success(out_dir: str | Path) -> bool:
-    """Remove ``_SUCCESS`` (at the start of a run that will rewrite outputs). True if there was one."""
-    path = Path(out_dir) / SUCCESS_NAME
-    if not path.exists():
-        return False
-    path.unlink()
-    fsync_dir(path.parent)
-    return True
