@@ -9,21 +9,17 @@ same process (``mlxbatch.bench.suite.suite_decode``). Run once per commit's ``ml
 # ruff: isort: skip_file
 from __future__ import annotations
 
-import argparse
 import sys
 
 import mlxbatch
-from mlxbatch.bench.cli import parse_args
+from mlxbatch.bench.cli import parse_script_args
 from mlxbatch.bench.harness import Bench
 from mlxbatch.bench.suite import suite_decode
 
 
 def main() -> None:
-    own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--tag", default="")
-    own.add_argument("--levels", default="64,256")
-    mine, rest = own.parse_known_args(sys.argv[1:])
-    b = Bench(parse_args(rest))
+    mine, args = parse_script_args(sys.argv[1:], tag="", levels="64,256")
+    b = Bench(args)
     _, raw = suite_decode(b, [int(x) for x in mine.levels.split(",")])
     print(f"\n{mine.tag}: mlxbatch from {mlxbatch.__file__}")
     print("| tag | sequences | engine step tok/s | engine fwd tok/s | bare tok/s | step x bare | fwd x bare |")

@@ -11,11 +11,10 @@ this script once per folder with ``PYTHONPATH=<folder>``; compare the rows of on
 # ruff: isort: skip_file
 from __future__ import annotations
 
-import argparse
 import sys
 
 import mlxbatch  # noqa: F401  (first: it sets up MLX's BLAS on Linux CPUs)
-from mlxbatch.bench.cli import parse_args
+from mlxbatch.bench.cli import parse_script_args
 from mlxbatch.bench.harness import Bench, log
 from mlxbatch.engine.kv.slots import SlotBatch
 
@@ -37,11 +36,7 @@ def count_passes() -> list[tuple[int, int, int]]:
 
 
 def main() -> None:
-    own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--tag", default="")
-    own.add_argument("--runs", default="label:2048,fewshot:2048,chat:1024")
-    mine, rest = own.parse_known_args(sys.argv[1:])
-    args = parse_args(rest)
+    mine, args = parse_script_args(sys.argv[1:], tag="", runs="label:2048,fewshot:2048,chat:1024")
     b = Bench(args)
     C = b.concurrency
     seen = count_passes()

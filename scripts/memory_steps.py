@@ -12,13 +12,12 @@ the steps with the highest peaks. Wraps our own ``EngineCore.step`` and runner `
 # ruff: isort: skip_file
 from __future__ import annotations
 
-import argparse
 import sys
 
 import mlx.core as mx
 
 import mlxbatch  # noqa: F401  (first: it sets up MLX's BLAS on Linux CPUs)
-from mlxbatch.bench.cli import parse_args
+from mlxbatch.bench.cli import parse_script_args
 from mlxbatch.bench.harness import Bench, MemoryProbe, log
 from mlxbatch.engine import runner as runner_mod
 from mlxbatch.engine.core import EngineCore
@@ -27,11 +26,8 @@ GiB = 2**30
 
 
 def main() -> None:
-    own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--runs", default="unique:1024,fewshot:2048")
-    own.add_argument("--top", type=int, default=8)
-    mine, rest = own.parse_known_args(sys.argv[1:])
-    args = parse_args(rest)
+    mine, args = parse_script_args(sys.argv[1:], runs="unique:1024,fewshot:2048", top="8")
+    mine.top = int(mine.top)
     b = Bench(args)
     C = b.concurrency
     steps: list[dict] = []

@@ -10,22 +10,17 @@ peak MLX memory over the run's start, wall, prefill and decode seconds.
 # ruff: isort: skip_file
 from __future__ import annotations
 
-import argparse
 import sys
 
 import mlxbatch  # noqa: F401  (first: it sets up MLX's BLAS on Linux CPUs)
-from mlxbatch.bench.cli import parse_args
+from mlxbatch.bench.cli import parse_script_args
 from mlxbatch.bench.harness import Bench, MemoryProbe, log
 
 GiB = 2**30
 
 
 def main() -> None:
-    own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--runs", default="fewshot:2048,unique:1024,label:2048")
-    own.add_argument("--bounds", default="0,4,2,1,0.5")
-    mine, rest = own.parse_known_args(sys.argv[1:])
-    args = parse_args(rest)
+    mine, args = parse_script_args(sys.argv[1:], runs="fewshot:2048,unique:1024,label:2048", bounds="0,4,2,1,0.5")
     b = Bench(args)
     C = b.concurrency
     bounds = [float(x) for x in mine.bounds.split(",")]

@@ -101,6 +101,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def parse_script_args(argv: list[str], **own: str) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """A diagnostic script's own options (``--name`` for each keyword, its default the value; ``_`` -> ``-``) and the
+    bench's options from the rest of ``argv``."""
+    ap = argparse.ArgumentParser(add_help=False)
+    for name, default in own.items():
+        ap.add_argument("--" + name.replace("_", "-"), default=default)
+    mine, rest = ap.parse_known_args(argv)
+    return mine, parse_args(rest)
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the model once, run the sections in order, print their tables, write ``--json``."""
     import mlx.core as mx
