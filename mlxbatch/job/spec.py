@@ -19,10 +19,10 @@ import yaml
 
 from mlxbatch.errors import MlxbatchError
 from mlxbatch.job.overrides import JobOverrides, apply_overrides
+from mlxbatch.job.spec_checker import Checker
 from mlxbatch.job.spec_executor import ExecutorSection, parse_executor, with_executor
 from mlxbatch.job.spec_sections import (
     SAMPLING_KEYS,
-    Checker,
     CheckpointSection,
     EngineSection,
     InputSection,

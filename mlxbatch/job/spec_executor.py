@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mlxbatch.job.spec_sections import Checker
+from mlxbatch.job.spec_checker import Checker
 
 if TYPE_CHECKING:
     from mlxbatch.job.spec import JobSpec
