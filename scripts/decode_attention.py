@@ -4,7 +4,9 @@
 
 Rows of different lengths need a per-row mask. With a mask array at T = 1, MLX runs attention unfused (matmuls,
 where, softmax), since its fused decode kernel and cuDNN's decode path refuse masks; with no mask every row reads
-every key (wrong for ragged rows, shown as the floor). Qwen2.5-0.5B heads (14 query, 2 KV, dim 64), bf16,
+every key (wrong for ragged rows, shown as the floor). "kernel" is mlxbatch's own fused decode attention
+(``mlxbatch.engine.kv.decode_attention``), which reads each row's own keys from the full buffers; its probe error
+against MLX's masked attention is printed first, per head layout and dtype. Qwen2.5-0.5B heads (14 query, 2 KV, dim 64), bf16,
 keys and values sliced from a larger slot buffer as the engine's are.
 """
 
@@ -14,6 +16,8 @@ import time
 from functools import partial
 
 import mlx.core as mx
+
+from mlxbatch.engine.kv.decode_attention import DecodeAttention, probe_error
 
 H, KVH, D = 14, 2, 64
 dt = mx.bfloat16
@@ -34,6 +38,14 @@ def timed(fn, reps: int = 20) -> tuple[float, float]:
 
 
 def main() -> None:
+    kernel = DecodeAttention() if DecodeAttention.create(H, KVH, D, dt) is not None else None
+    for heads, kvh, dim, dtype in [(14, 2, 64, mx.bfloat16), (32, 8, 128, mx.bfloat16), (28, 4, 128, mx.float16),
+                                   (16, 16, 64, mx.float32), (12, 2, 128, mx.bfloat16)]:
+        try:
+            err = probe_error(DecodeAttention(), heads, kvh, dim, dtype)
+            print(f"kernel probe heads {heads}/{kvh} dim {dim} {dtype}: max error {err:.4g}", flush=True)
+        except Exception as exc:
+            print(f"kernel probe heads {heads}/{kvh} dim {dim} {dtype}: FAILED {exc}", flush=True)
     print(f"device {mx.default_device()}; per layer, ms (first call / median of 20)")
     for B in (64, 256):
         for K in (256, 1024, 2048):
@@ -52,6 +64,10 @@ def main() -> None:
                      ("T=1 no mask (floor)", q1, k, v, None),
                      ("T=1 no mask, contiguous k/v", q1, mx.contiguous(k), mx.contiguous(v), None),
                      ("T=2 bool mask (cuDNN)", q2, k, v, m2)]
+            rows = mx.arange(B, dtype=mx.int32)
+            if kernel is not None:
+                f, m = timed(partial(kernel, q1, kb, vb, rows, lens, D ** -0.5))
+                print(f"B={B} K={K} | T=1 kernel (ragged, fused) | {f:.2f} | {m:.3f}", flush=True)
             for name, q, kk, vv, mask in cases:
                 f, m = timed(partial(mx.fast.scaled_dot_product_attention, q, kk, vv, scale=D ** -0.5, mask=mask))
                 print(f"B={B} K={K} | {name} | {f:.2f} | {m:.3f}", flush=True)

@@ -21,10 +21,12 @@ import mlx.core as mx
 from mlxbatch.engine.decoding.sampling import SampleRow, sample, sample_greedy
 from mlxbatch.engine.decoding.structured import Matcher, SequenceGrammars
 from mlxbatch.engine.kv import KVLayout, reuse
+from mlxbatch.engine.kv.decode_attention import DecodeAttention
 from mlxbatch.engine.kv.fixed_forwards import FixedForwards
 from mlxbatch.engine.kv.invariant import InvariantSlots, check_rows, shapes_for, smallest_linear_out
 from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.kv.slots import SlotBatch
+from mlxbatch.engine.model.own_body import OwnBody
 from mlxbatch.engine.model.split import split_model
 from mlxbatch.engine.model.worker import KVGeometry
 from mlxbatch.engine.outputs import RunnerOutput, RunnerStats, ScoredTokens, StepProfile
@@ -78,6 +80,11 @@ class ModelRunner:
         # CUDA: prefill passes in recurring shapes (each new attention shape is a cuDNN graph build there)
         slots.shape_buckets = (vlm is None and not batch_invariant and mx.default_device() == mx.gpu
                                and not mx.metal.is_available())
+        # CUDA decode steps: attention over each row's own keys, fused (MLX runs rows of different lengths unfused)
+        if isinstance(self._split.body if self._split else None, OwnBody) and vlm is None and not batch_invariant:
+            assert self._split is not None
+            slots.decode_attention = DecodeAttention.create(self._split.body.heads, geometry.kv_heads,
+                                                            geometry.head_dim, dtype)
         self.batch: KVLayout = slots
         self._store = (PrefixStore(geometry.num_layers, geometry.kv_heads, geometry.head_dim, dtype,
                                    geometry.bytes_per_token, prefix_blocks, block_size, self.traffic)

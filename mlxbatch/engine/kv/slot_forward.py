@@ -28,6 +28,8 @@ class ForwardPass:
     mode: str  # how new KV is written: "slice" (one block), "rows" (a block per row), "scatter" (one scatter)
     index: tuple[mx.array, mx.array] | None  # scatter mode: (rows [n,1,1], positions [n,1,T]) of the written rows
     written: int  # rows that write their KV: the first ``written``; the rest pad the pass to a bucketed shape
+    rows: mx.array  # [rows] the pass's slot rows (lazy: built only if a fused decode attention reads it)
+    key_lengths: mx.array  # [rows] keys each row's last query sees: offset + T (lazy, as ``rows``)
 
     def array_mask(self) -> mx.array:
         return (mx.arange(self.t_used)[None, None, :] <= self.q_pos[:, :, None])[:, None, :, :]
@@ -62,7 +64,8 @@ def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes:
     else:  # GPU prefill at different offsets (one scatter per buffer instead of a launch per row), or decode
         mode = "scatter"
     index = (mx.arange(start, start + w)[:, None, None], q_pos[:w, None, :]) if mode == "scatter" else None
-    fp = ForwardPass(start, start + n, tuple(offsets), T, t_used, off, q_pos, None, mode, index, w)
+    rows, key_lengths = mx.arange(start, start + n, dtype=mx.int32), off + T
+    fp = ForwardPass(start, start + n, tuple(offsets), T, t_used, off, q_pos, None, mode, index, w, rows, key_lengths)
     if kv_width is not None or not same_end:
         mask: mx.array | str | None = fp.array_mask()
     else:  # all rows end together: the queries are the last T keys, which SDPA's fused causal mode handles
@@ -70,7 +73,8 @@ def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes:
     # every row at one offset: RoPE takes it as a number, as mlx-lm's own cache gives it (not with fixed key widths:
     # batch-invariant passes keep one RoPE path whatever the batch)
     rope: mx.array | int = offsets[0] if same_end and kv_width is None else off
-    return ForwardPass(start, start + n, tuple(offsets), T, t_used, rope, q_pos, mask, mode, index, w)
+    return ForwardPass(start, start + n, tuple(offsets), T, t_used, rope, q_pos, mask, mode, index, w, rows,
+                       key_lengths)
 
 
 def bucketed_pass(start: int, offsets: Sequence[int], width: int, row_room: int, kv_step: int) -> ForwardPass:
@@ -122,6 +126,8 @@ def write_kv(k_buf: mx.array, v_buf: mx.array, fp: ForwardPass, keys: mx.array, 
 
 
 class _Buffers(Protocol):  # what a layer view needs of the slot batch
+    decode_attention: Any  # ``kv.decode_attention.DecodeAttention`` where the device runs it, else None
+
     def current_pass(self) -> ForwardPass: ...
 
     def write_layer(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]: ...
@@ -149,6 +155,17 @@ class SlotLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return self._owner.write_layer(self._layer, keys, values)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+        """Write this layer's new keys/values, then attend (``model.own_body``): a decode pass through the fused
+        per-row kernel where the slot batch has one (CUDA), anything else through MLX's attention over the keys the
+        pass reads, with its mask (what mlx-lm's attention does)."""
+        k, v = self.update_and_fetch(keys, values)
+        fp, kernel = self._owner.current_pass(), self._owner.decode_attention
+        if kernel is not None and fp.width == 1 and fp.written == fp.stop - fp.start:
+            k_buf, v_buf = self._owner.layer_buffers(self._layer)
+            return kernel(queries, k_buf, v_buf, fp.rows, fp.key_lengths, scale)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
     @property
     def state(self) -> Any:

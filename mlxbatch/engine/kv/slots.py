@@ -59,6 +59,7 @@ class SlotBatch:
         # prefill passes padded to recurring shapes (``slot_forward.bucketed_pass``): on CUDA, where each new attention
         # shape costs a cuDNN graph build; the runner sets it
         self.shape_buckets = False
+        self.decode_attention: Any = None  # fused per-row decode attention (``kv.decode_attention``, CUDA); the runner sets it
 
     def __len__(self) -> int:
         return len(self.ids)

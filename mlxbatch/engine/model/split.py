@@ -2,7 +2,8 @@
 
 Prefill needs logits at each row's last position only; running the LM head on the last positions alone saves its
 cost (~30% of a 0.5B model's prefill FLOPs) and the [rows, T, vocab] logits buffer. The split is used only when
-calling the two parts in turn gives the model's own output (checked once on a probe).
+calling the two parts in turn gives the model's own output (checked once on a probe). For the architectures
+``own_body`` knows, the body is that one (the model's modules, its attention asked of the KV cache).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+
+from mlxbatch.engine.model.own_body import own_body
 
 
 @dataclass(frozen=True)
@@ -37,4 +40,6 @@ def split_model(model: Any) -> SplitModel | None:
         same = full.shape == split.shape and mx.allclose(full, split, atol=1e-4, rtol=1e-3).item()
     except Exception:  # an architecture whose body takes other arguments: use the whole model
         return None
-    return SplitModel(body, head) if same else None
+    if not same:
+        return None
+    return SplitModel(own_body(model, body) or body, head)

@@ -1,0 +1,96 @@
+"""A decoder-only text model's body run layer by layer, with attention asked of the KV cache.
+
+mlx-lm's attention modules call MLX's attention themselves, so a cache can choose what keys a query sees (the mask)
+but not how attention runs. The engine's slot cache can do better at decode on CUDA (``kv.decode_attention``: each
+row's own keys, fused, where MLX falls back to unfused masked attention), so for the common architectures
+(Llama, Mistral, Qwen2, Qwen3: pre-norm blocks of attention and MLP) this body runs the model's own modules in
+mlx-lm's order and hands the attention itself to the cache (``cache.attend``); a cache without ``attend`` gets
+mlx-lm's calls (``update_and_fetch`` then MLX's attention), so the body is the model's on any cache.
+
+Used only when it gives the model's own output on a probe (``own_body``); any other model keeps mlx-lm's body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+_LAYER = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def attention(attn: Any, x: mx.array, mask: Any, cache: Any) -> mx.array:
+    """``attn``'s forward (mlx-lm's Llama / Qwen2 / Qwen3 attention), its attention asked of ``cache``."""
+    B, L, _ = x.shape
+    queries = attn.q_proj(x).reshape(B, L, attn.n_heads, -1)
+    keys = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1)
+    values = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before RoPE
+        queries, keys = attn.q_norm(queries), attn.k_norm(keys)
+    queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+    if cache is None:
+        queries, keys = attn.rope(queries), attn.rope(keys)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
+    else:
+        queries, keys = attn.rope(queries, offset=cache.offset), attn.rope(keys, offset=cache.offset)
+        if hasattr(cache, "attend"):
+            out = cache.attend(queries, keys, values, attn.scale, mask)
+        else:
+            keys, values = cache.update_and_fetch(keys, values)
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class OwnBody:
+    """``body(inputs, cache=None)``: the model body's forward (embeddings, blocks, final norm)."""
+
+    def __init__(self, body: Any) -> None:
+        self.body = body
+
+    @property
+    def heads(self) -> int:  # query heads
+        return int(self.body.layers[0].self_attn.n_heads)
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        body = self.body
+        h = body.embed_tokens(inputs)
+        layers = body.layers
+        caches = cache if cache is not None else [None] * len(layers)
+        mask = create_attention_mask(h, caches[0])
+        for layer, c in zip(layers, caches):
+            h = h + attention(layer.self_attn, layer.input_layernorm(h), mask, c)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return body.norm(h)
+
+
+def _shaped(model: Any, body: Any) -> bool:
+    if getattr(model, "model_type", None) not in _MODEL_TYPES:
+        return False
+    if not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm")) or not body.layers:
+        return False
+    if getattr(body, "pipeline_size", 1) != 1:  # pipeline-parallel bodies send and receive between layers
+        return False
+    for layer in body.layers:
+        if not all(hasattr(layer, a) for a in _LAYER) or getattr(layer, "use_sliding", False):
+            return False
+        if not all(hasattr(layer.self_attn, a) for a in _ATTENTION):
+            return False
+    return True
+
+
+def own_body(model: Any, body: Any) -> OwnBody | None:
+    """This body for ``model`` (mlx-lm model, its ``body``), if the architecture is one it knows and it gives
+    ``body``'s own output on a probe; else None."""
+    if not _shaped(model, body):
+        return None
+    own = OwnBody(body)
+    probe = mx.array([[1, 2, 3, 4, 5]], dtype=mx.int32)
+    try:
+        want, got = body(probe), own(probe)
+        same = want.shape == got.shape and mx.array_equal(want, got).item()
+    except Exception:
+        return None
+    return own if same else None
