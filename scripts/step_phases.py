@@ -24,7 +24,10 @@ from mlxbatch.bench import workloads as wl
 from mlxbatch.bench.harness import resolve_model
 from mlxbatch.config import EngineConfig
 from mlxbatch.engine import Engine
+from mlxbatch.engine.core import EngineCore
 from mlxbatch.engine.kv.slots import SlotBatch
+from mlxbatch.engine.request import Request
+from mlxbatch.engine.sched.scheduler import Scheduler
 from mlxbatch.types import SamplingParams
 
 SECONDS: collections.Counter = collections.Counter()
@@ -70,6 +73,11 @@ def main() -> None:
     reuse.admit = timed("prefix copy-ins (admit)", reuse.admit)
     reuse.store_blocks = timed("cache stores", reuse.store_blocks)
     runner_mod.sample = timed("sampling", runner_mod.sample)
+    runner_mod.sample_greedy = timed("sampling (greedy)", runner_mod.sample_greedy)
+    Scheduler.schedule = timed("host: schedule", Scheduler.schedule)
+    Scheduler.finish_step = timed("host: finish_step", Scheduler.finish_step)
+    Request.append = timed("host: append tokens (detok, stops)", Request.append)
+    EngineCore._collect = timed("host: collect outputs", EngineCore._collect)
     for name in ("arrange", "promote_many", "remove_many", "shrink"):
         setattr(SlotBatch, name, timed(f"rows: {name}", getattr(SlotBatch, name)))
     SlotBatch.forward = forward(SlotBatch.forward)
