@@ -39,6 +39,7 @@ def timed(fn, reps: int = 20) -> tuple[float, float]:
 
 def main() -> None:
     kernel = DecodeAttention() if DecodeAttention.create(H, KVH, D, dt) is not None else None
+    few_long_rows(kernel)
     for heads, kvh, dim, dtype in [(14, 2, 64, mx.bfloat16), (32, 8, 128, mx.bfloat16), (28, 4, 128, mx.float16),
                                    (16, 16, 64, mx.float32), (12, 2, 128, mx.bfloat16)]:
         try:
@@ -71,6 +72,29 @@ def main() -> None:
             for name, q, kk, vv, mask in cases:
                 f, m = timed(partial(mx.fast.scaled_dot_product_attention, q, kk, vv, scale=D ** -0.5, mask=mask))
                 print(f"B={B} K={K} | {name} | {f:.2f} | {m:.3f}", flush=True)
+
+
+def few_long_rows(kernel: DecodeAttention | None) -> None:
+    """Few rows of many keys: where the kernel's sequential tiles may lose to MLX (``DecodeAttention.worth``)."""
+    if kernel is None:
+        return
+    for B in (1, 8, 32):
+        for K in (1024, 4096, 16384):
+            kb = mx.random.normal((B, KVH, K, D)).astype(dt)
+            vb = mx.random.normal((B, KVH, K, D)).astype(dt)
+            lens = mx.random.randint(K // 2, K + 1, (B,))
+            q1 = mx.random.normal((B, H, 1, D)).astype(dt)
+            m1 = (mx.arange(K)[None, :] < lens[:, None])[:, None, None, :]
+            rows = mx.arange(B, dtype=mx.int32)
+            mx.eval(kb, vb, q1, m1, lens)
+            worth = DecodeAttention.worth(B, KVH, K)
+            for name, fn in [(f"kernel (worth: {worth})", partial(kernel, q1, kb, vb, rows, lens, D ** -0.5)),
+                             ("bool mask", partial(mx.fast.scaled_dot_product_attention, q1, kb, vb,
+                                                   scale=D ** -0.5, mask=m1)),
+                             ("no mask (floor)", partial(mx.fast.scaled_dot_product_attention, q1, kb, vb,
+                                                         scale=D ** -0.5))]:
+                f, m = timed(fn)
+                print(f"few long rows B={B} K={K} | {name} | {f:.2f} | {m:.3f}", flush=True)
 
 
 if __name__ == "__main__":

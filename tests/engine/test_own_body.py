@@ -67,6 +67,12 @@ def test_decode_through_full_buffers_gives_the_same_tokens(tiny_loaded):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     calls = {"decode": 0}
 
+    class Counted:  # decode_attention.reference in the kernel's place, counted
+        worth = staticmethod(decode_attention.DecodeAttention.worth)
+
+        def __call__(self, queries, k_buf, v_buf, rows, lengths, scale):
+            return counted(queries, k_buf, v_buf, rows, lengths, scale)
+
     def counted(queries, k_buf, v_buf, rows, lengths, scale):
         calls["decode"] += 1
         assert queries.shape[2] == 1 and k_buf.ndim == 4 and rows.shape == lengths.shape == (queries.shape[0],)
@@ -78,7 +84,7 @@ def test_decode_through_full_buffers_gives_the_same_tokens(tiny_loaded):
         with Engine(tiny_loaded, cfg) as eng:
             assert eng.core.runner.batch.decode_attention is None  # CPU: MLX's attention
             if fused:
-                eng.core.runner.batch.decode_attention = counted
+                eng.core.runner.batch.decode_attention = Counted()
             outs[fused] = [list(o.completions[0].token_ids) for o in eng.generate(prompts, params)]
     assert calls["decode"] >= 11 * tiny_loaded.model.args.num_hidden_layers
     assert outs[True] == outs[False]
@@ -90,3 +96,11 @@ def test_decode_through_full_buffers_gives_the_same_tokens(tiny_loaded):
 def test_kernel_takes_head_layouts_its_shared_memory_holds(heads, kv_heads, dim, ok):
     assert decode_attention.DecodeAttention.supports(heads, kv_heads, dim, mx.bfloat16) is ok
     assert decode_attention.DecodeAttention.create(heads, kv_heads, dim, mx.bfloat16) is None  # no CUDA here
+
+
+def test_few_long_rows_keep_mlx_attention():
+    """A block reads its keys tile after tile: few rows of many keys would leave the GPU idle."""
+    worth = decode_attention.DecodeAttention.worth
+    assert worth(256, 2, 16384) and worth(64, 2, 4096) and worth(16, 8, 8192)  # blocks enough
+    assert worth(1, 2, 1024) and worth(8, 2, 300)  # short rows
+    assert not worth(1, 2, 4096) and not worth(8, 2, 16384) and not worth(32, 2, 1025)

@@ -19,6 +19,11 @@ import mlx.core as mx
 log = logging.getLogger(__name__)
 
 _THREADS = 256  # threads a block; also keys a tile (one key per thread while scoring)
+# A block reads its row's keys tile after tile. With few blocks and long rows most of the GPU idles, where MLX's
+# attention spreads the keys over the device: the kernel runs when there are blocks enough for the device (an H200
+# has 132 SMs) or rows short enough (four tiles) for the sequential tiles not to matter.
+_MIN_BLOCKS = 128
+_SHORT_KEYS = 1024
 
 _SOURCE = """
     constexpr int NT = 256;
@@ -138,6 +143,11 @@ class DecodeAttention:
             output_names=["out"],
             source=_SOURCE,
         )
+
+    @staticmethod
+    def worth(rows: int, kv_heads: int, keys: int) -> bool:
+        """Whether the kernel beats MLX's attention for a pass of ``rows`` rows reading up to ``keys`` keys."""
+        return rows * kv_heads >= _MIN_BLOCKS or keys <= _SHORT_KEYS
 
     @staticmethod
     def supports(heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> bool:

@@ -158,11 +158,13 @@ class SlotLayerCache:
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """Write this layer's new keys/values, then attend (``model.own_body``): a decode pass through the fused
-        per-row kernel where the slot batch has one (CUDA), anything else through MLX's attention over the keys the
-        pass reads, with its mask (what mlx-lm's attention does)."""
+        per-row kernel where the slot batch has one (CUDA) and it is worth it (``DecodeAttention.worth``), anything
+        else through MLX's attention over the keys the pass reads, with its mask (what mlx-lm's attention does)."""
         k, v = self.update_and_fetch(keys, values)
         fp, kernel = self._owner.current_pass(), self._owner.decode_attention
-        if kernel is not None and fp.width == 1 and fp.written == fp.stop - fp.start:
+        rows = fp.stop - fp.start
+        if kernel is not None and fp.width == 1 and fp.written == rows \
+                and kernel.worth(rows, keys.shape[1], fp.t_used):
             k_buf, v_buf = self._owner.layer_buffers(self._layer)
             return kernel(queries, k_buf, v_buf, fp.rows, fp.key_lengths, scale)
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
