@@ -10,13 +10,14 @@ against MLX's masked attention is printed first, per head layout and dtype. Qwen
 keys and values sliced from a larger slot buffer as the engine's are.
 """
 
+# ruff: isort: skip_file
 from __future__ import annotations
 
 import time
 from functools import partial
 
+import mlxbatch  # noqa: F401  (first: it sets up MLX's BLAS on Linux CPUs)
 import mlx.core as mx
-
 from mlxbatch.engine.kv.decode_attention import DecodeAttention, probe_error
 
 H, KVH, D = 14, 2, 64
