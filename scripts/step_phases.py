@@ -35,14 +35,18 @@ CALLS: collections.Counter = collections.Counter()
 SEEN: set = set()
 
 
-def timed(name, fn):
+def timed(name, fn, sync=True):
+    """``fn`` timed under ``name``; ``sync``: a device phase, synchronised before and after (host-only phases are
+    not: two syncs around a per-token call would cost more than the call)."""
     def run(*a, **kw):
-        mx.synchronize()
+        if sync:
+            mx.synchronize()
         t0 = time.perf_counter()
         out = fn(*a, **kw)
-        if isinstance(out, mx.array):
-            mx.eval(out)
-        mx.synchronize()
+        if sync:
+            if isinstance(out, mx.array):
+                mx.eval(out)
+            mx.synchronize()
         SECONDS[name] += time.perf_counter() - t0
         CALLS[name] += 1
         return out
@@ -74,10 +78,10 @@ def main() -> None:
     reuse.store_blocks = timed("cache stores", reuse.store_blocks)
     runner_mod.sample = timed("sampling", runner_mod.sample)
     runner_mod.sample_greedy = timed("sampling (greedy)", runner_mod.sample_greedy)
-    Scheduler.schedule = timed("host: schedule", Scheduler.schedule)
-    Scheduler.finish_step = timed("host: finish_step", Scheduler.finish_step)
-    Request.append = timed("host: append tokens (detok, stops)", Request.append)
-    EngineCore._collect = timed("host: collect outputs", EngineCore._collect)
+    Scheduler.schedule = timed("host: schedule", Scheduler.schedule, sync=False)
+    Scheduler.finish_step = timed("host: finish_step", Scheduler.finish_step, sync=False)
+    Request.append = timed("host: append tokens (detok, stops)", Request.append, sync=False)
+    EngineCore._collect = timed("host: collect outputs", EngineCore._collect, sync=False)
     for name in ("arrange", "promote_many", "remove_many", "shrink"):
         setattr(SlotBatch, name, timed(f"rows: {name}", getattr(SlotBatch, name)))
     SlotBatch.forward = forward(SlotBatch.forward)
