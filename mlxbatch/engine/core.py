@@ -24,11 +24,12 @@ from mlxbatch.engine.inputs import Prompt, encode_prompt
 from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.engine.model.memory import MemoryLimits, plan_memory
 from mlxbatch.engine.model.worker import Worker
+from mlxbatch.engine.outputs import Launched
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.runner import ModelRunner
 from mlxbatch.engine.sched.blocks import BLOCK_SIZE, stable_hash
 from mlxbatch.engine.sched.prefix import PrefixIndex
-from mlxbatch.engine.sched.scheduler import Scheduler, SchedulerConfig
+from mlxbatch.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from mlxbatch.engine.vision.adapter import MultimodalPrompt
 from mlxbatch.engine.warmup import WarmUpReport, exercise
 from mlxbatch.errors import EngineClosedError, InvalidRequestError, OutOfMemoryError
@@ -96,6 +97,7 @@ class EngineCore:
         self._vocab_size = len(tok._tokenizer)
         self._hidden_ids = frozenset(int(t) for t in (getattr(tok, "all_special_ids", None) or ()))
         self._compiler: GrammarCompiler | None = None
+        self._pending: Launched | None = None  # the step launched last, until its tokens are read (``step``)
         if self.config.warm_up:
             self.worker.warm_up()
             if self.worker.device.kind != "cpu":  # GPU kernels compile on first use: not inside the first real steps
@@ -260,6 +262,9 @@ class EngineCore:
             return
         gone = self.scheduler.abort([s.request_id for s in group.sequences])
         self.runner.free([s.request_id for s in gone])
+        for s in group.sequences:  # one whose last token is still being drawn has left the scheduler already
+            if not s.status.finished:
+                s.abort()
         self._aborted.add(request_id)  # its final delta goes out with the next step's
 
     @property
@@ -268,37 +273,78 @@ class EngineCore:
 
     # -- the step loop -------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        """One engine step; returns text deltas (streamed requests) and one final delta per finished request."""
+        """One engine step; returns text deltas (streamed requests) and one final delta per finished request.
+
+        Steps overlap (``EngineConfig.overlap_steps``): a step is launched on the device, then the host reads the step
+        before it (its tokens were drawn while this one was built), schedules the next, and so on; the results of a
+        step come out with the next one. A sequence that drew its last token is not fed again (``length_done``); one
+        that stops on a token (EOS, stop strings) is fed once more, and that token is dropped. A step whose rows need
+        their latest tokens on the host (penalties, ``min_tokens``, structured outputs, images) reads the step before
+        it first."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        touched: list[Request] = []
         if out.empty:
-            return self._collect([])
+            if self._pending is not None:
+                touched = self._read(self._pending)
+                self._pending = None
+                self.runner.free([r.request_id for r in self.scheduler.reap()])
+            return self._collect(touched)
         now = time.perf_counter()
         for req in [c.request for c in out.prefills] + [child for _, child in out.forks]:
             if req.first_scheduled is None:
                 req.first_scheduled = now
+        overlap = self.config.overlap_steps and self.runner.overlappable and not self._needs_history(out)
+        if self._pending is not None and not overlap:
+            touched += self._read(self._pending)
+            self._pending = None
         try:
             with self._limits.step_bound():
-                result = self.runner.execute(out)
+                launched = self.runner.launch(out)
         except OutOfMemoryError as exc:
             log.warning("step failed for lack of memory (%s); shrinking the batch", exc)
+            if self._pending is not None:  # drawn before the failed step: its tokens stand
+                touched += self._read(self._pending)
+                self._pending = None
             self.runner.free([r.request_id for r in self.scheduler.preempt_for_memory(out)])
             self.worker.shutdown()  # frees MLX's buffer cache
-            return []
-        touched = []
-        for rid, scored in result.scored.items():
+            return self._collect(touched)
+        for rid, scored in launched.scored.items():
             self._seqs[rid].add_scores(list(scored.logprobs), list(scored.greedy))
         for chunk in out.prefills:
             if chunk.last and chunk.request.score_from is not None:
                 chunk.request.finish_scored()
                 touched.append(chunk.request)
-        for rid, tok in result.sampled.items():
-            req = self._seqs[rid]
-            req.append(tok.token_id, tok.logprob, force_stop=rid in result.grammar_done)
-            touched.append(req)
+        if overlap:
+            if self._pending is not None:
+                touched += self._read(self._pending)
+            self._pending = launched
+            for rid in launched.due:
+                self._seqs[rid].pending = 1
+        else:
+            touched += self._read(launched)
         self.runner.free([r.request_id for r in self.scheduler.finish_step(out)])
         self.runner.end_step(time.perf_counter() - t0)
         return self._collect(touched)
+
+    def _needs_history(self, out: SchedulerOutput) -> bool:
+        """Whether a row drawn in this step reads its own earlier tokens on the host (``Request.needs_history``)."""
+        return any(r.needs_history for r in out.decodes) or \
+            any(c.last and c.request.needs_history for c in out.prefills) or any(c.needs_history for _, c in out.forks)
+
+    def _read(self, launched: Launched) -> list[Request]:
+        """Append a launched step's drawn tokens to their sequences (a sequence that finished since, e.g. on a stop
+        token drawn the step before, or was aborted, drops its token)."""
+        result = self.runner.collect(launched)
+        touched = []
+        for rid, tok in result.sampled.items():
+            req = self._seqs.get(rid)
+            if req is None or req.status.finished:
+                continue
+            req.pending = 0
+            req.append(tok.token_id, tok.logprob, force_stop=rid in result.grammar_done)
+            touched.append(req)
+        return touched
 
     def _collect(self, touched: list[Request]) -> list[StreamDelta]:
         deltas: list[StreamDelta] = []
@@ -329,6 +375,7 @@ class EngineCore:
     def shutdown(self) -> None:
         for gid in list(self._groups):
             self.abort(gid)
+        self._pending = None
         self._groups.clear()
         self._closed = True
         self.worker.shutdown()

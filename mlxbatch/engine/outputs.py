@@ -9,16 +9,25 @@ itself. What is counted is every copy of KV that already exists (row moves, pref
 and buffer growth, so that tests can check that what a step moves scales with the rows and tokens it moves — not
 with slot capacity, cache size or the rows already running (a copy that does costs seconds on a GPU and nothing
 visible on a CPU). ``syncs`` counts the points where the host waits for the device (evaluations, reads of results).
+
+``Traffic`` also keeps the device queue's one rule: work is *launched* (``mx.async_eval``) so the host builds the next
+pass while the device runs this one, but at most one launch is in flight when more work is enqueued. KV is written in
+place only when no pending kernel still holds the buffer (MLX donates a buffer to an update only when nothing else
+references it, and a launched kernel's inputs stay referenced until it completes): enqueueing a pass while the last
+one still reads its buffers would make every layer's update copy its whole buffer. So every launch and every
+evaluation first waits for what is in flight (``settle``: one sync), and the host work between two launches is what
+overlaps the device.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.decoding.sampling import SampledToken
+from mlxbatch.engine.decoding.sampling import Drawn, SampledToken
 from mlxbatch.types import TokenLogprob
 
 
@@ -30,11 +39,45 @@ class Traffic:
     resizes: int = 0  # buffer growths and shrinks
     resize_syncs: int = 0  # of ``syncs``, those of growths and shrinks (a sync per slice of ``kv.copies``)
     syncs: int = 0  # host waits for the device: evaluations and reads of results
+    launches: int = 0  # evaluations enqueued without waiting for them (``launch``)
+
+    def __post_init__(self) -> None:  # the queue's state (not counters: ``asdict`` leaves it out)
+        self._in_flight: str | None = None  # what the launch in flight runs ("prefill", "decode", ...), if any
+        self._settled = 0  # launches known to be complete
+        self.waited: dict[str, float] = {}  # seconds the host waited for launches of each kind
 
     def evaluate(self, *arrays: Any) -> None:
-        """``mx.eval`` counted as one sync."""
+        """``mx.eval`` counted as one sync (after what is in flight: see the module's docstring)."""
+        self.settle()
         self.syncs += 1
         mx.eval(*arrays)
+
+    def launch(self, kind: str, *arrays: Any) -> int:
+        """Enqueue the evaluation of ``arrays`` and return at once (after what is in flight); returns its number."""
+        self.settle()
+        mx.async_eval(*arrays)
+        self.launches += 1
+        self._in_flight = kind
+        return self.launches
+
+    def settle(self) -> None:
+        """Wait until every launch has completed and released its buffers (one sync, if anything is in flight)."""
+        if self._in_flight is None:
+            return
+        t0 = time.perf_counter()
+        mx.synchronize()
+        self.syncs += 1
+        self.waited[self._in_flight] = self.waited.get(self._in_flight, 0.0) + time.perf_counter() - t0
+        self._in_flight, self._settled = None, self.launches
+
+    def wait_for(self, launch: int) -> None:
+        """Wait for launch number ``launch`` (nothing to do if a later wait already covered it)."""
+        if launch > self._settled:
+            self.settle()
+
+    @property
+    def wait_s(self) -> float:
+        return sum(self.waited.values())
 
     def snapshot(self) -> Traffic:
         return Traffic(**asdict(self))
@@ -49,11 +92,15 @@ class Traffic:
 
 @dataclass
 class StepProfile:
-    """Where step time goes, summed over the engine's life (seconds), and what the steps moved (``traffic``)."""
+    """Where step time goes, summed over the engine's life (seconds), and what the steps moved (``traffic``).
 
-    prefill_s: float = 0.0
-    decode_s: float = 0.0  # decode forwards; in a decode-only step, its sampling too (one evaluation for both)
-    sampling_s: float = 0.0  # sampling in steps that prefill (their forwards were evaluated before it)
+    Passes are launched, not waited for, so a phase's time is the host's time building it plus the time the host
+    later waited for it (``Traffic.waited``, by the kind of the launch waited for); host work done while the device
+    ran a launch is host time (``host_s``), and it is the time overlapped."""
+
+    prefill_build_s: float = 0.0  # building and launching prefill passes (copy-ins and row moves included)
+    decode_build_s: float = 0.0  # building the decode pass
+    sampling_s: float = 0.0  # building the draw
     total_s: float = 0.0
     steps: int = 0
     prefill_tokens: int = 0
@@ -61,6 +108,15 @@ class StepProfile:
     grammar_mask_s: float = 0.0  # structured outputs: filling the allowed-token masks (host), inside sampling_s
     grammar_advance_s: float = 0.0  # ... advancing the matchers by the sampled tokens (host)
     traffic: Traffic = field(default_factory=Traffic)
+
+    @property
+    def prefill_s(self) -> float:
+        return self.prefill_build_s + self.traffic.waited.get("prefill", 0.0)
+
+    @property
+    def decode_s(self) -> float:
+        """Decode passes; in a decode-only step, its draw too (one evaluation for both)."""
+        return self.decode_build_s + self.traffic.waited.get("decode", 0.0)
 
     @property
     def host_s(self) -> float:
@@ -90,6 +146,21 @@ class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # every sequence whose next token became due
     scored: dict[str, ScoredTokens] = field(default_factory=dict)
     grammar_done: frozenset[str] = frozenset()  # constrained sequences whose grammar allows no more tokens
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step the runner has enqueued: its scores (read already) and its draw, still on the device until
+    ``ModelRunner.collect`` reads it (the next step can be built and launched first: the draw feeds it)."""
+
+    due: tuple[str, ...]  # sequences whose next token ``drawn`` holds, in its row order
+    drawn: Drawn | None
+    launch: int  # the launch that evaluates it (``Traffic.launch``)
+    scored: dict[str, ScoredTokens] = field(default_factory=dict)
+
+    @property
+    def index(self) -> dict[str, int]:
+        return {rid: i for i, rid in enumerate(self.due)}
 
 
 @dataclass(frozen=True)

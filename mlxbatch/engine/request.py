@@ -61,6 +61,10 @@ class Request:
     finished_at: float | None = None
     mm: Any = None  # vision-language inputs (engine.vlm_model.MultimodalInputs), read only; None for text
     plain_greedy: bool = field(init=False, default=False)  # set from ``params`` (see ``__post_init__``)
+    # its draw reads its own earlier tokens on the host (penalties, min_tokens bans): a step that draws it must know
+    # the token drawn before (it cannot be launched while that token is still on the device)
+    needs_history: bool = field(init=False, default=False)
+    pending: int = 0  # tokens drawn on the device and not appended yet (0 or 1: the step in flight drew one)
 
     @property
     def media(self) -> tuple[tuple[int, str], ...]:
@@ -73,6 +77,7 @@ class Request:
         p = self.params
         # its next token is the argmax of its logits as they are: no penalty, no banned token, no logprobs
         self.plain_greedy = p.greedy and not p.has_penalties and p.min_tokens == 0 and p.logprobs is None
+        self.needs_history = p.has_penalties or p.min_tokens > 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -112,6 +117,14 @@ class Request:
         if self.score_from is not None:
             return self.num_prompt_tokens
         return min(self.num_prompt_tokens + self.params.max_tokens, self.max_context)
+
+    @property
+    def length_done(self) -> bool:
+        """Its tokens, with the one pending, reach ``max_tokens`` or the context: it will not be fed again."""
+        if self.score_from is not None:
+            return False
+        n = len(self.output_token_ids) + self.pending
+        return n >= self.params.max_tokens or self.num_tokens + self.pending >= self.max_context
 
     @property
     def banned_ids(self) -> tuple[int, ...]:

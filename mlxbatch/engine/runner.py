@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.decoding.sampling import SampleRow, sample, sample_greedy
+from mlxbatch.engine.decoding.sampling import SampleRow, draw, draw_greedy
 from mlxbatch.engine.decoding.structured import Matcher, SequenceGrammars
 from mlxbatch.engine.kv import KVLayout, reuse
 from mlxbatch.engine.kv.decode_attention import DecodeAttention
@@ -29,12 +29,12 @@ from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.model.own_body import OwnBody
 from mlxbatch.engine.model.split import split_model
 from mlxbatch.engine.model.worker import KVGeometry
-from mlxbatch.engine.outputs import RunnerOutput, RunnerStats, ScoredTokens, StepProfile
+from mlxbatch.engine.outputs import Launched, RunnerOutput, RunnerStats, ScoredTokens, StepProfile
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sched.scheduler import PrefillChunk, SchedulerOutput
+from mlxbatch.engine.scoring import score_chunk, score_positions
 from mlxbatch.engine.vision.rows import RowInput, VisionLanguageRows
 from mlxbatch.errors import InvalidRequestError, OutOfMemoryError
-from mlxbatch.types import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,9 @@ class ModelRunner:
         # launch costs more than 1/L of the prefill saves)
         self._prune_last = mx.default_device() == mx.cpu
         self._grammars = SequenceGrammars()  # structured outputs: constrained sequences' matchers
+        self._last: Launched | None = None  # the last launched step, until its tokens are read (``collect``)
+        self._promote: list[str] = []  # rows whose prefill ended in the last step: they join the decode rows next
+        self._free: list[str] = []  # rows to drop when the next step starts
 
     def kv_cost(self, reserved_lengths: list[int]) -> int:
         if self._fixed is not None:
@@ -117,37 +120,51 @@ class ModelRunner:
                            self._store.nbytes if self._store is not None else 0,
                            self._mm.stats() if self._mm is not None else None)
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run the step: copy-ins, forwards, sampling, commit."""
+    def launch(self, out: SchedulerOutput) -> Launched:
+        """Enqueue the step: copy-ins, forwards, the draw and the commit of its books. Returns without waiting for
+        the device: ``collect`` reads the drawn tokens, and the next step may be launched first (its decode pass
+        is fed this step's draw on the device)."""
         try:
-            return self._execute(out)
+            return self._launch(out)
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise OutOfMemoryError(str(exc)) from exc
             raise
 
-    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the step and read its results (``launch`` then ``collect``)."""
+        return self.collect(self.launch(out))
+
+    def collect(self, step: Launched) -> RunnerOutput:
+        """A launched step's drawn tokens, read back (waiting for the device if the step is still running)."""
+        if step.drawn is None:
+            return RunnerOutput(scored=step.scored)
+        self.traffic.wait_for(step.launch)  # (its time goes to the launch's kind)
+        tokens_out = step.drawn.read()
+        if step is self._last:
+            self._last = None  # the host knows the last step's tokens: the next decode pass is fed from them
+        t1 = time.perf_counter()
+        self._grammars.advance(list(step.due), [t.token_id for t in tokens_out])  # the step can no longer fail
+        self.profile.grammar_advance_s += time.perf_counter() - t1
+        done = frozenset(rid for rid in step.due if self._grammars.done(rid))
+        return RunnerOutput(dict(zip(step.due, tokens_out)), step.scored, done)
+
+    @property
+    def overlappable(self) -> bool:
+        """Whether a step may be launched before the last one's tokens are read: not with structured outputs (masks
+        follow each sequence's tokens), vision rows (fed embeddings of host tokens) or fixed-shape forwards."""
+        return not len(self._grammars) and self._mm is None and self._fixed is None
+
+    def _launch(self, out: SchedulerOutput) -> Launched:
+        self._settle_rows()
         if self._fixed is not None:
-            return self._execute_fixed(out)
-        prof, batch = self.profile, self.batch
+            return self._launch_fixed(out)
+        prof, batch, traffic = self.profile, self.batch, self.traffic
         scored: dict[str, ScoredTokens] = {}
         due: list[Request] = []
         logits: list[mx.array] = []
-        if out.decodes:
-            t0 = time.perf_counter()
-            assert len(out.decodes) == batch.n_decode, "every decoding sequence runs every step"
-            by_id = {r.request_id: r for r in out.decodes}
-            rows = [by_id[rid] for rid in batch.ids[: batch.n_decode]]
-            seqs = [RowInput(r, r.num_tokens - 1, 1) for r in rows] if self._mm is not None else None
-            step_logits = self._forward(0, [[r.last_token] for r in rows], seqs=seqs)
-            if out.prefills:  # evaluated before the prefill passes write KV; a decode-only step's forward is
-                self.traffic.evaluate(step_logits)  # evaluated with its sampling: one sync a step, not two
-            prof.decode_s += time.perf_counter() - t0
-            prof.decode_tokens += len(rows)
-            due += rows
-            logits.append(step_logits)
         if out.prefills:
-            t0 = time.perf_counter()
+            t0, w0 = time.perf_counter(), traffic.wait_s
             reuse.admit(batch, self._store, out.admissions)  # new rows start from the KV they reuse
             groups = _pad_groups(out.prefills)
             # arrange once, before any forward: rows move by committed length, and this step's writes
@@ -172,15 +189,35 @@ class ModelRunner:
                 if last:
                     logits.append(chunk_logits)
                     due += [group[i].request for i in last]
-                    self.traffic.evaluate(chunk_logits)
+                    traffic.launch("prefill", chunk_logits)  # the host builds the next pass meanwhile
                 else:  # no logits needed: evaluating only the KV lets MLX skip the LM head
-                    self.traffic.evaluate(batch.kv_arrays())
+                    traffic.launch("prefill", *batch.kv_arrays())
                 prof.prefill_tokens += sum(c.end - c.start for c in group)
-            prof.prefill_s += time.perf_counter() - t0
-        return self._sample_commit(out, due, logits, scored)
+            prof.prefill_build_s += time.perf_counter() - t0 - (traffic.wait_s - w0)
+        if out.decodes:  # after the prefill passes: the device runs this (the step's largest pass, at 256 rows)
+            t0, w0 = time.perf_counter(), traffic.wait_s  # while the host reads the last step and schedules the next
+            assert len(out.decodes) == batch.n_decode, "every decoding sequence runs every step"
+            by_id = {r.request_id: r for r in out.decodes}
+            rows = [by_id[rid] for rid in batch.ids[: batch.n_decode]]
+            seqs = [RowInput(r, r.num_tokens - 1, 1) for r in rows] if self._mm is not None else None
+            logits.insert(0, self._forward(0, self._decode_tokens(rows), seqs=seqs))
+            due = rows + due
+            prof.decode_build_s += time.perf_counter() - t0 - (traffic.wait_s - w0)
+            prof.decode_tokens += len(rows)
+        return self._draw_commit(out, due, logits, scored)
 
-    def _execute_fixed(self, out: SchedulerOutput) -> RunnerOutput:
-        """The step in batch-invariant mode: fixed-shape forwards, then the shared sampling and commit."""
+    def _decode_tokens(self, rows: list[Request]) -> list[list[int]] | mx.array:
+        """The decode pass's inputs: each row's last token, from the last step's draw while it is still on the device
+        (every decoding row was due in the step before), else from the host."""
+        last = self._last
+        if last is None or last.drawn is None:
+            return [[r.last_token] for r in rows]
+        pos = last.index
+        assert all(r.request_id in pos for r in rows), "a decoding row was not drawn in the step before"
+        return last.drawn.chosen[mx.array([pos[r.request_id] for r in rows], dtype=mx.int32)][:, None]
+
+    def _launch_fixed(self, out: SchedulerOutput) -> Launched:
+        """The step in batch-invariant mode: fixed-shape forwards, then the shared draw and commit."""
         fx = self._fixed
         assert fx is not None and len(out.decodes) == self.batch.n_decode, "every decoding sequence runs every step"
         step = fx.run(out.decodes, out.prefills, lambda: reuse.admit(self.batch, self._store, out.admissions))
@@ -188,76 +225,55 @@ class ModelRunner:
         if step.score_hidden:
             lg = fx.logits(step.score_hidden).astype(mx.float32)
             scored = score_positions(lg, step.score_targets, step.score_owners, self.traffic)
-        return self._sample_commit(out, step.due, [fx.logits(step.hidden)] if step.due else [], scored)
+        return self._draw_commit(out, step.due, [fx.logits(step.hidden)] if step.due else [], scored)
 
-    def _sample_commit(self, out: SchedulerOutput, due: list[Request], logits: list[mx.array],
-                       scored: dict[str, ScoredTokens]) -> RunnerOutput:
-        """Sample every due row (forked samples from their parent's logits), then commit the step."""
+    def _draw_commit(self, out: SchedulerOutput, due: list[Request], logits: list[mx.array],
+                     scored: dict[str, ScoredTokens]) -> Launched:
+        """Draw every due row's next token (forked samples from their parent's logits), commit the step's books, and
+        launch what is left of the step."""
         prof = self.profile
-        if not due:
-            self._commit(out)
-            return RunnerOutput(scored=scored)
-        all_logits = mx.concatenate(logits, axis=0) if len(logits) > 1 else logits[0]
-        if out.forks:  # each forked sample draws its first token from its parent's last logits
-            pos = {r.request_id: i for i, r in enumerate(due)}
-            all_logits = mx.concatenate([all_logits, all_logits[mx.array([pos[p.request_id] for p, _ in out.forks])]])
-            due += [child for _, child in out.forks]
-        t0 = time.perf_counter()
-        due_ids = [r.request_id for r in due]
-        if not len(self._grammars) and all(r.plain_greedy for r in due):  # nothing per row to build
-            tokens_out = sample_greedy(all_logits)
-        else:
-            rows_s = [SampleRow(r.params, r.seed, len(r.output_token_ids), r.prompt_token_ids, r.output_token_ids,
-                                r.banned_ids) for r in due]
-            t1 = time.perf_counter()
-            constrained = self._grammars.constrain(due_ids, all_logits)
-            prof.grammar_mask_s += time.perf_counter() - t1
-            tokens_out = sample(constrained, rows_s, all_logits if constrained is not all_logits else None)
-        self.traffic.syncs += 1  # the sampled ids are read back
-        if out.decodes and not out.prefills and self._fixed is None:  # the forward ran in this evaluation
-            prof.decode_s += time.perf_counter() - t0
-        else:
+        drawn = None
+        if due:
+            all_logits = mx.concatenate(logits, axis=0) if len(logits) > 1 else logits[0]
+            if out.forks:  # each forked sample draws its first token from its parent's last logits
+                pos = {r.request_id: i for i, r in enumerate(due)}
+                all_logits = mx.concatenate([all_logits,
+                                             all_logits[mx.array([pos[p.request_id] for p, _ in out.forks])]])
+                due += [child for _, child in out.forks]
+            t0 = time.perf_counter()
+            if not len(self._grammars) and all(r.plain_greedy for r in due):  # nothing per row to build
+                drawn = draw_greedy(all_logits)
+            else:  # ``pending``: a token the step in flight drew counts among the row's tokens
+                rows_s = [SampleRow(r.params, r.seed, len(r.output_token_ids) + r.pending, r.prompt_token_ids,
+                                    r.output_token_ids, r.banned_ids) for r in due]
+                t1 = time.perf_counter()
+                constrained = self._grammars.constrain([r.request_id for r in due], all_logits)
+                prof.grammar_mask_s += time.perf_counter() - t1
+                drawn = draw(constrained, rows_s, all_logits if constrained is not all_logits else None)
             prof.sampling_s += time.perf_counter() - t0
-        self._commit(out)
-        t1 = time.perf_counter()
-        self._grammars.advance(due_ids, [t.token_id for t in tokens_out])  # once the step can no longer fail
-        prof.grammar_advance_s += time.perf_counter() - t1
-        done = frozenset(rid for rid in due_ids if self._grammars.done(rid))
-        return RunnerOutput({r.request_id: t for r, t in zip(due, tokens_out)}, scored, done)
+        pending = self._commit(out)  # the prefix store's writes read this step's KV: evaluated with it
+        t0, w0 = time.perf_counter(), self.traffic.wait_s
+        if drawn is not None:
+            n = self.traffic.launch("decode" if out.decodes else "prefill", *drawn.arrays(), *pending)
+        elif pending or out.decodes:
+            n = self.traffic.launch("prefill", *pending, *self.batch.kv_arrays())
+        else:
+            n = self.traffic.launches
+        build = time.perf_counter() - t0 - (self.traffic.wait_s - w0)
+        if out.decodes:
+            prof.decode_build_s += build
+        else:
+            prof.prefill_build_s += build
+        step = Launched(tuple(r.request_id for r in due), drawn, n, scored)
+        self._last = step if drawn is not None else None
+        return step
 
     def _score(self, start: int, group: list[PrefillChunk], tokens: list[list[int]], last: list[int],
                seqs: list[RowInput], scored: dict[str, ScoredTokens]) -> mx.array:
-        """A prefill forward that also scores tokens (log-probability and greedy match).
-
-        A scoring row's ``score_targets`` pair a position with the token its logits are asked about (position ``p``
-        predicts what follows it: the continuation's next prompt token, or each one-token candidate at the
-        context's last position); the pairs inside this chunk are scored, each position's hidden state gathered
-        once. Results go to ``scored``; returns the last-position logits of ``last`` rows.
-        """
+        """A prefill forward that also scores tokens (``scoring.score_chunk``)."""
         fn, head = self._body_head(seqs)
         out = self.batch.forward(fn, start, tokens, full=True)  # [rows, T, dim]
-        at: dict[tuple[int, int], int] = {}  # (row, column) -> its index among the gathered positions
-        picks, targets, owners = [], [], []
-        for i, c in enumerate(group):
-            r = c.request
-            if r.score_from is None:
-                continue
-            for p, t in r.score_targets():
-                if c.start <= p < c.end:
-                    picks.append(at.setdefault((i, p - c.start), len(at)))
-                    targets.append(t)
-                    owners.append(r.request_id)
-        if picks:
-            rows, cols = zip(*at)
-            h = out[mx.array(rows), mx.array(cols)]
-            lg = (head(h) if head is not None else h).astype(mx.float32)
-            if len(at) < len(picks):
-                lg = lg[mx.array(picks)]
-            scored.update(score_positions(lg, targets, owners, self.traffic))
-        if not last:
-            return out[:0, 0]
-        h_last = out[mx.array(last), mx.array([len(tokens[i]) - 1 for i in last])]
-        return head(h_last) if head is not None else h_last
+        return score_chunk(out, head, group, tokens, last, scored, self.traffic)
 
     def _prefill_pruned(self, start: int, group: list[PrefillChunk], tokens: list[list[int]]) -> mx.array:
         """Rows whose prompt ends in this chunk: every token but the last is run for its KV only, which lets MLX
@@ -265,7 +281,7 @@ class ModelRunner:
         2-layer model, 1/L of an L-layer one); the last tokens then run as one ``T = 1`` forward for the logits."""
         fn, _ = self._body_head(None)
         self.batch.forward(fn, start, [t[:-1] for t in tokens], full=True)
-        self.traffic.evaluate(self.batch.kv_arrays())
+        self.traffic.launch("prefill", *self.batch.kv_arrays())
         return self._forward(start, [[t[-1]] for t in tokens], offsets=[c.end - 1 for c in group])
 
     def _body_head(self, seqs: list[RowInput] | None) -> tuple[Any, Any]:
@@ -283,45 +299,46 @@ class ModelRunner:
             out = out[mx.array(rows)] if rows else out[:0]
         return head(out) if head is not None else out
 
-    def _commit(self, out: SchedulerOutput) -> None:
-        """The step succeeded: its KV positions count, finished prompts' blocks go to the prefix store, and
-        finished prefills join the decode rows."""
+    def _commit(self, out: SchedulerOutput) -> list[mx.array]:
+        """The step's books: its KV positions count, finished prompts' blocks go to the prefix store (lazily: returns
+        the store's buffers to evaluate with the step), forked samples get their parent's KV, and finished prefills
+        join the decode rows when the next step starts (a row move waits for the device: not while this one runs).
+        Called once every pass of the step is built; the pass reads lengths as they were."""
         for r in out.decodes:
             self.batch.advance(r.request_id, 1)
         for c in out.prefills:
             self.batch.advance(c.request.request_id, c.end - c.start)
+        pending: list[mx.array] = []
         if out.stores:
             assert self._store is not None
-            reuse.store_blocks(self.batch, self._store, out.stores)  # before any row moves again
+            pending = reuse.store_blocks(self.batch, self._store, out.stores)  # before any row moves again
         for parent, child in out.forks:  # n > 1: the prompt was prefilled once, each sample gets a copy
             self.batch.add(child.request_id, self.batch.extract(parent.request_id), parent.num_prompt_tokens)
-        # only after every length is committed (promotion moves rows by length), and in row order: a finished
-        # prefill row already at the head of the prefill region joins the decode rows without moving
+        # in row order: a finished prefill row already at the head of the prefill region joins without moving
         done = {c.request.request_id for c in out.prefills if c.last} | {c.request_id for _, c in out.forks}
-        self.batch.promote_many([rid for rid in self.batch.ids[self.batch.n_decode :] if rid in done])
+        self._promote = [rid for rid in self.batch.ids[self.batch.n_decode :] if rid in done]
+        return pending
+
+    def _settle_rows(self) -> None:
+        """Row moves left by the last step (promotions, then frees), before this step touches the rows."""
+        if self._promote:
+            leaving = set(self._free)  # (a row done as its prefill ended is not promoted first)
+            self.batch.promote_many([rid for rid in self._promote if rid not in leaving])
+            self._promote = []
+        if self._free:
+            gone, self._free = self._free, []
+            self.batch.remove_many(gone)
+            self.batch.shrink()
 
     def free(self, request_ids: list[str]) -> None:
-        """Drop the KV of sequences that finished, were aborted or were preempted."""
+        """Drop the KV of sequences that finished, were aborted or were preempted (their rows go when the next step
+        starts: the step in flight may still read them)."""
         if self._mm is not None:
             for rid in request_ids:
                 self._mm.free(rid)
-        self.batch.remove_many(request_ids)
-        if request_ids:
-            self.batch.shrink()
-
-
-def score_positions(lg: mx.array, targets: list[int], owners: list[str], traffic: Any) -> dict[str, ScoredTokens]:
-    """Each scored position's log-probability of its target and whether the target is the argmax, per owner."""
-    tgt = mx.array(targets, dtype=mx.int32)
-    chosen = mx.take_along_axis(lg - mx.logsumexp(lg, axis=-1, keepdims=True), tgt[:, None], axis=-1)[:, 0]
-    greedy = mx.argmax(lg, axis=-1) == tgt
-    traffic.evaluate(chosen, greedy)
-    per_row: dict[str, tuple[list[TokenLogprob], list[bool]]] = {}
-    for rid, t, lp, g in zip(owners, targets, chosen.tolist(), greedy.tolist()):
-        lps, flags = per_row.setdefault(rid, ([], []))
-        lps.append(TokenLogprob(t, lp))
-        flags.append(bool(g))
-    return {rid: ScoredTokens(tuple(lps), tuple(fl)) for rid, (lps, fl) in per_row.items()}
+        self._free += request_ids
+        if self._last is None:  # nothing in flight reads them: now
+            self._settle_rows()
 
 
 def _pad_groups(chunks: tuple[PrefillChunk, ...], max_waste: float = 0.25) -> list[list[PrefillChunk]]:

@@ -235,7 +235,7 @@ def test_preempted_rows_recompute_the_same_bits(tiny_loaded, fail_at):
     prompts, ps = rows(10, seed=5), params(10, max_tokens=16)
     expected = generate(tiny_loaded, prompts, ps, max_num_seqs=10)
     eng = Engine(tiny_loaded, EngineConfig(warm_up=False, batch_invariant=True, max_num_seqs=10))
-    real, calls = eng.core.runner._execute, {"n": 0}
+    real, calls = eng.core.runner._launch, {"n": 0}
 
     def flaky(out):
         calls["n"] += 1
@@ -243,7 +243,7 @@ def test_preempted_rows_recompute_the_same_bits(tiny_loaded, fail_at):
             raise MemoryError("simulated")
         return real(out)
 
-    eng.core.runner._execute = flaky
+    eng.core.runner._launch = flaky
     try:
         got = bits(eng.generate(prompts, ps))
     finally:

@@ -179,19 +179,25 @@ def test_every_step_of_a_real_engine_runs_inside_the_bound(tiny_loaded):
     seen: list[tuple[int, int]] = []
 
     class Recording(FakeMx):
+        set_at = 0  # MLX's active memory when the limit was last set (a launched step may free some after)
+
         def get_active_memory(self) -> int:
             return mx.get_active_memory()
+
+        def set_memory_limit(self, n: int) -> int:
+            self.set_at = mx.get_active_memory()
+            return super().set_memory_limit(n)
 
     fake = Recording()
     core._limits = MemoryLimits("cuda", fake)
     core._limits.apply(24 * GiB, 1 * GiB, step_bytes=GiB)
-    execute = core.runner.execute
+    launch = core.runner.launch
 
     def recorded(out):
-        seen.append((fake.limit, mx.get_active_memory()))
-        return execute(out)
+        seen.append((fake.limit, fake.set_at))
+        return launch(out)
 
-    core.runner.execute = recorded
+    core.runner.launch = recorded
     try:
         outs = engine.generate(["a b c", "d e f g", "h"], SamplingParams(temperature=0.0, max_tokens=4))
     finally:

@@ -117,7 +117,7 @@ def test_preempted_sequence_keeps_its_grammar_state(tiny_loaded):
     ref.close()
     eng = Engine(tiny_loaded, config)
     runner = eng.core.runner
-    real, calls = runner._execute, {"n": 0}
+    real, calls = runner._launch, {"n": 0}
 
     def flaky(out):
         calls["n"] += 1
@@ -125,7 +125,7 @@ def test_preempted_sequence_keeps_its_grammar_state(tiny_loaded):
             raise MemoryError("simulated")
         return real(out)
 
-    runner._execute = flaky
+    runner._launch = flaky
     try:
         outs = eng.generate(prompts, params)
     finally:

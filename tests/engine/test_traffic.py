@@ -130,10 +130,10 @@ def test_prefix_store_write_and_gather_scale_with_blocks_not_cache_size():
         mx.eval(row)
         for first in range(0, filled, 64):  # other prompts' blocks first
             store.write(row, 0, range(first, first + 64))
-        store.flush()
+        tr.evaluate(*store.pending())  # (the engine evaluates them with its step's last launch)
         before = tr.snapshot()
         ids = list(range(filled, filled + 10))
-        alloc_write = _allocated(lambda: (store.write(row, 2, ids), store.flush()))
+        alloc_write = _allocated(lambda: (store.write(row, 2, ids), tr.evaluate(*store.pending())))
         alloc_gather = _allocated(lambda: mx.eval(store.gather(ids)))
         return tr.since(before), alloc_write, alloc_gather
 
@@ -214,7 +214,7 @@ def test_batched_cache_stores_match_row_by_row_in_one_gather_and_scatter():
         store._ensure(4095)
         mx.eval(b.kv_arrays())
         before = b.traffic.snapshot()
-        alloc = _allocated(lambda: reuse.store_blocks(b, store, stores))
+        alloc = _allocated(lambda: b.traffic.evaluate(*reuse.store_blocks(b, store, stores)))
         return store, b.traffic.since(before), alloc
 
     (rows, t_rows, _), (batched, t_batched, alloc) = stored(False), stored(True)
@@ -310,7 +310,7 @@ def test_copy_ins_are_sliced_so_their_transient_memory_is_bounded():
         store = PrefixStore(L, H, D, mx.float32, POS_BYTES, rows * blocks, 16, b.traffic)
         ids = list(range(rows * blocks))
         store.write_blocks(ids, blk[:L], blk[L:])
-        store.flush()
+        mx.eval(store.pending())
         adm = [Admission(Request(f"r{i}", f"r{i}", 0, list(range(200)), SamplingParams(), 0, frozenset(), 4096,
                                  TextTracker(None, incremental=False)),
                          CachedBlocks(tuple(ids[i * blocks : (i + 1) * blocks]), blocks * 16)) for i in range(rows)]

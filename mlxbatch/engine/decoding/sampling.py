@@ -118,14 +118,44 @@ def _draw(logits: mx.array, rows: Sequence[SampleRow]) -> mx.array:
     return mx.minimum(idx, probs.shape[-1] - 1)
 
 
-def sample_greedy(logits: mx.array) -> list[SampledToken]:
+@dataclass(frozen=True)
+class Drawn:
+    """A step's draw, still on the device: the chosen ids and the logprobs asked for. ``arrays()`` go to an
+    evaluation; ``read()`` brings them back as ``SampledToken``s (a sync if they are not evaluated yet)."""
+
+    chosen: mx.array  # [rows] int32
+    lp_rows: tuple[int, ...] = ()  # rows that asked for logprobs
+    ks: tuple[int, ...] = ()  # per row of ``lp_rows``: how many top alternatives it asked for
+    chosen_lp: mx.array | None = None  # [len(lp_rows)]
+    top_ids: mx.array | None = None  # [len(lp_rows), max(ks)]
+    top_vals: mx.array | None = None
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.chosen, self.chosen_lp, self.top_ids, self.top_vals) if a is not None]
+
+    def read(self) -> list[SampledToken]:
+        tokens = [int(t) for t in self.chosen.tolist()]
+        out = [SampledToken(t, None) for t in tokens]
+        if not self.lp_rows:
+            return out
+        assert self.chosen_lp is not None
+        chosen_list = self.chosen_lp.tolist()
+        ids_list = self.top_ids.tolist() if self.top_ids is not None else None
+        vals_list = self.top_vals.tolist() if self.top_vals is not None else None
+        for j, (i, k) in enumerate(zip(self.lp_rows, self.ks)):
+            top = tuple(zip(ids_list[j][:k], vals_list[j][:k])) if ids_list and vals_list else ()
+            out[i] = SampledToken(tokens[i], TokenLogprob(tokens[i], chosen_list[j], top))
+        return out
+
+
+def draw_greedy(logits: mx.array) -> Drawn:
     """The argmax of each row of ``logits`` as they are (rows with no penalty, banned token or logprobs; a float32
     copy of [rows, vocab] would change no value: bfloat16 and float16 convert exactly)."""
-    return [SampledToken(t, None) for t in mx.argmax(logits, axis=-1).tolist()]
+    return Drawn(mx.argmax(logits, axis=-1).astype(mx.int32))
 
 
-def sample(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array | None = None) -> list[SampledToken]:
-    """Choose the next token of every row of ``logits`` ([rows, vocab]) under that row's parameters.
+def draw(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array | None = None) -> Drawn:
+    """Choose the next token of every row of ``logits`` ([rows, vocab]) under that row's parameters, lazily.
 
     Logprobs (rows that ask for them) are the model's own distribution: ``model_logits`` when given (the logits before
     an output constraint masked them, so a constrained label's logprob is the model's confidence in it, not 0.0 under a
@@ -133,7 +163,7 @@ def sample(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array |
     assert logits.ndim == 2 and logits.shape[0] == len(rows)
     want_lp = [r.params.logprobs is not None for r in rows]
     if not any(want_lp) and all(r.params.greedy and not (r.params.has_penalties or r.banned_ids) for r in rows):
-        return sample_greedy(logits)
+        return draw_greedy(logits)
     logits = logits.astype(mx.float32)
     raw = logits if model_logits is None else model_logits.astype(mx.float32)
     raw_lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True) if any(want_lp) else None
@@ -157,14 +187,16 @@ def sample(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array |
         for pos, i in enumerate(order):
             inverse[i] = pos
         chosen = chosen[mx.array(inverse)]
+    chosen = chosen.astype(mx.int32)
     lp_rows = [i for i, w in enumerate(want_lp) if w]
     if not lp_rows:
-        return [SampledToken(int(t), None) for t in chosen.tolist()]
+        return Drawn(chosen)
     assert raw_lp is not None
     sel = mx.array(lp_rows)
     lp = raw_lp[sel] if len(lp_rows) < len(rows) else raw_lp
-    chosen_lp = mx.take_along_axis(lp, chosen[sel][:, None].astype(mx.int32), axis=-1)[:, 0]
-    kmax = max(rows[i].params.logprobs or 0 for i in lp_rows)
+    chosen_lp = mx.take_along_axis(lp, chosen[sel][:, None], axis=-1)[:, 0]
+    ks = tuple(rows[i].params.logprobs or 0 for i in lp_rows)
+    kmax = max(ks)
     top_ids = top_vals = None
     if kmax:
         top_ids = mx.argpartition(-lp, kmax - 1, axis=-1)[:, :kmax]
@@ -172,13 +204,9 @@ def sample(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array |
         order_k = mx.argsort(-top_vals, axis=-1)
         top_ids = mx.take_along_axis(top_ids, order_k, axis=-1)
         top_vals = mx.take_along_axis(top_vals, order_k, axis=-1)
-    tokens = [int(t) for t in chosen.tolist()]
-    chosen_list = chosen_lp.tolist()
-    ids_list = top_ids.tolist() if top_ids is not None else None
-    vals_list = top_vals.tolist() if top_vals is not None else None
-    out = [SampledToken(t, None) for t in tokens]
-    for j, i in enumerate(lp_rows):
-        k = rows[i].params.logprobs or 0
-        top = tuple(zip(ids_list[j][:k], vals_list[j][:k])) if ids_list and vals_list else ()
-        out[i] = SampledToken(tokens[i], TokenLogprob(tokens[i], chosen_list[j], top))
-    return out
+    return Drawn(chosen, tuple(lp_rows), ks, chosen_lp, top_ids, top_vals)
+
+
+def sample(logits: mx.array, rows: Sequence[SampleRow], model_logits: mx.array | None = None) -> list[SampledToken]:
+    """``draw``, read back at once."""
+    return draw(logits, rows, model_logits).read()

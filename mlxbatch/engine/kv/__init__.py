@@ -57,7 +57,7 @@ class KVLayout(Protocol):
         """Make these prefilling rows contiguous, in this order, right after the decode rows."""
         ...
 
-    def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]], full: bool = False,
+    def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]] | mx.array, full: bool = False,
                 offsets: Sequence[int] | None = None) -> mx.array:
         """Run rows ``[start, start + len(tokens))`` over their new tokens (writing their KV); each row's last output,
         or every position's with ``full``."""

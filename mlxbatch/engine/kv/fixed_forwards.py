@@ -162,12 +162,12 @@ class FixedForwards:
         if decodes:
             t0 = time.perf_counter()
             self.decode(decodes, step)
-            prof.decode_s += time.perf_counter() - t0
+            prof.decode_build_s += time.perf_counter() - t0
             prof.decode_tokens += len(decodes)
         if prefills:
             t0 = time.perf_counter()
             admit()
             self.prefill(prefills, step)
-            prof.prefill_s += time.perf_counter() - t0
+            prof.prefill_build_s += time.perf_counter() - t0
             prof.prefill_tokens += sum(c.end - c.start for c in prefills)
         return step

@@ -61,7 +61,7 @@ class PrefixStore:
     def write(self, row_kv: Sequence[tuple[mx.array, mx.array]], first_block: int, block_ids: Sequence[int]) -> None:
         """Copy blocks ``first_block ..`` of a row (per layer ``[1, H, length, D]``, lazy views) into ``block_ids`` (the
         last may be partial: the row's length ends inside it).
-        Evaluated by ``flush``, once for every write of a step."""
+        Evaluated with the step (``pending``), once for every write of a step."""
         self._ensure(max(block_ids))
         B, n = self.block_size, len(block_ids)
         idx = mx.array(list(block_ids), dtype=mx.int32)
@@ -74,7 +74,7 @@ class PrefixStore:
 
     def write_blocks(self, block_ids: Sequence[int], keys: Sequence[mx.array], values: Sequence[mx.array]) -> None:
         """Whole blocks (per layer ``[n, H, block_size, D]``, e.g. ``read_blocks`` of the running batch) into
-        ``block_ids``: one scatter per buffer for every block of a step. Evaluated by ``flush``."""
+        ``block_ids``: one scatter per buffer for every block of a step. Evaluated with the step (``pending``)."""
         assert len(set(block_ids)) == len(block_ids), "a block is written once a step"
         self._ensure(max(block_ids))
         idx = mx.array(list(block_ids), dtype=mx.int32)
@@ -84,11 +84,13 @@ class PrefixStore:
         self.traffic.stored_bytes += len(block_ids) * self.block_size * self._token_bytes
         self._dirty = True
 
-    def flush(self) -> None:
-        """Evaluate pending writes (their sources are lazy views of the running batch's slots)."""
-        if self._dirty:
-            self.traffic.evaluate(self._keys, self._values)
-            self._dirty = False
+    def pending(self) -> list[mx.array]:
+        """The buffers with this step's writes, for the step's last evaluation (their sources are lazy views of the
+        running batch's slots: they must be evaluated before the slots are written again); empty if none."""
+        if not self._dirty:
+            return []
+        self._dirty = False
+        return self._keys + self._values
 
 
 def _blocks(x: mx.array, n: int, block_size: int) -> mx.array:

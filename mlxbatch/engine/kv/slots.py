@@ -373,7 +373,7 @@ class SlotBatch:
         return [(k[row : row + 1, :, :n, :], v[row : row + 1, :, :n, :]) for k, v in zip(self._keys, self._values)]
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]], full: bool = False,
+    def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]] | mx.array, full: bool = False,
                 offsets: Sequence[int] | None = None) -> mx.array:
         """Run rows ``[start, start+len(tokens))`` over their new tokens; returns each row's last output
         (``[rows, dim]``), or every position's (``[rows, T, dim]``) with ``full``.
@@ -382,10 +382,13 @@ class SlotBatch:
         caller applies the LM head itself to the last positions only).
 
         Rows with fewer tokens than the longest are right-padded; padding writes land past the row's
-        length, where later tokens overwrite them, and no real query can see them (causal mask).
+        length, where later tokens overwrite them, and no real query can see them (causal mask). ``tokens`` may be
+        an array ``[rows, 1]`` (a decode pass fed the ids the step before drew, still on the device).
         """
+        if isinstance(tokens, mx.array):
+            assert tokens.ndim == 2 and tokens.shape[1] == 1, "an array of tokens feeds a decode pass"
         n = len(tokens)
-        T = max(len(t) for t in tokens)
+        T = 1 if isinstance(tokens, mx.array) else max(len(t) for t in tokens)
         # where each row's new tokens start: its committed length, unless an earlier forward of the same step
         # (not committed yet) already wrote some
         offsets = list(offsets) if offsets is not None else self.lengths[start : start + n]
@@ -396,9 +399,14 @@ class SlotBatch:
             self._ensure(start + n, max(o + T for o in offsets))
             self._pass = plan_forward(start, offsets, T, self.batched_moves)
         rows, width = self._pass.stop - start, self._pass.width
-        pad = tokens if rows == n and width == 1 else \
-            [list(t) + [0] * (width - len(t)) for t in tokens] + [[0] * width] * (rows - n)
-        out = model(mx.array(pad, dtype=mx.int32), cache=self.layers)
+        if isinstance(tokens, mx.array):
+            assert (rows, width) == (n, 1)
+            inputs = tokens
+        else:
+            pad = tokens if rows == n and width == 1 else \
+                [list(t) + [0] * (width - len(t)) for t in tokens] + [[0] * width] * (rows - n)
+            inputs = mx.array(pad, dtype=mx.int32)
+        out = model(inputs, cache=self.layers)
         if rows > n:
             out = out[:n]
         if full:

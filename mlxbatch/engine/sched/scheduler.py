@@ -243,7 +243,7 @@ class Scheduler:
         return RunningRow(source.request_id, n)
 
     def finish_step(self, out: SchedulerOutput) -> list[Request]:
-        """Record computed tokens after the runner ran ``out``; returns (and drops) finished sequences."""
+        """Record computed tokens after the runner ran ``out``; returns (and drops) the sequences that are done."""
         for chunk in out.prefills:
             chunk.request.num_computed_tokens = chunk.end
             if chunk.last and not chunk.request.status.finished:
@@ -259,9 +259,15 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.commit(out.stores, [c.request for c in out.prefills if c.last])
         self._recover_limits()
-        done = [r for r in self.running if r.status.finished]
+        return self.reap()
+
+    def reap(self) -> list[Request]:
+        """Drop (and return) the running sequences that are done: finished, or drawing their last token in the step
+        in flight (``Request.length_done``: the row is not fed again, so its KV can go now)."""
+        done = [r for r in self.running if r.status.finished or r.length_done]
         if done:
-            self.running = [r for r in self.running if not r.status.finished]
+            gone = {id(r) for r in done}
+            self.running = [r for r in self.running if id(r) not in gone]
             for r in done:
                 self._forget(r)
         return done
