@@ -34,8 +34,9 @@ class EngineConfig:
     # max_num_seqs: fixed forward shapes (engine.kv.invariant); costs speed, so off by default
     batch_invariant: bool = False
     # launch each step before reading the last one's tokens, so that the host's work (reading results, scheduling,
-    # building the next passes) runs while the device computes; off: every step is read before the next is built
-    overlap_steps: bool = True
+    # building the next passes) runs while the device computes. Off by default: on the H200 it measured no faster
+    # (docs/benchmarks.md, 4e27dd2); every step is then read before the next is built
+    overlap_steps: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):

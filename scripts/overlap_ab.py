@@ -35,6 +35,8 @@ def main() -> None:
                 tokens.setdefault(overlap, run.tokens)
                 rows.append((name, pair, "on" if overlap else "off", run.wall_s, p["prefill_s"], p["decode_s"],
                              p["host_s"], p["steps"], p["syncs"]))
+                log(f"  {name} {pair} {overlap}: " + ", ".join(f"{k} {v}" for k, v in p.items()
+                                                              if k.endswith("build_s") or k.startswith("waited_")))
                 log(f"{mine.tag} {rows[-1]}")
         same = sum(1 for a, c in zip(tokens[True], tokens[False]) if a == c)
         rows.append((name, "rows equal on/off", f"{same}/{len(w.prompts)}", 0, 0, 0, 0, 0, 0))

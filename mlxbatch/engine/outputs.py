@@ -129,6 +129,8 @@ class StepProfile:
             "sampling_s": round(self.sampling_s, 4), "host_s": round(self.host_s, 4),
             "total_s": round(self.total_s, 4), "prefill_tokens": self.prefill_tokens,
             "decode_tokens": self.decode_tokens, "grammar_mask_s": round(self.grammar_mask_s, 5),
+            "prefill_build_s": round(self.prefill_build_s, 4), "decode_build_s": round(self.decode_build_s, 4),
+            **{f"waited_{k}_s": round(v, 4) for k, v in self.traffic.waited.items()},
             "grammar_advance_s": round(self.grammar_advance_s, 5), **self.traffic.as_dict(),
         }
 

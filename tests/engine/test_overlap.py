@@ -97,7 +97,7 @@ def test_streamed_text_is_the_same(tiny_loaded):
 
 def test_a_step_is_launched_before_the_one_before_it_is_read(tiny_loaded):
     """The order of the runner's calls: launch k+1, then read k (its tokens feed k+1 on the device)."""
-    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4, prefix_cache=False))
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4, prefix_cache=False, overlap_steps=True))
     runner, events = eng.core.runner, []
     launch, collect = runner.launch, runner.collect
 
@@ -128,7 +128,7 @@ def test_nothing_is_enqueued_while_a_launch_is_in_flight(tiny_loaded, monkeypatc
     """Every evaluation the engine asks for (``mx.eval``, ``mx.async_eval``) comes when nothing it launched is
     still running: the rule that keeps CUDA's in-place KV writes in place (docs: ``engine.outputs``)."""
     eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=8, max_num_batched_tokens=128,
-                                           prefill_chunk_size=32))
+                                           prefill_chunk_size=32, overlap_steps=True))
     traffic, calls = eng.core.runner.traffic, {"n": 0}
     real_eval, real_async = mx.eval, mx.async_eval
 
@@ -151,7 +151,7 @@ def test_nothing_is_enqueued_while_a_launch_is_in_flight(tiny_loaded, monkeypatc
 
 def test_abort_while_the_last_token_is_drawn(tiny_loaded):
     """An abort between a step's launch and its read: the request ends aborted, the others run to the end."""
-    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4, prefix_cache=False))
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4, prefix_cache=False, overlap_steps=True))
     core = eng.core
     for i, p in enumerate(_prompts(4, seed=6)):
         core.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), request_id=f"r{i}")
