@@ -19,6 +19,7 @@ working memory against B1's.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -89,8 +90,10 @@ def suite_workload(b: Bench, name: str, rows: int) -> tuple[Table, dict]:
     return tab, figures
 
 
-def bare_decode_tps(b: Bench, rows: int, prompt_len: int, new_tokens: int) -> float:
-    """tok/s of a bare mlx-lm forward + argmax loop: the model's own KV cache, one eval per step, no engine."""
+def bare_decode(b: Bench, rows: int, prompt_len: int, new_tokens: int) -> tuple[float, float, float]:
+    """A bare mlx-lm forward + argmax loop (the model's own KV cache, one eval per step, no engine): tok/s, and the
+    median step's host time (building the graph and ``mx.async_eval``: MLX encodes and launches every kernel) and
+    wait for the device after it, in ms."""
     model = b.model
     cache = make_prompt_cache(model)
     y = mx.array(b.workload("short", rows, prompt_len=prompt_len).prompts, dtype=mx.int32)
@@ -100,17 +103,25 @@ def bare_decode_tps(b: Bench, rows: int, prompt_len: int, new_tokens: int) -> fl
     for _ in range(3):  # warm
         y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1)[:, None].astype(mx.int32)
         mx.eval(y)
+    host, wait = [], []
     t0 = time.perf_counter()
     for _ in range(new_tokens - 4):
+        t1 = time.perf_counter()
         y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1)[:, None].astype(mx.int32)
+        mx.async_eval(y)
+        t2 = time.perf_counter()
         mx.eval(y)
-    return rows * (new_tokens - 4) / (time.perf_counter() - t0)
+        host.append(t2 - t1)
+        wait.append(time.perf_counter() - t2)
+    tps = rows * (new_tokens - 4) / (time.perf_counter() - t0)
+    return tps, 1e3 * statistics.median(host), 1e3 * statistics.median(wait)
 
 
 def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: int = 128) -> tuple[Table, dict]:
     tab = Table(f"decode at fixed concurrency: {prompt_len}-token prompts, {new_tokens} new tokens",
                 ["sequences", "engine step tok/s", "engine fwd tok/s", "mlx-lm BatchGenerator tok/s",
-                 "bare forward+argmax tok/s", "step x mlx-lm", "step x bare", "syncs / step"])
+                 "bare forward+argmax tok/s", "step x mlx-lm", "step x bare", "syncs / step",
+                 "host / wait ms a step: engine", "bare"])
     raw = {}
     for L in levels:
         w = b.workload("short", L, prompt_len=prompt_len, max_tokens=new_tokens)
@@ -120,19 +131,26 @@ def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: 
         b.run_engine(warm, **cfg)
         ref = b.run_b1(w, L, L, name="mlx-lm")
         eng = b.run_engine(w, **cfg)
-        bare = bare_decode_tps(b, L, prompt_len, new_tokens)
+        bare, bare_host, bare_wait = bare_decode(b, L, prompt_len, new_tokens)
         p = eng.extra["profile"]
         decode_steps = max(1, p["steps"] - 1)
+        # the engine's decode passes: building and launching them on the host, then waiting for the device
+        waited = p.get("waited_decode_s", 0.0)
+        eng_host, eng_wait = 1e3 * (p["decode_s"] - waited) / decode_steps, 1e3 * waited / decode_steps
         step = p["decode_tokens"] / max(1e-9, p["total_s"] - p["prefill_s"])
         fwd = p["decode_tokens"] / max(1e-9, p["decode_s"])
         ref_tps = ref.extra["decode_tps"]
         tab.rows.append([L, step, fwd, ref_tps, bare, ratio(step, ref_tps), ratio(step, bare),
-                         p["syncs"] / decode_steps])
+                         p["syncs"] / decode_steps, f"{eng_host:.2f} / {eng_wait:.2f}", f"{bare_host:.2f} / {bare_wait:.2f}"])
         raw[L] = {"engine_step": step, "engine_fwd": fwd, "mlx_lm": ref_tps, "bare": bare,
-                  "engine_profile": p}
+                  "engine_host_ms": eng_host, "engine_wait_ms": eng_wait, "bare_host_ms": bare_host,
+                  "bare_wait_ms": bare_wait, "engine_profile": p}
         log(f"  decode {L}: engine step {step:,.0f} tok/s, mlx-lm {ref_tps:,.0f}, bare {bare:,.0f}")
     tab.notes.append("engine step = decode tokens / (step time - prefill time): forward, sampling and host work; "
-                     "bare = mlx-lm model + KVCache, forward + argmax + eval per step (what a raw loop gets).")
+                     "bare = mlx-lm model + KVCache, forward + argmax + eval per step (what a raw loop gets). "
+                     "host / wait: a step's median host time (building the graph, mx.async_eval: MLX encodes and "
+                     "launches every kernel; the engine: its decode passes' mean) and the wait for the device after "
+                     "it; a wait near 0 means the step is bound by the host, which overlap cannot hide.")
     return tab, raw
 
 

@@ -82,7 +82,9 @@ def test_gpu_command_on_a_bare_copy_of_the_tree(tmp_path, tiny_model_path):
     label = suite["figures"]["label"]
     assert label["rows"] == 8 and label["floor"] > 0 and label["x_b1"] > 0 and label["prefill_over_floor"] >= 1
     assert label["x_b1_again"] > 0 and "engine-again" in label["runs"]
-    assert set(suite["figures"]["decode"]["1"]) >= {"engine_step", "mlx_lm", "bare"}
+    decode = suite["figures"]["decode"]["1"]
+    assert set(decode) >= {"engine_step", "mlx_lm", "bare", "engine_host_ms", "engine_wait_ms", "bare_host_ms"}
+    assert decode["bare_host_ms"] > 0 and decode["engine_host_ms"] > 0 and "host / wait ms a step" in (out / "gpu_suite.md").read_text()
     md = (out / "gpu_suite.md").read_text()
     assert md.startswith("GPU figures measured at commit abc1234") and "### label: 8 rows" in md
     summary = json.loads((out / "all.json").read_text())["sections"]["gpu"]["tables"][0]
