@@ -186,3 +186,33 @@ def test_a_decode_step_waits_for_the_device_once(tiny_loaded, overlap):
         assert tr.since(before).syncs == 1
     core.run_until_done()
     eng.close()
+
+
+@pytest.mark.parametrize("fail_at", [3, 6])
+def test_an_out_of_memory_step_with_a_step_in_flight(tiny_loaded, fail_at):
+    """A launch fails for lack of memory while the step before it is still unread: that step's tokens stand, every
+    row is preempted and recomputed, and the outputs are what steps one at a time give with the same failure."""
+    prompts = _prompts(12, seed=7)
+    params = [SamplingParams(temperature=0, max_tokens=10 + i % 5, ignore_eos=True) for i in range(12)]
+
+    def run(overlap: bool):
+        eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=6, max_num_batched_tokens=128,
+                                               prefill_chunk_size=32, overlap_steps=overlap))
+        real, calls = eng.core.runner._launch, {"n": 0}
+
+        def flaky(out):
+            calls["n"] += 1
+            if calls["n"] == fail_at:
+                raise MemoryError("simulated")
+            return real(out)
+
+        eng.core.runner._launch = flaky
+        try:
+            return _view(eng.generate(prompts, params)), eng.core.scheduler.num_preemptions
+        finally:
+            eng.close()
+
+    (over, n_over), (sync, n_sync) = run(True), run(False)
+    assert n_over == n_sync == 1
+    assert over == sync
+    assert [len(o[0][0]) for o in over] == [p.max_tokens for p in params]
