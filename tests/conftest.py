@@ -63,3 +63,22 @@ def tiny_vlm_loaded(tiny_vlm_path: Path):
     from mlxbatch.engine.model.loader import ModelSpec, load_model
 
     return load_model(ModelSpec(str(tiny_vlm_path)))
+
+
+@pytest.fixture()
+def fail_launch_at():
+    """``fail_launch_at(runner, at)``: the runner's ``at``-th step launch fails as if memory ran out
+    (``MemoryError``); the others run as usual."""
+
+    def arm(runner, at: int) -> None:
+        real, calls = runner._launch, {"n": 0}
+
+        def flaky(out):
+            calls["n"] += 1
+            if calls["n"] == at:
+                raise MemoryError("simulated")
+            return real(out)
+
+        runner._launch = flaky
+
+    return arm

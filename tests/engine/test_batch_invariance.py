@@ -229,21 +229,13 @@ def test_constrained_rows_alone_equal_constrained_rows_in_a_batch(tiny_loaded):
 # -- preemption ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fail_at", [3, 9])
-def test_preempted_rows_recompute_the_same_bits(tiny_loaded, fail_at):
+def test_preempted_rows_recompute_the_same_bits(tiny_loaded, fail_at, fail_launch_at):
     """An out-of-memory step sends the newest rows back; their prompt is prefilled again and their generated tokens
     are replayed by decode steps, so every later token and logprob is unchanged."""
     prompts, ps = rows(10, seed=5), params(10, max_tokens=16)
     expected = generate(tiny_loaded, prompts, ps, max_num_seqs=10)
     eng = Engine(tiny_loaded, EngineConfig(warm_up=False, batch_invariant=True, max_num_seqs=10))
-    real, calls = eng.core.runner._launch, {"n": 0}
-
-    def flaky(out):
-        calls["n"] += 1
-        if calls["n"] == fail_at:
-            raise MemoryError("simulated")
-        return real(out)
-
-    eng.core.runner._launch = flaky
+    fail_launch_at(eng.core.runner, fail_at)
     try:
         got = bits(eng.generate(prompts, ps))
     finally:

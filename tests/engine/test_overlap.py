@@ -170,26 +170,8 @@ def test_abort_while_the_last_token_is_drawn(tiny_loaded):
     assert all(len(finals[f"r{i}"].completions[0].token_ids) == 8 for i in (0, 2, 3))
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_decode_step_waits_for_the_device_once(tiny_loaded, overlap):
-    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4, prefix_cache=False, overlap_steps=overlap))
-    core = eng.core
-    for i in range(4):
-        core.add_request(f"row {i} says", SamplingParams(temperature=0.7, seed=i, max_tokens=12, ignore_eos=True,
-                                                         logprobs=1 if i == 3 else None))
-    core.step()
-    core.step()
-    tr = core.runner.traffic
-    for _ in range(5):
-        before = tr.snapshot()
-        core.step()
-        assert tr.since(before).syncs == 1
-    core.run_until_done()
-    eng.close()
-
-
 @pytest.mark.parametrize("fail_at", [3, 6])
-def test_an_out_of_memory_step_with_a_step_in_flight(tiny_loaded, fail_at):
+def test_an_out_of_memory_step_with_a_step_in_flight(tiny_loaded, fail_at, fail_launch_at):
     """A launch fails for lack of memory while the step before it is still unread: that step's tokens stand, every
     row is preempted and recomputed, and the outputs are what steps one at a time give with the same failure."""
     prompts = _prompts(12, seed=7)
@@ -198,15 +180,7 @@ def test_an_out_of_memory_step_with_a_step_in_flight(tiny_loaded, fail_at):
     def run(overlap: bool):
         eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=6, max_num_batched_tokens=128,
                                                prefill_chunk_size=32, overlap_steps=overlap))
-        real, calls = eng.core.runner._launch, {"n": 0}
-
-        def flaky(out):
-            calls["n"] += 1
-            if calls["n"] == fail_at:
-                raise MemoryError("simulated")
-            return real(out)
-
-        eng.core.runner._launch = flaky
+        fail_launch_at(eng.core.runner, fail_at)
         try:
             return _view(eng.generate(prompts, params)), eng.core.scheduler.num_preemptions
         finally:

@@ -107,7 +107,7 @@ def test_invalid_constraint_is_refused_and_the_engine_goes_on(engine):
     assert engine.core.runner.num_constrained == 0  # finished sequences leave no matcher behind
 
 
-def test_preempted_sequence_keeps_its_grammar_state(tiny_loaded):
+def test_preempted_sequence_keeps_its_grammar_state(tiny_loaded, fail_launch_at):
     """An out-of-memory step sends sequences back to the queue; they resume mid-grammar with the same output."""
     prompts = ["Review as JSON:", "Another review as JSON:"]
     params = greedy(OutputConstraint.json_schema(SCHEMA))
@@ -116,16 +116,7 @@ def test_preempted_sequence_keeps_its_grammar_state(tiny_loaded):
     expected = [o.token_ids for o in ref.generate(prompts, params)]
     ref.close()
     eng = Engine(tiny_loaded, config)
-    runner = eng.core.runner
-    real, calls = runner._launch, {"n": 0}
-
-    def flaky(out):
-        calls["n"] += 1
-        if calls["n"] == 6:  # mid-output: both rows have consumed tokens of their grammar
-            raise MemoryError("simulated")
-        return real(out)
-
-    runner._launch = flaky
+    fail_launch_at(eng.core.runner, 6)  # mid-output: both rows have consumed tokens of their grammar
     try:
         outs = eng.generate(prompts, params)
     finally:

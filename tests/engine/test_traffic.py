@@ -330,10 +330,12 @@ def test_copy_ins_are_sliced_so_their_transient_memory_is_bounded():
     assert a_sliced <= 2 * (2 * per_row) + SLACK, a_sliced  # one slice (gathered, then its scatter's source)
 
 
-def test_a_decode_only_step_waits_for_the_device_once(tiny_loaded):
+@pytest.mark.parametrize("overlap", [False, True], ids=["steps one at a time", "overlapped steps"])
+def test_a_decode_only_step_waits_for_the_device_once(tiny_loaded, overlap):
     """A decode-only step's forward is evaluated with its sampling: one sync (the sampled ids read back), as a bare
-    decode loop does; a second evaluation after the forward left the GPU idle while the host built the sampling."""
-    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4, prefix_cache=False))
+    decode loop does; a second evaluation after the forward left the GPU idle while the host built the sampling.
+    Overlapped, the one wait is for the step before (its ids are read while this one runs)."""
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4, prefix_cache=False, overlap_steps=overlap))
     core = eng.core
     for i in range(4):
         core.add_request(f"row {i} says", SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=12,
