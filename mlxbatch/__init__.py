@@ -1,11 +1,14 @@
 """mlxbatch: batch / offline LLM jobs on MLX.
 
-Importing the package first loads the system OpenBLAS on Linux (before MLX is imported anywhere).
+Importing the package first loads the system OpenBLAS on Linux (before MLX is imported anywhere), and asks MLX's
+CUDA backend for direct kernel launches (``mlxbatch._cuda``; a ``MLX_USE_CUDA_GRAPHS`` the user set wins).
 """
 
 from mlxbatch._blas import preload_openblas
+from mlxbatch._cuda import prefer_direct_launches
 
 preload_openblas()
+prefer_direct_launches()
 
 from mlxbatch.errors import InvalidRequestError, MlxbatchError  # noqa: E402
 from mlxbatch.types import FinishReason, OutputConstraint, RequestOutput, SamplingParams  # noqa: E402

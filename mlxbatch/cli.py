@@ -221,7 +221,7 @@ def generate(model: str, max_tokens: int, temperature: float, seed: int | None, 
 
 @main.command()
 def info() -> None:
-    """The device, its memory and the BLAS MLX uses.
+    """The device, its memory, the BLAS MLX uses and, on CUDA, how kernels are launched.
 
     ``total_memory_gb`` is what the device may use (GPU memory; on a Mac, Metal's recommended working set, a share of
     the machine's memory), ``available_memory_gb`` what is free for a run now, ``host_memory_gb`` the machine's RAM.
@@ -235,6 +235,8 @@ def info() -> None:
            "host_memory_gb": host}
     if d.kind == "metal":
         out["total_memory_is"] = "the Metal working-set limit (unified memory: shared with macOS and other apps)"
+    if d.kind == "cuda":
+        out["kernel_launch"] = d.kernel_launch  # direct, unless MLX_USE_CUDA_GRAPHS=1 was set
     click.echo(json.dumps({**out, "blas": d.blas}, indent=2))
 
 

@@ -20,7 +20,7 @@ import mlx_lm
 from mlx.utils import tree_flatten
 
 import mlxbatch
-from mlxbatch import _blas
+from mlxbatch import _blas, _cuda
 from mlxbatch.bench.harness import Bench
 
 HERE = Path(__file__).resolve().parent
@@ -63,6 +63,9 @@ def machine_meta(b: Bench) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "device": str(mx.default_device()),
         "openblas": _blas.loaded_path or "not loaded",
+        # process-wide: the baselines in this process launch the same way
+        "cuda_kernel_launch": _cuda.kernel_launch() if mx.default_device() == mx.gpu and not mx.metal.is_available()
+        else "",
         "python": platform.python_version(),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
@@ -87,7 +90,8 @@ def render_meta(m: dict[str, Any]) -> str:
         "",
         f"- command: `{m['command']}`",
         f"- machine: {m['platform']}, {m['cpu']}, {m['cpu_count']} CPUs; device {m['device']}; "
-        f"OpenBLAS: {m['openblas']}",
+        f"OpenBLAS: {m['openblas']}" + (f"; CUDA kernel launch: {m['cuda_kernel_launch']}"
+                                         if m.get("cuda_kernel_launch") else ""),
         f"- software: python {m['python']}, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, mlxbatch {m['mlxbatch']} "
         f"(git {m['git']})",
         f"- model: {m['model']} ({m['params'] / 1e6:.1f}M params, {m['dtype']}): hidden {s['hidden_size']}, "

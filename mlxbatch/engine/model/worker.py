@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxbatch import _blas
+from mlxbatch import _blas, _cuda
 from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.engine.model.memory import HostMemory, default_kv_fraction, device_available, host_memory
 from mlxbatch.errors import ModelLoadError
@@ -32,6 +32,7 @@ class DeviceInfo:
     available_memory: int  # bytes free now (on Metal: within the working set and what the host has free)
     blas: str  # CPU only: the BLAS MLX uses ("openblas: <path>" or "reference")
     host_memory: int = 0  # the machine's RAM
+    kernel_launch: str = ""  # CUDA only: "direct" or "cuda graphs" (``mlxbatch._cuda``)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ def device_info(host: HostMemory | None = None) -> DeviceInfo:
     if dev == mx.gpu:
         kind = "metal" if mx.metal.is_available() else "cuda"
         total, avail = device_available(kind, info, host, mx.get_active_memory() + mx.get_cache_memory())
-        return DeviceInfo(kind, str(info.get("device_name", kind)), total, avail, "", host.total)
+        launch = _cuda.kernel_launch() if kind == "cuda" else ""
+        return DeviceInfo(kind, str(info.get("device_name", kind)), total, avail, "", host.total, launch)
     blas = f"openblas: {_blas.loaded_path}" if _blas.loaded_path else "reference"
     return DeviceInfo("cpu", str(info.get("device_name", "cpu")), host.total, host.available, blas, host.total)
 
