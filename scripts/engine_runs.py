@@ -51,13 +51,13 @@ def main() -> None:
             run = b.run_engine(w, max_num_seqs=C)
             p = run.extra["profile"]
             rows.append((name, again, run.wall_s, p["prefill_s"], p["prefill_tokens"], p["decode_s"], len(seen),
-                         len(set(seen))))
+                         len(set(seen)), p.get("prefill_unfused_passes", "-")))
             log(f"{mine.tag} {rows[-1]}")
     print(f"\n{mine.tag}: concurrency {C}, mlxbatch from {mlxbatch.__file__}")
-    print("| tag | workload | run | wall s | prefill s | prefill tok | decode s | passes | distinct shapes |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, again, wall, ps, pt, ds, np_, nd in rows:
-        print(f"| {mine.tag} | {name} | {again} | {wall:.2f} | {ps:.2f} | {pt:,} | {ds:.2f} | {np_} | {nd} |")
+    print("| tag | workload | run | wall s | prefill s | prefill tok | decode s | passes | distinct shapes | unfused |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, again, wall, ps, pt, ds, np_, nd, nu in rows:
+        print(f"| {mine.tag} | {name} | {again} | {wall:.2f} | {ps:.2f} | {pt:,} | {ds:.2f} | {np_} | {nd} | {nu} |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from mlxbatch.engine.kv import KVLayout, reuse
 from mlxbatch.engine.kv.decode_attention import DecodeAttention
 from mlxbatch.engine.kv.fixed_forwards import FixedForwards
 from mlxbatch.engine.kv.invariant import InvariantSlots, check_rows, shapes_for, smallest_linear_out
+from mlxbatch.engine.kv.prefill_attention import PrefillAttention
 from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.model.own_body import OwnBody
@@ -80,11 +81,15 @@ class ModelRunner:
         # CUDA: prefill passes in recurring shapes (each new attention shape is a cuDNN graph build there)
         slots.shape_buckets = (vlm is None and not batch_invariant and mx.default_device() == mx.gpu
                                and not mx.metal.is_available())
-        # CUDA decode steps: attention over each row's own keys, fused (MLX runs rows of different lengths unfused)
+        # CUDA decode steps: attention over each row's own keys, fused (MLX runs rows of different lengths unfused);
+        # CUDA prefill: a new shape's attention unfused until the shape recurs (no cuDNN graph build for one pass)
         if isinstance(self._split.body if self._split else None, OwnBody) and vlm is None and not batch_invariant:
             assert self._split is not None
             slots.decode_attention = DecodeAttention.create(self._split.body.heads, geometry.kv_heads,
                                                             geometry.head_dim, dtype)
+            if slots.shape_buckets:
+                slots.prefill_attention = PrefillAttention(self._split.body.heads, geometry.kv_heads,
+                                                           geometry.head_dim, dtype)
         self.batch: KVLayout = slots
         self._store = (PrefixStore(geometry.num_layers, geometry.kv_heads, geometry.head_dim, dtype,
                                    geometry.bytes_per_token, prefix_blocks, block_size, self.traffic)
@@ -116,7 +121,9 @@ class ModelRunner:
         self.profile.total_s += seconds
 
     def stats(self) -> RunnerStats:
-        return RunnerStats(self.profile.as_dict(), self.batch.nbytes,
+        policy = getattr(self.batch, "prefill_attention", None)  # CUDA: prefill passes run unfused (new shapes)
+        unfused = {"prefill_unfused_passes": policy.unfused_passes} if policy is not None else {}
+        return RunnerStats({**self.profile.as_dict(), **unfused}, self.batch.nbytes,
                            self._store.nbytes if self._store is not None else 0,
                            self._mm.stats() if self._mm is not None else None)
 

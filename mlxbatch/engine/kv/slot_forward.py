@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from mlxbatch.engine.kv.prefill_attention import unfused
+
 
 @dataclass(frozen=True)
 class ForwardPass:
@@ -30,6 +32,7 @@ class ForwardPass:
     written: int  # rows that write their KV: the first ``written``; the rest pad the pass to a bucketed shape
     rows: mx.array  # [rows] the pass's slot rows (lazy: built only if a fused decode attention reads it)
     key_lengths: mx.array  # [rows] keys each row's last query sees: offset + T (lazy, as ``rows``)
+    fused: bool = True  # a prefill pass: MLX's fused attention, else ``prefill_attention.unfused`` (CUDA, new shapes)
 
     def array_mask(self) -> mx.array:
         return (mx.arange(self.t_used)[None, None, :] <= self.q_pos[:, :, None])[:, None, :, :]
@@ -158,8 +161,9 @@ class SlotLayerCache:
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """Write this layer's new keys/values, then attend (``model.own_body``): a decode pass through the fused
-        per-row kernel where the slot batch has one (CUDA) and it is worth it (``DecodeAttention.worth``), anything
-        else through MLX's attention over the keys the pass reads, with its mask (what mlx-lm's attention does)."""
+        per-row kernel where the slot batch has one (CUDA) and it is worth it (``DecodeAttention.worth``), a prefill
+        pass whose shape is new (CUDA: ``kv.prefill_attention``) through MLX's unfused ops, anything else through
+        MLX's attention over the keys the pass reads, with its mask (what mlx-lm's attention does)."""
         k, v = self.update_and_fetch(keys, values)
         fp, kernel = self._owner.current_pass(), self._owner.decode_attention
         rows = fp.stop - fp.start
@@ -167,6 +171,8 @@ class SlotLayerCache:
                 and kernel.worth(rows, keys.shape[1], fp.t_used):
             k_buf, v_buf = self._owner.layer_buffers(self._layer)
             return kernel(queries, k_buf, v_buf, fp.rows, fp.key_lengths, scale)
+        if not fp.fused:
+            return unfused(queries, k, v, scale, mask)
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
     @property

@@ -11,6 +11,7 @@ two rows; nothing copies the whole batch except buffer growth (amortised: rows d
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,6 +61,7 @@ class SlotBatch:
         # shape costs a cuDNN graph build; the runner sets it
         self.shape_buckets = False
         self.decode_attention: Any = None  # fused per-row decode attention (``kv.decode_attention``, CUDA); the runner sets it
+        self.prefill_attention: Any = None  # ``kv.prefill_attention.PrefillAttention`` (CUDA); the runner sets it
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -398,6 +400,10 @@ class SlotBatch:
         else:
             self._ensure(start + n, max(o + T for o in offsets))
             self._pass = plan_forward(start, offsets, T, self.batched_moves)
+        fp = self._pass
+        if T > 1 and self.prefill_attention is not None:  # CUDA: a new shape's attention unfused, no cuDNN build
+            fused = self.prefill_attention.fused(fp.stop - fp.start, fp.width, fp.t_used, self._pos_cap, fp.mask)
+            self._pass = dataclasses.replace(fp, fused=fused)
         rows, width = self._pass.stop - start, self._pass.width
         if isinstance(tokens, mx.array):
             assert (rows, width) == (n, 1)
