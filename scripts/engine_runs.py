@@ -1,6 +1,7 @@
 """The engine alone on the suite's workloads, each run twice in one process (diagnostic, for A/B runs on a GPU)
 
     python3 scripts/engine_runs.py --model 0.5b --tag main --runs label:2048,fewshot:2048,chat:1024
+    python3 scripts/engine_runs.py --model 0.5b --tag after4 --prefill-after 4 --runs unique:1024,chat:1024
 
 Each workload: a first run (cuDNN builds a graph for every new attention shape) and the same run again (the graphs
 are built). Prints wall, prefill seconds and tokens, decode seconds, and the prefill passes and their distinct
@@ -35,8 +36,25 @@ def count_passes() -> list[tuple[int, int, int]]:
     return seen
 
 
+def set_prefill_policy(after: str, max_scores: str) -> None:
+    """Variants of the CUDA prefill-attention policy for this process (``kv.prefill_attention``): the passes a shape
+    runs unfused before it runs fused (``--prefill-after``; 0: fused at once, as before ``b1bfb0e``) and the largest
+    scores an unfused pass may materialise (``--prefill-max-scores``, elements). The defaults are the engine's."""
+    from mlxbatch.engine.kv.prefill_attention import PrefillAttention
+
+    init = PrefillAttention.__init__
+    kw = {k: int(v) for k, v in (("after", after), ("max_scores", max_scores)) if v}
+
+    def varied(self: PrefillAttention, *a: object, **k: object) -> None:
+        init(self, *a, **{**k, **kw})  # type: ignore[arg-type]
+
+    PrefillAttention.__init__ = varied  # type: ignore[method-assign]
+
+
 def main() -> None:
-    mine, args = parse_script_args(sys.argv[1:], tag="", runs="label:2048,fewshot:2048,chat:1024")
+    mine, args = parse_script_args(sys.argv[1:], tag="", runs="label:2048,fewshot:2048,chat:1024",
+                                   prefill_after="", prefill_max_scores="")
+    set_prefill_policy(mine.prefill_after, mine.prefill_max_scores)
     b = Bench(args)
     C = b.concurrency
     seen = count_passes()
