@@ -12,9 +12,10 @@ the engine or the job layer. Typical use by the job runner::
 """
 
 from mlxbatch.io.card import write_dataset_card
-from mlxbatch.io.checkpoint import CheckpointStore, RecoveryReport, ShardInfo
+from mlxbatch.io.checkpoint import CheckpointStore
 from mlxbatch.io.errors import CheckpointError, IncompleteResultsError, InputError, OutputError
 from mlxbatch.io.keys import DuplicateIdTracker, canonical_params, result_key
+from mlxbatch.io.manifest import ShardInfo
 from mlxbatch.io.openai_output import OpenAIBatchOutputs, write_openai_batch_output
 from mlxbatch.io.output_folder import (
     PROGRESS_NAME,
@@ -34,8 +35,10 @@ from mlxbatch.io.readers import (
     resolve_inputs,
 )
 from mlxbatch.io.records import InputRow, ResultRecord
+from mlxbatch.io.recovery import RecoveryReport
 from mlxbatch.io.schema import SHARD_SCHEMA, from_arrow, to_arrow
-from mlxbatch.io.writers import ExpectedRow, FinalOutputs, finalize
+from mlxbatch.io.selection import ExpectedRow
+from mlxbatch.io.writers import FinalOutputs, finalize
 
 __all__ = [
     "PROGRESS_NAME", "SHARD_SCHEMA", "CheckpointError", "CheckpointStore", "DuplicateIdTracker", "ExpectedRow", "FinalOutputs",

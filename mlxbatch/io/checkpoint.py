@@ -8,12 +8,12 @@ Layout of ``out_dir``::
     .lock                      held (flock) while a CheckpointStore is open: one writer per folder (holds its pid;
                                ``lock``)
 
-Owns the shard files, the manifest and recovery after a crash or a lying disk. A crash can leave: a ``.tmp``
-(deleted on open), a renamed shard the manifest does not list yet (validated fully and adopted), a truncated file
-(moved to ``corrupt/``). Every listed shard's size and sha256 are checked when the store opens and by ``verify``
-(before the final outputs are written); a shard that fails is moved to ``corrupt/`` and its rows are redone. A
-manifest that is empty, cut short or not JSON is moved aside and rebuilt from the shards. Does not own what a key
-means (``keys``) or the final outputs (``writers``).
+Owns the folder's layout and ``CheckpointStore``: opening it (the lock, the manifest, recovery), writing shards
+(``append``, exactly once: a finished shard is never rewritten), reading the checkpointed rows back, ``verify``,
+``reset`` and the job metadata. Every listed shard's size and sha256 are checked when the store opens and by
+``verify`` (before the final outputs are written); a shard that fails is moved to ``corrupt/`` and its rows are
+redone. Does not own the manifest's format, reading and writing (``manifest``), what a crash can leave and how it
+is repaired (``recovery``), what a key means (``keys``) or the final outputs (``writers``).
 """
 
 from __future__ import annotations
@@ -22,70 +22,26 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from mlxbatch.io.atomic import TMP_SUFFIX, atomic_write_json, fsync_dir, fsync_file, tmp_path_for
+from mlxbatch.io.atomic import fsync_dir, fsync_file, tmp_path_for
 from mlxbatch.io.errors import CheckpointError
 from mlxbatch.io.faults import crash, fault_due
 from mlxbatch.io.lock import acquire_lock
+from mlxbatch.io.manifest import MANIFEST_NAME, ShardInfo, load_manifest, peek_meta, save_manifest
 from mlxbatch.io.records import ResultRecord
-from mlxbatch.io.schema import ShardFormatError, from_arrow, read_shard, serialize_shard, to_arrow
+from mlxbatch.io.recovery import RecoveryReport, recover, verify_shards
+from mlxbatch.io.schema import from_arrow, read_shard, serialize_shard, to_arrow
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "mlxbatch-checkpoint"
-MANIFEST_VERSION = 1
 SHARDS_DIR = "shards"
 CORRUPT_DIR = "corrupt"
-_SHARD_RE = re.compile(r"^shard-(\d+)\.arrow$")
-_SEQ_RE = re.compile(r"^shard-(\d+)\.arrow")  # also matches .tmp leftovers and renamed casualties
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """One completed shard as the manifest lists it."""
-
-    name: str
-    rows: int
-    bytes: int
-    sha256: str
-
-    @property
-    def seq(self) -> int:
-        match = _SHARD_RE.match(self.name)
-        assert match, self.name
-        return int(match.group(1))
-
-
-@dataclass(frozen=True)
-class RecoveryReport:
-    """What opening the store had to repair (names of files)."""
-
-    removed_tmp: tuple[str, ...] = ()
-    adopted: tuple[str, ...] = ()  # complete shards the manifest did not list yet
-    corrupt: tuple[str, ...] = ()  # moved to shards/corrupt/; their rows will be redone
-    missing: tuple[str, ...] = ()  # listed in the manifest but gone from disk; their rows will be redone
-
-
-def _seq_of(name: str) -> int | None:
-    match = _SEQ_RE.match(name)
-    return int(match.group(1)) if match else None
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class CheckpointStore:
@@ -101,7 +57,7 @@ class CheckpointStore:
         self._manifest_saves = 0
         self._lock_fd: int | None = acquire_lock(self.out_dir)
         try:
-            self._shards, self._meta = self._load_manifest()
+            self._shards, self._meta = load_manifest(self.manifest_path, self.corrupt_dir)
             self.recovery = self._recover()
         except BaseException:
             self.close()
@@ -120,105 +76,15 @@ class CheckpointStore:
         self.close()
 
     # -- manifest ----------------------------------------------------------------------------------------------
-    def _load_manifest(self) -> tuple[list[ShardInfo], dict[str, Any]]:
-        """The manifest's shards and metadata; an empty, cut or garbled manifest is set aside and rebuilt."""
-        if not self.manifest_path.exists():
-            return [], {}
-        try:
-            data = json.loads(self.manifest_path.read_bytes().decode("utf-8"))
-        except ValueError as exc:
-            return self._rebuild(f"not valid JSON ({exc})")
-        if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
-            raise CheckpointError(f"{self.manifest_path}: not an mlxbatch checkpoint manifest")
-        if data.get("version") != MANIFEST_VERSION:
-            raise CheckpointError(f"{self.manifest_path}: manifest version {data.get('version')!r} is not "
-                                  f"{MANIFEST_VERSION}; use a new output folder")
-        try:
-            shards = [ShardInfo(**entry) for entry in data["shards"]]
-            return shards, dict(data.get("meta", {}))
-        except (ValueError, KeyError, TypeError) as exc:
-            return self._rebuild(f"malformed ({type(exc).__name__}: {exc})")
-
-    def _rebuild(self, why: str) -> tuple[list[ShardInfo], dict[str, Any]]:
-        """Set a broken manifest aside; recovery then adopts every complete shard on disk (metadata is lost)."""
-        self.corrupt_dir.mkdir(exist_ok=True)
-        aside = self.corrupt_dir / f"{MANIFEST_NAME}.{len(list(self.corrupt_dir.glob(MANIFEST_NAME + '*'))) + 1}"
-        os.replace(self.manifest_path, aside)
-        logger.warning("%s is %s; moved to %s and rebuilt from the shards on disk", self.manifest_path, why, aside)
-        return [], {}
-
     def _save_manifest(self) -> None:
-        data = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "shards": [asdict(s) for s in self._shards],
-                "meta": self._meta}
         self._manifest_saves += 1
-        if fault_due("mid-manifest", self._manifest_saves):
-            text = json.dumps(data).encode()
-            tmp_path_for(self.manifest_path).write_bytes(text[: len(text) // 2])
-            crash()
-        atomic_write_json(self.manifest_path, data)
+        save_manifest(self.manifest_path, self._shards, self._meta, self._manifest_saves)
 
     # -- recovery ----------------------------------------------------------------------------------------------
-    def _move_aside(self, path: Path) -> str:
-        self.corrupt_dir.mkdir(exist_ok=True)
-        target = self.corrupt_dir / path.name
-        n = 0
-        while target.exists():  # never overwrite an earlier casualty
-            n += 1
-            target = self.corrupt_dir / f"{path.name}.{n}"
-        os.replace(path, target)
-        logger.warning("checkpoint shard %s is incomplete or unreadable; moved to %s (its rows will be redone)",
-                       path, target)
-        return path.name
-
     def _recover(self) -> RecoveryReport:
-        removed_tmp, adopted, corrupt, missing = [], [], [], []
-        for leftover in [*self.shards_dir.glob("*" + TMP_SUFFIX), tmp_path_for(self.manifest_path)]:
-            if leftover.exists():
-                leftover.unlink()
-                removed_tmp.append(leftover.name)
-                logger.info("removed leftover temporary file %s (an interrupted write)", leftover)
-        kept: list[ShardInfo] = []
-        for info in self._shards:
-            path = self.shards_dir / info.name
-            if not path.exists():
-                missing.append(info.name)
-                logger.error("checkpoint shard %s listed in the manifest is missing; its rows will be redone", path)
-                continue
-            try:
-                if path.stat().st_size != info.bytes:
-                    raise ShardFormatError(f"{path}: size {path.stat().st_size} != manifest {info.bytes}")
-                if _sha256_file(path) != info.sha256:
-                    raise ShardFormatError(f"{path}: its sha256 does not match the manifest (the file changed)")
-                read_shard(path)
-            except ShardFormatError as exc:
-                logger.error("%s", exc)
-                corrupt.append(self._move_aside(path))
-                continue
-            kept.append(info)
-        listed = {info.name for info in self._shards}
-        on_disk = sorted((p for p in self.shards_dir.iterdir() if _SHARD_RE.match(p.name)),
-                         key=lambda p: _seq_of(p.name) or 0)
-        for path in on_disk:
-            if path.name in listed:
-                continue
-            try:
-                table = read_shard(path, full=True)
-            except ShardFormatError as exc:
-                logger.error("%s", exc)
-                corrupt.append(self._move_aside(path))
-                continue
-            data = path.read_bytes()
-            kept.append(ShardInfo(path.name, table.num_rows, len(data), hashlib.sha256(data).hexdigest()))
-            adopted.append(path.name)
-            logger.info("adopted complete shard %s that the manifest did not list yet", path.name)
-        kept.sort(key=lambda s: s.seq)
-        report = RecoveryReport(tuple(removed_tmp), tuple(adopted), tuple(corrupt), tuple(missing))
-        changed = bool(adopted or corrupt or missing)
-        self._shards = kept
-        # Never reuse a sequence number that names a file anywhere, casualties included.
-        seqs = [s.seq for s in kept] + [_seq_of(p.name) or 0 for p in self.corrupt_dir.glob("shard-*")]
-        self._next_seq = max(seqs, default=0) + 1
-        if changed:
+        self._shards, self._next_seq, report = recover(self.shards_dir, self.corrupt_dir, self.manifest_path,
+                                                       self._shards)
+        if report.adopted or report.corrupt or report.missing:
             self._save_manifest()
         return report
 
@@ -267,21 +133,10 @@ class CheckpointStore:
     def verify(self) -> tuple[str, ...]:
         """Re-hash every shard against the manifest; move mismatches aside (their rows are then missing and must
         be redone). Returns their names (reads every shard)."""
-        bad: list[str] = []
-        for info in list(self._shards):
-            path = self.shard_path(info)
-            if not path.exists():
-                logger.error("checkpoint shard %s listed in the manifest is missing; its rows will be redone", path)
-                bad.append(info.name)
-            elif _sha256_file(path) != info.sha256:
-                logger.error("checkpoint shard %s does not match its sha256 in the manifest", path)
-                bad.append(self._move_aside(path))
-            else:
-                continue
-            self._shards.remove(info)
+        bad = verify_shards(self.shards_dir, self.corrupt_dir, self._shards)
         if bad:
             self._save_manifest()
-        return tuple(bad)
+        return bad
 
     def reset(self) -> None:
         """Drop every shard, casualty and piece of metadata (``overwrite``): the folder starts empty. Keeps the lock."""
@@ -293,12 +148,7 @@ class CheckpointStore:
     @staticmethod
     def peek_meta(out_dir: str | Path) -> dict[str, Any]:
         """The metadata of a folder's manifest, read without the lock ({} when there is none or it is unreadable)."""
-        try:
-            data = json.loads((Path(out_dir) / MANIFEST_NAME).read_bytes().decode("utf-8"))
-            meta = data.get("meta") if isinstance(data, dict) else None
-        except (OSError, ValueError):
-            return {}
-        return dict(meta) if isinstance(meta, dict) else {}
+        return peek_meta(out_dir)
 
     # -- writing -----------------------------------------------------------------------------------------------
     def append(self, records: Sequence[ResultRecord]) -> Path:

@@ -17,9 +17,10 @@ from typing import Any
 
 from mlxbatch.io.atomic import TMP_SUFFIX, atomic_write_bytes, atomic_write_json, fsync_dir
 from mlxbatch.io.card import CARD_NAME, is_own_card
-from mlxbatch.io.checkpoint import MANIFEST_NAME, SHARDS_DIR
+from mlxbatch.io.checkpoint import SHARDS_DIR
 from mlxbatch.io.errors import OutputError
 from mlxbatch.io.faults import crash, fault_due
+from mlxbatch.io.manifest import MANIFEST_NAME
 from mlxbatch.io.openai_output import ERRORS_NAME, OUTPUT_NAME
 
 RESULTS_NAME = "results.parquet"

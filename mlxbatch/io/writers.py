@@ -4,7 +4,8 @@ Owns the results file's layout: ``finalize`` re-reads the input, recomputes each
 checkpointed results (or an error row for a missing one) into Parquet, with the input columns' own types. Call it
 once every row is checkpointed, then ``write_openai_batch_output`` (OpenAI batch inputs only), then the report and
 the ``_SUCCESS`` marker (``output_folder``). Written atomically (tmp + fsync + rename); a write that fails (a full
-disk) raises ``OutputError`` and leaves no temporary file. Does not own the shards (``checkpoint``)."""
+disk) raises ``OutputError`` and leaves no temporary file. Does not own the shards (``checkpoint``) or which
+record each row takes (``selection``)."""
 
 from __future__ import annotations
 
@@ -17,24 +18,22 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from mlxbatch.io.atomic import TMP_SUFFIX, atomic_writer
+from mlxbatch.io.atomic import atomic_writer
 from mlxbatch.io.checkpoint import CheckpointStore
 from mlxbatch.io.columns import ColumnPlanner, InputColumn, build_column, decode_inputs
 from mlxbatch.io.errors import IncompleteResultsError, OutputError
 from mlxbatch.io.faults import crash, fault_due
 from mlxbatch.io.output_folder import RESULTS_NAME, oserror_text
-from mlxbatch.io.schema import LOGPROBS_TEXT_TYPE, LOGPROBS_TYPE, encode_json
+from mlxbatch.io.schema import LOGPROBS_TEXT_TYPE, LOGPROBS_TYPE
+from mlxbatch.io.selection import INPUTS_SPOOL, ExpectedRow, InputsSpool, Selection, inputs_of, select_rows
 from mlxbatch.io.shard_index import MISSING, ShardIndex
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROW_GROUP_SIZE = 10_000
 MISSING_ERROR = "no result: the row was not processed"
-_EXPECTED_CHUNK = 65_536
-_INPUTS_SPOOL = ".inputs.arrow" + TMP_SUFFIX  # the current input columns while results.parquet is written
 
 # Result columns after ``id``, ``key`` and the input columns; logprobs only when some row has them. The records'
 # ``extra`` JSON (task results: n > 1 samples, parsed JSON, scores) becomes one typed column per key, at the end
@@ -52,17 +51,6 @@ RESULT_COLUMNS = frozenset(f.name for f in _HEAD + _TAIL)
 
 
 @dataclass(frozen=True)
-class ExpectedRow:
-    """One input row of the current job, in input order: its id, its current result key and (optionally) its
-    input columns as they are now. With ``inputs`` the results show the current values of columns that are not
-    part of the key (an edited column the prompt does not use); None: the values checkpointed with the result."""
-
-    row_id: str
-    key: str
-    inputs: Mapping[str, Any] | None = None
-
-
-@dataclass(frozen=True)
 class FinalOutputs:
     """What ``finalize`` wrote."""
 
@@ -74,89 +62,6 @@ class FinalOutputs:
     stale_records: int  # checkpointed records not written: older keys of changed rows, or other jobs' rows
     input_columns: tuple[str, ...]  # the expanded input columns, as named in the results file
     has_logprobs: bool
-
-
-@dataclass(frozen=True)
-class _Selection:
-    positions: np.ndarray  # shard-index position of each output row, MISSING when absent
-    row_ids: pa.ChunkedArray | None  # None: take the ids from the records
-    keys: pa.ChunkedArray | None
-    inputs: pa.ChunkedArray | None = None  # the current inputs (JSON), memory-mapped; None: the checkpointed ones
-
-
-class _InputsSpool:
-    """The expected rows' current inputs as JSON, spooled to an Arrow file beside the results (memory stays
-    bounded however large the input is) and memory-mapped back."""
-
-    _SCHEMA = pa.schema([("inputs", pa.string())])
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._writer: ipc.RecordBatchFileWriter | None = None
-        self._pending: list[str] = []
-
-    def add(self, inputs: Mapping[str, Any]) -> None:
-        self._pending.append(encode_json(inputs))
-        if len(self._pending) >= _EXPECTED_CHUNK:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._writer is None:
-            self._writer = ipc.new_file(str(self.path), self._SCHEMA)
-        self._writer.write_batch(pa.record_batch([pa.array(self._pending, pa.string())], schema=self._SCHEMA))
-        self._pending.clear()
-
-    def column(self) -> pa.ChunkedArray:
-        self.flush()
-        assert self._writer is not None
-        self._writer.close()
-        with pa.memory_map(str(self.path)) as source:
-            return ipc.open_file(source).read_all().column("inputs")
-
-    def remove(self) -> None:
-        try:
-            if self._writer is not None:
-                self._writer.close()  # a no-op when column() closed it; fails again on a full disk
-        except OSError:
-            pass
-        self.path.unlink(missing_ok=True)
-
-
-def _select(index: ShardIndex, expected: Iterable[ExpectedRow] | None, spool: _InputsSpool) -> _Selection:
-    if expected is None:
-        return _Selection(index.first_occurrences(), None, None)
-    id_chunks: list[pa.Array] = []
-    key_chunks: list[pa.Array] = []
-    ids: list[str] = []
-    keys: list[str] = []
-    with_inputs: bool | None = None
-
-    def flush() -> None:
-        id_chunks.append(pa.array(ids, pa.string()))
-        key_chunks.append(pa.array(keys, pa.string()))
-        ids.clear()
-        keys.clear()
-
-    for row in expected:  # a stream: only the compact Arrow copies of ids and keys are kept
-        if with_inputs is None:
-            with_inputs = row.inputs is not None
-        elif with_inputs != (row.inputs is not None):
-            raise ValueError("finalize: give inputs for every expected row or for none")
-        ids.append(row.row_id)
-        keys.append(row.key)
-        if row.inputs is not None:
-            spool.add(row.inputs)
-        if len(ids) >= _EXPECTED_CHUNK:
-            flush()
-    flush()
-    key_array = pa.chunked_array(key_chunks, pa.string())
-    return _Selection(index.locate(key_array), pa.chunked_array(id_chunks, pa.string()), key_array,
-                      spool.column() if with_inputs else None)
-
-
-def _inputs_of(gathered: pa.Table, sel: _Selection, part: slice) -> list[dict[str, Any]]:
-    column = sel.inputs[part] if sel.inputs is not None else gathered.column("inputs")
-    return decode_inputs(column.to_pylist())
 
 
 def _chunks(n: int, size: int) -> Iterator[slice]:
@@ -189,13 +94,13 @@ def _recomputed(extra_rows: list[dict[str, Any]], rows: list[dict[str, Any]], co
             extra[name] = value(inputs, result)
 
 
-def _output_table(gathered: pa.Table, sel: _Selection, part: slice, inputs: list[InputColumn],
+def _output_table(gathered: pa.Table, sel: Selection, part: slice, inputs: list[InputColumn],
                   extras: list[InputColumn], schema: pa.Schema,
                   token_text: Callable[[int], str] | None = None, recompute: Recompute | None = None) -> pa.Table:
     missing = pa.array(sel.positions[part] == MISSING)
     ids = sel.row_ids[part] if sel.row_ids is not None else gathered.column("row_id")
     keys = sel.keys[part] if sel.keys is not None else gathered.column("key")
-    rows = _inputs_of(gathered, sel, part)
+    rows = inputs_of(gathered, sel, part)
     columns: dict[str, Any] = {"id": ids, "key": keys}
     for column in inputs:
         columns[column.out_name] = build_column(rows, column)
@@ -241,7 +146,7 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
     against a gold column edited since the row ran).
     """
     out = Path(out_dir)
-    spool = _InputsSpool(out / _INPUTS_SPOOL)
+    spool = InputsSpool(out / INPUTS_SPOOL)
     try:
         return _finalize(store, out, expected, keep_columns, row_group_size, include_logprobs, allow_missing,
                          filename, spool, input_types=input_types, extra_types=extra_types, token_text=token_text,
@@ -255,12 +160,12 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
 
 def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow] | None,
               keep_columns: Sequence[str] | None, row_group_size: int, include_logprobs: bool | None,
-              allow_missing: bool, filename: str, spool: _InputsSpool, *,
+              allow_missing: bool, filename: str, spool: InputsSpool, *,
               input_types: Mapping[str, pa.DataType] | None, extra_types: Mapping[str, pa.DataType] | None,
               token_text: Callable[[int], str] | None, metadata: Mapping[str, str] | None = None,
               recompute: Recompute | None = None) -> FinalOutputs:
     index = ShardIndex(list(store.iter_tables()))
-    sel = _select(index, expected, spool)
+    sel = select_rows(index, expected, spool)
     n = len(sel.positions)
     missing_rows = int(np.count_nonzero(sel.positions == MISSING))
     if missing_rows and not allow_missing:
@@ -273,7 +178,7 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
     extra_planner = ColumnPlanner(None, RESULT_COLUMNS, extra_types, always=list(extra_types or ()))
     for part in _chunks(n, row_group_size):  # first pass: the expanded columns' names and types
         got = index.gather(sel.positions[part], ["inputs", "extra"] if has_extra else ["inputs"])
-        planner.observe(_inputs_of(got, sel, part))
+        planner.observe(inputs_of(got, sel, part))
         if has_extra:  # keys starting with "_" are checkpoint bookkeeping (e.g. the engine actor): not output
             extra_planner.observe([{k: v for k, v in d.items() if not k.startswith("_")}
                                    for d in decode_inputs(got.column("extra").to_pylist())])

@@ -9,7 +9,7 @@ import pytest
 from io_helpers import make_record
 
 from mlxbatch.io import CheckpointError, CheckpointStore
-from mlxbatch.io.checkpoint import MANIFEST_NAME
+from mlxbatch.io.manifest import MANIFEST_NAME
 from mlxbatch.types import FinishReason, TokenLogprob
 
 
