@@ -5,7 +5,8 @@ Owns the driver side of a distributed run. Each window of the plan is cut into p
 order, at most ``4 x max_num_seqs`` in flight per actor (``ray_actor.EngineActor.advance``: one call out per actor,
 the next sent as soon as one returns). Finished rows come back here and the run loop checkpoints them, so shards,
 keys and final outputs are a single-machine run's. An idle actor with nothing queued takes the tail of the busiest
-actor's unsent rows (cut at a weak link), so a window ends together.
+actor's unsent rows (cut at a weak link), so a window ends together. The books of each actor and these rules of who
+gets which rows are ``job.ray_slots``'s; this module starts the actors, talks to them and handles their failures.
 
 Failures: an actor that dies (or whose call fails) loses only the rows it held unreturned; they go to the front of
 the queue for the others, and a replacement actor starts while ``max_restarts`` allows. A result for a row that was
@@ -16,7 +17,6 @@ run goes.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -34,9 +34,9 @@ from mlxbatch.job.actor_progress import clear_progress, write_progress
 from mlxbatch.job.engine_stats import merge_engine_stats
 from mlxbatch.job.executor import ExecutorError, Finished, ModelInfo, tokenizer_fingerprint
 from mlxbatch.job.feed import Failed, Resumed, RowFeed, Submit
-from mlxbatch.job.partition import prefix_units, random_units, row_cost, split_for_steal
 from mlxbatch.job.ray_actor import ActorInfo, Advance, EngineActor
 from mlxbatch.job.ray_cluster import connected, driver_tokenizer, fitting_actors, kill
+from mlxbatch.job.ray_slots import Slot, next_rows, units_of
 from mlxbatch.job.spec import JobSpec
 from mlxbatch.job.tasks import RowTask
 
@@ -45,43 +45,6 @@ log = logging.getLogger(__name__)
 ADVANCE_BUDGET_S = 0.5  # an actor reports back at least this often
 PROGRESS_EVERY_S = 1.0
 POLL_WAIT_S = 0.05
-
-
-@dataclasses.dataclass
-class Slot:
-    """One engine actor as the driver sees it: what it was given and what it did."""
-
-    name: str
-    handle: Any
-    state: str = "starting"  # starting | ready | dead
-    call: Any = None  # the pending info() / advance() call
-    info: ActorInfo | None = None
-    units: deque[list[Submit]] = dataclasses.field(default_factory=deque)  # taken, not sent yet (plan order)
-    in_flight: dict[str, Submit] = dataclasses.field(default_factory=dict)  # sent, not returned (in send order)
-    last_ids: list[int] = dataclasses.field(default_factory=list)  # the last row sent (for the prefill floor)
-    rows: int = 0
-    errors: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    floor_tokens: int = 0  # prefill this actor cannot avoid: each row's tokens beyond what the previous one shares
-    engine: dict[str, Any] = dataclasses.field(default_factory=dict)  # the engine's latest counters
-    busy_s: float = 0.0
-    error: str | None = None
-    started: float = dataclasses.field(default_factory=time.monotonic)
-
-    @property
-    def queued(self) -> int:
-        return sum(len(u) for u in self.units)
-
-    def summary(self) -> dict[str, Any]:
-        i = self.info
-        prefill = int(self.engine.get("profile", {}).get("prefill_tokens", 0))
-        return {"name": self.name, "state": self.state, "host": i.host if i else None, "pid": i.pid if i else None,
-                "device": i.device if i else None, "blas": i.blas if i else None, "rows": self.rows,
-                "errors": self.errors, "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
-                "floor_tokens": self.floor_tokens, "prefill_tokens": prefill,
-                "prefill_over_floor": round(prefill / self.floor_tokens, 4) if self.floor_tokens else None,
-                "busy_s": round(self.busy_s, 3), "error": self.error}
 
 
 class RayExecutor:
@@ -165,67 +128,14 @@ class RayExecutor:
                     rows.append(item)
                 else:
                     other.append(item)
-            self.queue.extend(self._units(rows))
+            self.queue.extend(units_of(rows, self.spec.executor.partition, self.n_actors))
         self.feed_done = feed.finished
         self._dispatch()
         return other
 
-    def _units(self, rows: list[Submit]) -> list[list[Submit]]:
-        if not rows:
-            return []
-        links = [r.cache_tokens or 0 for r in rows]
-        costs = [row_cost(len(r.token_ids or ()), links[i - 1] if i else 0,
-                          0 if r.prep.candidates is not None else r.prep.params.max_tokens * r.prep.params.n)
-                 for i, r in enumerate(rows)]
-        if self.spec.executor.partition == "random":
-            units = random_units([r.prep.key for r in rows], costs, self.n_actors)
-        else:
-            units = prefix_units(links, costs, self.n_actors)
-        return [[rows[i] for i in u.rows] for u in units]
-
-    def _next_rows(self, slot: Slot, n: int) -> list[Submit]:
-        """Up to ``n`` rows for ``slot``: its own unsent rows, then whole units from the queue (or stolen) while they
-        keep it within an even share of what is left once the input is all read (the tail: a small job is not all
-        taken by the first actor to ask)."""
-        left = sum(len(u) for u in self.queue) + sum(len(s.in_flight) + s.queued for s in self.slots)
-        even = -(-left // max(1, sum(s.state == "ready" for s in self.slots)))
-        out: list[Submit] = []
-        while len(out) < n:
-            if not slot.units:
-                held = len(slot.in_flight) + len(out)
-                if held and self.feed_done and self.queue and held + len(self.queue[0]) > even:
-                    break
-                unit = self.queue.popleft() if self.queue else None if held >= even else self._steal(slot)
-                if unit is None:
-                    break
-                slot.units.append(unit)
-            head = slot.units[0]
-            k = n - len(out)
-            out += head[:k]
-            del head[:k]
-            if not head:
-                slot.units.popleft()
-        return out
-
-    def _steal(self, thief: Slot) -> list[Submit] | None:
-        """Unsent rows of the busiest actor for an idle one, once nothing else is left to hand out."""
-        if not self.feed_done:
-            return None
-        victim = max((s for s in self.slots if s is not thief and s.state == "ready"), key=lambda s: s.queued,
-                     default=None)
-        if victim is None or victim.queued < 2 * self.limit:
-            return None
-        if len(victim.units) > 1:
-            return victim.units.pop()
-        head = victim.units[0]
-        cut = split_for_steal([r.cache_tokens or 0 for r in head])
-        stolen = head[cut:]
-        del head[cut:]
-        return stolen
-
     def _send(self, slot: Slot) -> None:
         tasks = []
-        for r in self._next_rows(slot, self.limit - len(slot.in_flight)):
+        for r in next_rows(slot, self.limit - len(slot.in_flight), self.queue, self.slots, self.feed_done, self.limit):
             slot.in_flight[r.prep.key] = r
             ids = r.token_ids or []
             slot.floor_tokens += len(ids) - common_prefix_len(slot.last_ids, ids)

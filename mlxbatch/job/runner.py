@@ -6,26 +6,21 @@ Owns one run of a job. The output folder is checked and locked before anything i
 checkpointed in atomic shards every N rows or T seconds, and only when every row is done (and every shard still
 matches its checksum: a shard that does not is set aside and its rows redone) are the final Parquet, the OpenAI
 Batch output, the run report and the success marker written, all under the lock. SIGINT/SIGTERM finish the
-current shard and stop cleanly (a second signal exits at once, still safe); past ``max_error_rate``
-(``job.error_rate``: rows in input order, earlier runs included, and all rows at the end) the job stops with a
-clear error, keeping what finished.
+current shard and stop cleanly (``job.stopping``: a second signal exits at once, still safe); past
+``max_error_rate`` (``job.error_rate``: rows in input order, earlier runs included, and all rows at the end) the job
+stops with a clear error, keeping what finished. What the run keeps in the manifest besides rows (the job as parsed,
+the first run's plan, batch invariance) is ``job.run_meta``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
-import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from mlxbatch.errors import MlxbatchError
@@ -48,14 +43,15 @@ from mlxbatch.io import (
     write_report,
 )
 from mlxbatch.job.error_rate import ErrorRate
-from mlxbatch.job.executor import Executor, ExecutorError, ModelInfo, open_executor
+from mlxbatch.job.executor import Executor, ExecutorError, open_executor
 from mlxbatch.job.feed import Resumed, RowFeed
 from mlxbatch.job.outdir import claim_output, prepare_output
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.progress import Progress
 from mlxbatch.job.report import RunStats, previous_report, summarize_checkpointed, summarize_results
+from mlxbatch.job.run_meta import follow_saved_plan, record_invariance, save_job_meta
 from mlxbatch.job.spec import JobSpec
-from mlxbatch.job.status import JOB_SPEC_META
+from mlxbatch.job.stopping import StopSignals
 from mlxbatch.job.tasks import output_columns, prompt_text, record_for
 from mlxbatch.job.validate import input_spec
 from mlxbatch.types import RequestOutput
@@ -99,27 +95,12 @@ class JobRunner:
     def __init__(self, spec: JobSpec, progress: bool | None = None, exit_on_second_signal: bool = True) -> None:
         self.spec = spec
         self.progress = sys.stderr.isatty() if progress is None else progress
-        self.exit_on_second_signal = exit_on_second_signal
-        self._stop_signal: int | None = None
+        self._stop = StopSignals(exit_on_second_signal)
         self._tokenizer: Any = None
-
-    # -- signals -------------------------------------------------------------------------------------
-    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        if self._stop_signal is not None:
-            if self.exit_on_second_signal:
-                os._exit(128 + signum)  # second signal: leave now; shards are atomic, nothing is corrupted
-            raise KeyboardInterrupt  # in a notebook: stop now, keep the kernel (finished rows are flushed)
-        self._stop_signal = signum
-        log.warning("signal %d: finishing the current shard, then stopping (again to exit at once)", signum)
 
     def request_stop(self) -> None:
         """Stop as a first Ctrl-C would: finished rows are checkpointed, then ``run`` raises JobInterrupted."""
-        self._stop_signal = signal.SIGINT
-
-    def _install_signals(self) -> dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}  # signal handlers can only be set on the main thread
-        return {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._stop.request()
 
     def _rows(self) -> Iterator[InputRow]:
         rows = open_reader(input_spec(self.spec))
@@ -139,9 +120,8 @@ class JobRunner:
     def run(self) -> RunResult:
         spec = self.spec
         is_openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(input_spec(spec)))
-        old = self._install_signals()
-        progress = Progress(self.progress, None)
-        try:
+        with self._stop.installed():
+            progress = Progress(self.progress, None)
             prepare_output(spec)
             with self._open_store() as store:  # locked first: a refused run changes nothing in the folder
                 claim_output(spec, store)
@@ -150,7 +130,7 @@ class JobRunner:
                 progress.loading(spec.model.path)
                 with open_executor(spec) as executor:  # this process's engine, or engine actors on a Ray cluster
                     model = executor.model
-                    self._save_job_meta(store, model)
+                    save_job_meta(store, spec, model)
                     preparer = RowPreparer(spec, model.identity, is_openai, model.takes_images, model.context_length)
                     columns = dict(keep_columns=spec.input.columns,
                                    **output_columns(spec, model.tokenizer, self._input_schema()))
@@ -185,9 +165,6 @@ class JobRunner:
                                     f"{stats.disk.errors_by_kind}")
                 mark_success(spec.output)
             return RunResult(str(spec.output), report)
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
 
     def _expected(self, preparer: RowPreparer) -> Iterator[ExpectedRow]:
         """The current rows in input order, with their current input columns (the results show those)."""
@@ -197,19 +174,6 @@ class JobRunner:
 
     def _input_schema(self) -> Any:
         return input_schema(input_spec(self.spec))
-
-    def _save_job_meta(self, store: CheckpointStore, model: ModelInfo) -> None:
-        """The job as this run parsed it (command-line changes included) and what of the model its keys depend on
-        (identity, whether it takes images, its context), so ``mlxbatch status OUT`` can tell current records from
-        stale ones without the command line or the model. (The folder's owner, ``job.outdir``'s record, is kept
-        apart.)"""
-        spec = self.spec
-        raw = json.loads(json.dumps(spec.raw or {}, default=str))
-        meta = {"source": spec.source, "base_dir": str(spec.base_dir or Path.cwd()), "raw": raw,
-                "model_identity": model.identity, "takes_images": model.takes_images,
-                "context_length": model.context_length}
-        if store.get_meta(JOB_SPEC_META) != meta:
-            store.set_meta(JOB_SPEC_META, meta)
 
     def _generate(self, store: CheckpointStore, executor: Executor, is_openai: bool,
                   redo_of: RunStats | None = None) -> RunStats:
@@ -232,8 +196,8 @@ class JobRunner:
         bar.start()
         buffer: list[ResultRecord] = []
         last_flush = time.monotonic()
-        self._save_plan_params(store)
-        stats.batch_invariant = self._record_invariance(store)
+        self.spec = follow_saved_plan(store, self.spec)
+        stats.batch_invariant = record_invariance(store, self.spec)
         feed = RowFeed(self._rows(), preparer, model.tokenizer, done,
                        window=self.spec.plan.window, planned=self.spec.plan.enabled, done_errors=store.error_keys())
 
@@ -252,7 +216,7 @@ class JobRunner:
 
         try:
             while True:
-                if not feed.finished and self._stop_signal is None:
+                if not feed.finished and self._stop.signum is None:
                     skipped = feed.skipped
                     for item in executor.take(feed):  # rows go to the engine(s); the feed's other items come back
                         if isinstance(item, Resumed):
@@ -262,7 +226,7 @@ class JobRunner:
                     if redo_of is None:
                         stats.skipped += feed.skipped - skipped
                     bar.skipped(feed.skipped - skipped)
-                if executor.busy and self._stop_signal is None:
+                if executor.busy and self._stop.signum is None:
                     for f in executor.poll():
                         finish(self._record(f.prep, f.output, model.identity, f.error, f.error_kind, f.worker),
                                f.index)
@@ -273,10 +237,10 @@ class JobRunner:
                 if errors.exceeded():
                     flush()
                     raise _ErrorBudgetSpent(errors.message(errors.rows, errors.errors, str(spec.output)), stats)
-                if self._stop_signal is not None:
+                if self._stop.signum is not None:
                     executor.abort()
                     flush()
-                    raise JobInterrupted(f"stopped by signal {self._stop_signal}; {stats.finished} rows "
+                    raise JobInterrupted(f"stopped by signal {self._stop.signum}; {stats.finished} rows "
                                          f"checkpointed in {spec.output}. Run the same command to resume.")
                 if feed.finished and not executor.busy:
                     flush()
@@ -296,31 +260,6 @@ class JobRunner:
             if redo_of is None:
                 stats.plan = feed.stats.as_dict()
         return stats
-
-    def _save_plan_params(self, store: CheckpointStore) -> None:
-        """The plan's parameters go into the manifest on the first run; a resumed run plans with the saved ones
-        (the same windows, hence the same order), whatever the job file says now."""
-        saved = store.get_meta("plan")
-        current = {"window": self.spec.plan.window, "enabled": self.spec.plan.enabled, "order": "trie-largest-first"}
-        if saved is None:
-            store.set_meta("plan", current)
-        elif (saved["window"], saved["enabled"]) != (current["window"], current["enabled"]):
-            log.warning("resuming with the plan of the first run %s (the job file now says %s)", saved, current)
-            self.spec = dataclasses.replace(self.spec, plan=dataclasses.replace(
-                self.spec.plan, window=int(saved["window"]), enabled=bool(saved["enabled"])))
-
-    def _record_invariance(self, store: CheckpointStore) -> bool:
-        """Whether every row of the output is computed batch-invariant: this run has ``engine.batch_invariant`` and
-        so had every earlier run that checkpointed rows here (kept in the manifest)."""
-        flag = self.spec.engine.batch_invariant
-        prior = store.get_meta("batch_invariant")
-        now = flag and (prior if prior is not None else not store.shards)
-        if prior != now:
-            store.set_meta("batch_invariant", now)
-        if flag and not now:
-            log.warning("engine.batch_invariant: rows checkpointed by an earlier run without it keep their results, "
-                        "so the output as a whole is not batch-invariant (output.overwrite: true recomputes them)")
-        return now
 
     def _record(self, prep: PreparedRow, out: RequestOutput | None, model_identity: str,
                 error: str | None = None, error_kind: str | None = None, worker: str | None = None) -> ResultRecord:

@@ -2,7 +2,7 @@
 
 Owns the YAML schema: the file as a whole (its top-level keys, keys given twice, the order its sections are parsed
 in) and the ``JobSpec`` assembled from its sections (``job.spec_sections``: each section's keys, types and checks;
-``job.spec_executor``: the executor section).
+``job.spec_task``: the task and output constraint; ``job.spec_executor``: the executor section).
 Every problem is reported with its key path and reason (all of them at once) before any model loads; a key given
 twice in one mapping is a problem too (YAML would silently keep the last). Structural checks live here; checks that
 need the input data (template fields no row provides) live in ``job.validate``.
@@ -30,8 +30,6 @@ from mlxbatch.job.spec_sections import (
     PlanSection,
     PromptSection,
     SamplingSection,
-    TaskSection,
-    constraint_from,
     parse_checkpoint,
     parse_engine,
     parse_input,
@@ -39,9 +37,9 @@ from mlxbatch.job.spec_sections import (
     parse_plan,
     parse_prompt,
     parse_sampling,
-    parse_task,
     resolve_path,
 )
+from mlxbatch.job.spec_task import TaskSection, constraint_from, parse_task
 
 __all__ = ["SAMPLING_KEYS", "CheckpointSection", "EngineSection", "ExecutorSection", "InputSection", "JobSpec",
            "JobSpecError", "ModelSection", "PlanSection", "PromptSection", "SamplingSection", "TaskSection",
