@@ -27,6 +27,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import yaml
 
+import mlxbatch.job.executor as executor
 import mlxbatch.job.runner as runner
 from mlxbatch.bench.harness import MB, Bench, Measured, Run, Table, log, ratio, section
 from mlxbatch.bench.jobdata import TEMPLATE, token_rows, write_jsonl
@@ -40,7 +41,8 @@ from mlxbatch.job.validate import validate_job
 
 # -- part 1: the job against the engine alone --------------------------------------------------------------
 class StageTimers:
-    """Times the job's stages by wrapping what ``mlxbatch.job.runner`` calls (restored on exit); changes nothing."""
+    """Times the job's stages by wrapping what ``mlxbatch.job.runner`` and its local executor call (restored on exit);
+    changes nothing."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -58,7 +60,8 @@ class StageTimers:
 
     @contextlib.contextmanager
     def patch(self) -> Iterator[StageTimers]:
-        saved = [(runner, n, getattr(runner, n)) for n in ("EngineCore", "count_rows", "finalize")]
+        saved = [(runner, n, getattr(runner, n)) for n in ("count_rows", "finalize")]
+        saved.append((executor, "EngineCore", executor.EngineCore))  # the local executor builds the engine
         saved.append((CheckpointStore, "append", CheckpointStore.append))
         try:
             for owner, name, fn in saved:

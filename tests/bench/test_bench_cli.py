@@ -145,3 +145,18 @@ def test_score_section_scores_both_candidate_forms(tmp_path, tiny_model_path):
         assert direct["path"].startswith("direct") and cache_on["path"] == "Engine.score, cache on"
         assert max(cache_on["max |diff| vs direct"], cache_off["max |diff| vs direct"]) < 1e-3
         assert 0 < cache_on["prefill tok"] <= cache_off["prefill tok"] <= direct["prefill tok"]
+
+
+def test_job_section_times_the_jobs_stages(tmp_path, tiny_model_path):
+    """The job section at tiny sizes: the job and the engine alone both run, and the job's stages (engine build,
+    count rows, checkpoint appends, finalize) were timed by wrapping what the run calls."""
+    out = tmp_path / "job.json"
+    _run([sys.executable, "-m", "mlxbatch.bench", "job", "--model", "tiny", "--cache-dir",
+          str(_cache_with_tiny(tmp_path, tiny_model_path)), "--job-rows", "24", "--job-max-tokens", "4",
+          "--job-checkpoint-rows", "8", "--stream-rows", "", "--repeats", "1", "--json", str(out)])
+    tables = json.loads(out.read_text())["sections"]["job"]["tables"]
+    split = next(t for t in tables if "where the time goes" in t["title"])
+    job = dict(zip(split["columns"], next(r for r in split["rows"] if r[0] == "job")))
+    for stage in ("engine build", "count rows", "finalize (Parquet)"):
+        assert isinstance(job[stage], int | float) and job[stage] > 0, (stage, job)
+    assert job["checkpoint appends"].endswith(" shards)") and float(job["checkpoint appends"].split()[0]) > 0, job
