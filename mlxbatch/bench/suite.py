@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxbatch.bench import workloads as wl
 from mlxbatch.bench.harness import MB, Bench, Run, Table, agreement, log, ratio, section
+from mlxbatch.bench.meta import machine_meta, render_meta
 
 SIZES = {"label": 2048, "fewshot": 2048, "chat": 1024, "unique": 1024}
 
@@ -186,15 +187,19 @@ def gpu_suite(b: Bench) -> list[Table]:
         f = figures[name]
         summary.rows.append([name, f["x_b1"], f["x_b1_nocache"], f["x_b1_again"], f["prefill_over_floor"],
                              f["prefill_cost_cache_vs_nocache"], f["memory_x_b1"]])
-    summary.notes.append("engine again: the same engine run once more in the process, its shapes seen (on CUDA, "
-                         "cuDNN's attention graphs built), as a long job's recurring shapes are")
+    summary.notes.append("engine again: the same engine run once more in the process, its shapes seen once more. On "
+                         "CUDA a prefill shape runs MLX's unfused attention until it has run 16 times in the process "
+                         "(engine.kv.prefill_attention), so most of this run's shapes still run unfused; a long job's "
+                         "recurring shapes reach cuDNN's built graphs")
     summary.notes.append(f"suite wall time {time.perf_counter() - t0:.0f} s (model build/load not included)")
     tables.insert(0, summary)
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_suite.json").write_text(json.dumps({"commit": commit, "figures": figures}, indent=2, default=str))
-        (out / "gpu_suite.md").write_text(f"GPU figures measured at commit {commit}\n\n"
+        meta = machine_meta(b)  # the machine, MLX, the CUDA kernel launch: two runs compare only on one machine
+        (out / "gpu_suite.json").write_text(json.dumps({"commit": commit, "meta": meta, "figures": figures}, indent=2,
+                                                       default=str))
+        (out / "gpu_suite.md").write_text(f"GPU figures measured at commit {commit}\n\n{render_meta(meta)}\n"
                                           + "\n".join(t.render() for t in tables))
         log(f"wrote {out}/gpu_suite.json and gpu_suite.md")
     return tables

@@ -78,7 +78,8 @@ def test_gpu_command_on_a_bare_copy_of_the_tree(tmp_path, tiny_model_path):
     proc = _run(cmd, env=env, cwd=tree)
     assert "(git abc1234 (given))" in proc.stdout
     suite = json.loads((out / "gpu_suite.json").read_text())
-    assert suite["commit"] == "abc1234"
+    assert suite["commit"] == "abc1234" and suite["meta"]["git"] == "abc1234 (given)"
+    assert suite["meta"]["model"] == "tiny" and suite["meta"]["cuda_kernel_launch"] == ""  # CPU: no CUDA launch
     label = suite["figures"]["label"]
     assert label["rows"] == 8 and label["floor"] > 0 and label["x_b1"] > 0 and label["prefill_over_floor"] >= 1
     assert label["x_b1_again"] > 0 and "engine-again" in label["runs"]
@@ -87,6 +88,7 @@ def test_gpu_command_on_a_bare_copy_of_the_tree(tmp_path, tiny_model_path):
     assert decode["bare_host_ms"] > 0 and decode["engine_host_ms"] > 0 and "host / wait ms a step" in (out / "gpu_suite.md").read_text()
     md = (out / "gpu_suite.md").read_text()
     assert md.startswith("GPU figures measured at commit abc1234") and "### label: 8 rows" in md
+    assert "- software: python" in md and "(git abc1234 (given))" in md  # the machine header
     summary = json.loads((out / "all.json").read_text())["sections"]["gpu"]["tables"][0]
     assert summary["rows"][0][0] == "label" and len(_numbers(summary["rows"][0])) == 6
     assert json.loads((out / "all.json").read_text())["meta"]["git"] == "abc1234 (given)"
