@@ -16,6 +16,7 @@ off CUDA. This module must not import mlx.
 from __future__ import annotations
 
 import os
+import re
 
 VAR = "MLX_USE_CUDA_GRAPHS"
 
@@ -27,15 +28,8 @@ def prefer_direct_launches() -> None:
 
 def _atoi(s: str) -> int:
     """C's ``atoi``, which MLX applies to the variable: leading blanks, a sign, digits; anything else is 0."""
-    s = s.lstrip()
-    sign = -1 if s[:1] == "-" else 1
-    s = s[1:] if s[:1] in "+-" and s else s
-    digits = ""
-    for ch in s:
-        if not ch.isdigit():
-            break
-        digits += ch
-    return sign * int(digits) if digits else 0
+    m = re.match(r"\s*([+-]?\d+)", s)
+    return int(m.group(1)) if m else 0
 
 
 def kernel_launch() -> str:
