@@ -90,6 +90,7 @@ class ModelRunner:
             if slots.shape_buckets:
                 slots.prefill_attention = PrefillAttention(self._split.body.heads, geometry.kv_heads,
                                                            geometry.head_dim, dtype)
+                self._split.body.fuse()  # q/k/v and gate/up as one matmul each: fewer launches a layer
         self.batch: KVLayout = slots
         self._store = (PrefixStore(geometry.num_layers, geometry.kv_heads, geometry.head_dim, dtype,
                                    geometry.bytes_per_token, prefix_blocks, block_size, self.traffic)

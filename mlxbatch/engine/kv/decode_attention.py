@@ -40,19 +40,19 @@ _SOURCE = """
     const float NEG_INF = -__int_as_float(0x7f800000);
 
     const int HKV = kb_shape[1];
-    const int CAP = kb_shape[2];
     const int blk = blockIdx.x;
     const int i = blk / HKV;                  // the i-th query row
     const int h = blk % HKV;                  // its KV head
     const int tid = threadIdx.x;
-    const int row = rows[i];                  // its slot row in the buffers
-    const int len = lengths[i];               // keys it reads: positions [0, len)
-    const size_t base = ((size_t)row * HKV + h) * (size_t)CAP * D;
-    const T* kp = kb + base;
-    const T* vp = vb + base;
+    const int row = rows[i * rows_strides[0]];          // its slot row in the buffers
+    const int len = lengths[i * lengths_strides[0]];    // keys it reads: positions [0, len)
+    // the buffers as allocated: rows, KV heads, positions, dims (each key's dims contiguous: the slot buffers)
+    const T* kp = kb + (size_t)row * kb_strides[0] + (size_t)h * kb_strides[1];
+    const T* vp = vb + (size_t)row * vb_strides[0] + (size_t)h * vb_strides[1];
 
-    for (int e = tid; e < R * D; e += NT) {   // queries arrive scaled
-      qs[e / D][e % D] = static_cast<float>(q[((size_t)i * HKV * R + (size_t)h * R) * D + e]);
+    for (int e = tid; e < R * D; e += NT) {   // queries by their strides (a view of RoPE's output), then scaled
+      const T* qe = q + (size_t)i * q_strides[0] + (size_t)(h * R + e / D) * q_strides[1] + (e % D) * q_strides[3];
+      qs[e / D][e % D] = static_cast<float>(*qe) * SCALE;
     }
     if (tid < R) { m_s[tid] = NEG_INF; l_s[tid] = 0.0f; }
     const int d = tid % D;
@@ -69,7 +69,7 @@ _SOURCE = """
         float s[R];
         #pragma unroll
         for (int r = 0; r < R; ++r) s[r] = 0.0f;
-        const uint4* kr = reinterpret_cast<const uint4*>(kp + (size_t)(t0 + tid) * D);
+        const uint4* kr = reinterpret_cast<const uint4*>(kp + (size_t)(t0 + tid) * kb_strides[2]);
         #pragma unroll
         for (int c = 0; c < D / VEC; ++c) {
           uint4 u = kr[c];
@@ -111,7 +111,7 @@ _SOURCE = """
       #pragma unroll
       for (int r = 0; r < R; ++r) acc[r] *= corr_s[r];
       for (int j = g; j < n; j += G) {
-        const float vv = static_cast<float>(vp[(size_t)(t0 + j) * D + d]);
+        const float vv = static_cast<float>(vp[(size_t)(t0 + j) * vb_strides[2] + d]);
         #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] += sc[r][j] * vv;
       }
@@ -137,12 +137,19 @@ class DecodeAttention:
     would with the matching mask."""
 
     def __init__(self) -> None:
-        self._kernel = mx.fast.cuda_kernel(
-            name="mlxbatch_decode_attention",
-            input_names=["q", "kb", "vb", "rows", "lengths"],
-            output_names=["out"],
-            source=_SOURCE,
-        )
+        self._kernels: dict[float, object] = {}  # one per attention scale (a constant of the kernel: one op fewer)
+
+    def _kernel(self, scale: float) -> object:
+        kernel = self._kernels.get(scale)
+        if kernel is None:
+            kernel = self._kernels[scale] = mx.fast.cuda_kernel(
+                name=f"mlxbatch_decode_attention_{len(self._kernels)}",
+                input_names=["q", "kb", "vb", "rows", "lengths"],
+                output_names=["out"],
+                source=f"    constexpr float SCALE = {scale:.9e}f;\n" + _SOURCE,
+                ensure_row_contiguous=False,  # the queries are a view of RoPE's output: read by their strides
+            )
+        return kernel
 
     @staticmethod
     def worth(rows: int, kv_heads: int, keys: int) -> bool:
@@ -159,8 +166,8 @@ class DecodeAttention:
                  scale: float) -> mx.array:
         n, heads, _, dim = queries.shape
         kv_heads = k_buf.shape[1]
-        q = (queries * scale).astype(k_buf.dtype)
-        (out,) = self._kernel(
+        q = queries if queries.dtype == k_buf.dtype else queries.astype(k_buf.dtype)
+        (out,) = self._kernel(scale)(  # type: ignore[operator]
             inputs=[q, k_buf, v_buf, rows.astype(mx.int32), lengths.astype(mx.int32)],
             template=[("T", k_buf.dtype), ("D", dim), ("R", heads // kv_heads)],
             grid=(_THREADS * n * kv_heads, 1, 1),
@@ -201,10 +208,11 @@ def reference(queries: mx.array, k_buf: mx.array, v_buf: mx.array, rows: mx.arra
 def probe_error(kernel: DecodeAttention, heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype,
                 n: int = 6, capacity: int = 640) -> float:
     """Largest difference between the kernel and ``reference`` on random rows of ragged lengths (1 to more than
-    two tiles), read from non-contiguous slot rows of a larger buffer."""
+    two tiles), read from non-contiguous slot rows of a larger buffer, the queries a strided view."""
     key = mx.random.key(7)
     kq, kk, kv = mx.random.split(key, 3)
-    q = mx.random.normal((n, heads, 1, head_dim), key=kq).astype(dtype)
+    # the queries as the engine passes them: the first heads of RoPE's output over query and key heads (a view)
+    q = mx.random.normal((n, heads + kv_heads, 1, head_dim), key=kq).astype(dtype)[:, :heads]
     kb = mx.random.normal((2 * n, kv_heads, capacity, head_dim), key=kk).astype(dtype)
     vb = mx.random.normal((2 * n, kv_heads, capacity, head_dim), key=kv).astype(dtype)
     rows = mx.array([2 * i + (i % 2) for i in range(n)], dtype=mx.int32)

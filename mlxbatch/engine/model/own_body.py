@@ -17,30 +17,51 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 
+from mlxbatch.engine.model.fused import FusedLayer, fuse_layers
+
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
 _LAYER = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
 _MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
-def attention(attn: Any, x: mx.array, mask: Any, cache: Any) -> mx.array:
-    """``attn``'s forward (mlx-lm's Llama / Qwen2 / Qwen3 attention), its attention asked of ``cache``."""
+def _projected(attn: Any, x: mx.array, fused: FusedLayer | None) -> tuple[mx.array, mx.array, mx.array, bool]:
+    """Queries, keys and values ``[B, heads, L, dim]`` before RoPE, and whether queries and keys are adjacent heads
+    of one array (fused, no per-head norms: RoPE then rotates both in one call)."""
     B, L, _ = x.shape
-    queries = attn.q_proj(x).reshape(B, L, attn.n_heads, -1)
-    keys = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1)
-    values = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    H, K = attn.n_heads, attn.n_kv_heads
+    if fused is not None:
+        qkv = fused.qkv(x).reshape(B, L, H + 2 * K, -1)
+        queries, keys, values = qkv[:, :, :H], qkv[:, :, H : H + K], qkv[:, :, H + K :]
+    else:
+        queries = attn.q_proj(x).reshape(B, L, H, -1)
+        keys = attn.k_proj(x).reshape(B, L, K, -1)
+        values = attn.v_proj(x).reshape(B, L, K, -1)
+    joint = fused is not None and not hasattr(attn, "q_norm")
     if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before RoPE
         queries, keys = attn.q_norm(queries), attn.k_norm(keys)
-    queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
-    if cache is None:
-        queries, keys = attn.rope(queries), attn.rope(keys)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
+    if joint:
+        return qkv[:, :, : H + K].transpose(0, 2, 1, 3), keys, values.transpose(0, 2, 1, 3), True
+    return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3), False
+
+
+def attention(attn: Any, x: mx.array, mask: Any, cache: Any, fused: FusedLayer | None = None) -> mx.array:
+    """``attn``'s forward (mlx-lm's Llama / Qwen2 / Qwen3 attention), its attention asked of ``cache``; with
+    ``fused``, its projections as one matmul and RoPE as one call for queries and keys."""
+    B, L, _ = x.shape
+    queries, keys, values, joint = _projected(attn, x, fused)
+    offset = 0 if cache is None else cache.offset
+    if joint:  # ``queries`` holds the query heads then the key heads: one rotation for both
+        both = attn.rope(queries, offset=offset)
+        queries, keys = both[:, : attn.n_heads], both[:, attn.n_heads :]
     else:
-        queries, keys = attn.rope(queries, offset=cache.offset), attn.rope(keys, offset=cache.offset)
-        if hasattr(cache, "attend"):
-            out = cache.attend(queries, keys, values, attn.scale, mask)
-        else:
-            keys, values = cache.update_and_fetch(keys, values)
-            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
+        queries, keys = attn.rope(queries, offset=offset), attn.rope(keys, offset=offset)
+    if cache is None:
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
+    elif hasattr(cache, "attend"):
+        out = cache.attend(queries, keys, values, attn.scale, mask)
+    else:
+        keys, values = cache.update_and_fetch(keys, values)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -49,6 +70,13 @@ class OwnBody:
 
     def __init__(self, body: Any) -> None:
         self.body = body
+        self.fused: list[FusedLayer] | None = None  # each layer's fused projections (``fuse``), else None
+
+    def fuse(self) -> bool:
+        """Run each layer's projections fused (``model.fused``): fewer kernels a layer, the same weights. Returns
+        whether it does (every layer's projections are of a kind that fuses)."""
+        self.fused = fuse_layers(list(self.body.layers))
+        return self.fused is not None
 
     @property
     def heads(self) -> int:  # query heads
@@ -60,9 +88,11 @@ class OwnBody:
         layers = body.layers
         caches = cache if cache is not None else [None] * len(layers)
         mask = create_attention_mask(h, caches[0])
-        for layer, c in zip(layers, caches):
-            h = h + attention(layer.self_attn, layer.input_layernorm(h), mask, c)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        fused = self.fused or [None] * len(layers)
+        for layer, c, f in zip(layers, caches, fused):
+            h = h + attention(layer.self_attn, layer.input_layernorm(h), mask, c, f)
+            x = layer.post_attention_layernorm(h)
+            h = h + (layer.mlp(x) if f is None else f.mlp(layer, x))
         return body.norm(h)
 
 
