@@ -73,8 +73,8 @@ class OwnBody:
         self.fused: list[FusedLayer] | None = None  # each layer's fused projections (``fuse``), else None
 
     def fuse(self) -> bool:
-        """Run each layer's projections fused (``model.fused``): fewer kernels a layer, the same weights. Returns
-        whether it does (every layer's projections are of a kind that fuses)."""
+        """Run each layer's projections fused in decode passes (``model.fused``): fewer kernels a layer, the same
+        weights. Returns whether it does (every layer's projections are of a kind that fuses)."""
         self.fused = fuse_layers(list(self.body.layers))
         return self.fused is not None
 
@@ -88,7 +88,9 @@ class OwnBody:
         layers = body.layers
         caches = cache if cache is not None else [None] * len(layers)
         mask = create_attention_mask(h, caches[0])
-        fused = self.fused or [None] * len(layers)
+        # fused projections for decode passes (one token a row), where launches bind; a prefill pass keeps them
+        # apart: its activations are large, and separate outputs are freed (donated) as they are consumed
+        fused = self.fused if self.fused and inputs.shape[1] == 1 else [None] * len(layers)
         for layer, c, f in zip(layers, caches, fused):
             h = h + attention(layer.self_attn, layer.input_layernorm(h), mask, c, f)
             x = layer.post_attention_layernorm(h)
