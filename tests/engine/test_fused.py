@@ -19,8 +19,6 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxbatch.engine import Engine, EngineConfig, outputs
-from mlxbatch.engine.model import add_norm
-from mlxbatch.engine.model.add_norm import AddNorm
 from mlxbatch.engine.model.fused import fuse_layer, fuse_layers
 from mlxbatch.engine.model.loader import ModelSpec, load_model
 from mlxbatch.engine.model.split import split_model
@@ -56,20 +54,9 @@ def test_fusion_keeps_the_weights_and_costs_no_memory(fresh):
 
 
 def test_fused_body_equals_mlx_lm_step_by_step(fresh):
-    """Decode passes run fused: projections, and each residual add with the norm after it (here MLX's ops in the
-    CUDA kernel's place, counted: two a layer, the last one the body's final norm)."""
     model = fresh.model
     own = split_model(model).body
     assert own.fuse()
-    assert own.add_norm is None  # no CUDA here: MLX's add and norm
-    assert AddNorm.applies(own._norms(), model.model.norm.weight.dtype)
-    calls = []
-
-    def counted(h, a, norm):
-        calls.append(norm)
-        return add_norm.reference(h, a, norm)
-
-    own.add_norm = counted
     body = model.model
     ref_cache, own_cache = make_prompt_cache(model), make_prompt_cache(model)
     steps = [mx.array([[5, 9, 2, 44, 7, 31, 12], [8, 1, 3, 3, 90, 4, 6]]), mx.array([[3], [4]]),
@@ -77,17 +64,6 @@ def test_fused_body_equals_mlx_lm_step_by_step(fresh):
     for tokens in steps:  # prefill (apart), decode (fused), a two-token step, decode again
         want, got = body(tokens, cache=ref_cache), own(tokens, cache=own_cache)
         assert mx.allclose(want, got, atol=1e-5, rtol=1e-5).item()
-    layers = body.layers
-    assert len(calls) == 3 * 2 * len(layers)  # three decode passes
-    assert calls[: 2 * len(layers)] == [n for i, layer in enumerate(layers) for n in (
-        layer.post_attention_layernorm, layers[i + 1].input_layernorm if i + 1 < len(layers) else body.norm)]
-
-
-def test_add_norm_kernel_is_cuda_only(fresh):
-    norm = fresh.model.model.norm
-    assert AddNorm.create(norm, norm.weight.dtype) is None  # no CUDA here: the body keeps MLX's ops
-    assert not AddNorm.applies([norm, nn.LayerNorm(norm.weight.shape[0])], norm.weight.dtype)
-    assert not AddNorm.applies([norm], mx.float16 if norm.weight.dtype != mx.float16 else mx.float32)
 
 
 def _decode_matmuls(eng: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, int]:

@@ -17,8 +17,6 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 
-from mlxbatch.engine.model.add_norm import AddNorm
-from mlxbatch.engine.model.add_norm import reference as add_norm_reference
 from mlxbatch.engine.model.fused import FusedLayer, fuse_layers
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
@@ -73,24 +71,12 @@ class OwnBody:
     def __init__(self, body: Any) -> None:
         self.body = body
         self.fused: list[FusedLayer] | None = None  # each layer's fused projections (``fuse``), else None
-        self.add_norm: Any = None  # ``AddNorm`` (CUDA) for decode passes, else MLX's add and norm
 
     def fuse(self) -> bool:
-        """Run decode passes fused (``model.fused``): each layer's projections as two matmuls fewer, and on CUDA
-        each residual add with the norm after it as one kernel (``model.add_norm``). The same weights. Returns
-        whether the projections fuse (every layer's are of a kind that does)."""
+        """Run each layer's projections fused in decode passes (``model.fused``): fewer kernels a layer, the same
+        weights. Returns whether it does (every layer's projections are of a kind that fuses)."""
         self.fused = fuse_layers(list(self.body.layers))
-        if self.fused is not None:
-            norms = self._norms()
-            dtype = norms[0].weight.dtype if hasattr(norms[0], "weight") else None
-            if dtype is not None and AddNorm.applies(norms, dtype):
-                self.add_norm = AddNorm.create(norms[0], dtype)
         return self.fused is not None
-
-    def _norms(self) -> list[Any]:
-        """The norms a residual add feeds: each layer's two, and the final one."""
-        return [n for layer in self.body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [
-            self.body.norm]
 
     @property
     def heads(self) -> int:  # query heads
@@ -102,25 +88,14 @@ class OwnBody:
         layers = body.layers
         caches = cache if cache is not None else [None] * len(layers)
         mask = create_attention_mask(h, caches[0])
-        # decode passes (one token a row) fused, where launches bind; a prefill pass keeps its projections apart:
-        # its activations are large, and separate outputs are freed (donated) as they are consumed
-        if self.fused and inputs.shape[1] == 1:
-            return self._decode(h, caches, mask, self.fused)
-        for layer, c in zip(layers, caches):
-            h = h + attention(layer.self_attn, layer.input_layernorm(h), mask, c)
+        # fused projections for decode passes (one token a row), where launches bind; a prefill pass keeps them
+        # apart: its activations are large, and separate outputs are freed (donated) as they are consumed
+        fused = self.fused if self.fused and inputs.shape[1] == 1 else [None] * len(layers)
+        for layer, c, f in zip(layers, caches, fused):
+            h = h + attention(layer.self_attn, layer.input_layernorm(h), mask, c, f)
             x = layer.post_attention_layernorm(h)
-            h = h + layer.mlp(x)
+            h = h + (layer.mlp(x) if f is None else f.mlp(layer, x))
         return body.norm(h)
-
-    def _decode(self, h: mx.array, caches: Any, mask: Any, fused: list[FusedLayer]) -> mx.array:
-        """A decode pass, fused: projections, and each residual add with the norm that reads its sum."""
-        layers, add_norm = self.body.layers, self.add_norm or add_norm_reference
-        x = layers[0].input_layernorm(h)
-        norms = self._norms()[1:]  # after each add: the layer's second norm, the next layer's first, the final one
-        for i, (layer, c, f) in enumerate(zip(layers, caches, fused)):
-            h, x = add_norm(h, attention(layer.self_attn, x, mask, c, f), norms[2 * i])
-            h, x = add_norm(h, f.mlp(layer, x), norms[2 * i + 1])
-        return x
 
 
 def _shaped(model: Any, body: Any) -> bool:
