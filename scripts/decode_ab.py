@@ -3,7 +3,8 @@
     PYTHONPATH=<folder> python3 scripts/decode_ab.py --model 0.5b --tag new --levels 64,256
 
 Prints, per level, the engine step and forward tok/s against the bare mlx-lm forward + argmax loop measured in the
-same process (``mlxbatch.bench.suite.suite_decode``). Run once per commit's ``mlxbatch`` folder.
+same process (``mlxbatch.bench.suite.suite_decode``: each path ``--decode-repeats`` times, interleaved, default 3;
+medians, and the engine step's range). Run once per commit's ``mlxbatch`` folder.
 """
 
 # ruff: isort: skip_file
@@ -20,13 +21,15 @@ from mlxbatch.bench.suite import suite_decode
 def main() -> None:
     mine, args = parse_script_args(sys.argv[1:], tag="", levels="64,256")
     b = Bench(args)
-    _, raw = suite_decode(b, [int(x) for x in mine.levels.split(",")])
+    _, raw = suite_decode(b, [int(x) for x in mine.levels.split(",")], repeats=args.decode_repeats)
     print(f"\n{mine.tag}: mlxbatch from {mlxbatch.__file__}")
-    print("| tag | sequences | engine step tok/s | engine fwd tok/s | bare tok/s | step x bare | fwd x bare |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tag | sequences | engine step tok/s | step min-max | engine fwd tok/s | bare tok/s | step x bare | "
+          "fwd x bare |")
+    print("|---|---|---|---|---|---|---|---|")
     for level, r in raw.items():
-        print(f"| {mine.tag} | {level} | {r['engine_step']:,.0f} | {r['engine_fwd']:,.0f} | {r['bare']:,.0f} "
-              f"| {r['engine_step'] / r['bare']:.2f} | {r['engine_fwd'] / r['bare']:.2f} |")
+        lo, hi = min(r["engine_steps"]), max(r["engine_steps"])
+        print(f"| {mine.tag} | {level} | {r['engine_step']:,.0f} | {lo:,.0f}-{hi:,.0f} | {r['engine_fwd']:,.0f} "
+              f"| {r['bare']:,.0f} | {r['engine_step'] / r['bare']:.2f} | {r['engine_fwd'] / r['bare']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@
     python3 scripts/engine_runs.py --model 0.5b --tag after4 --prefill-after 4 --runs unique:1024,chat:1024
 
 Each workload: a first run (cuDNN builds a graph for every new attention shape) and the same run again (the graphs
-are built). Prints wall, prefill seconds and tokens, decode seconds, and the prefill passes and their distinct
-(rows, tokens, keys) shapes. For two commits on one machine: copy each commit's ``mlxbatch`` to a folder and run
+are built). Prints wall, prefill seconds and tokens, decode seconds, the prefill passes and their distinct
+(rows, tokens, keys) shapes, and MLX's peak memory over the run's start (the suite's working memory). For two commits on one machine: copy each commit's ``mlxbatch`` to a folder and run
 this script once per folder with ``PYTHONPATH=<folder>``; compare the rows of one table, not machines.
 """
 
@@ -16,7 +16,7 @@ import sys
 
 import mlxbatch  # noqa: F401  (first: it sets up MLX's BLAS on Linux CPUs)
 from mlxbatch.bench.cli import parse_script_args
-from mlxbatch.bench.harness import Bench, log
+from mlxbatch.bench.harness import Bench, MemoryProbe, log
 from mlxbatch.engine.kv.slots import SlotBatch
 
 
@@ -66,16 +66,20 @@ def main() -> None:
         w = b.workload(name, int(n))
         for again in ("first", "again"):
             seen.clear()
-            run = b.run_engine(w, max_num_seqs=C)
+            with MemoryProbe() as probe:
+                run = b.run_engine(w, max_num_seqs=C)
+            run.mlx_base, run.mlx_peak = probe.mlx_base, probe.mlx_peak
             p = run.extra["profile"]
             rows.append((name, again, run.wall_s, p["prefill_s"], p["prefill_tokens"], p["decode_s"], len(seen),
-                         len(set(seen)), p.get("prefill_unfused_passes", "-")))
+                         len(set(seen)), p.get("prefill_unfused_passes", "-"), (run.mlx_peak - run.mlx_base) / 2**30))
             log(f"{mine.tag} {rows[-1]}")
     print(f"\n{mine.tag}: concurrency {C}, mlxbatch from {mlxbatch.__file__}")
-    print("| tag | workload | run | wall s | prefill s | prefill tok | decode s | passes | distinct shapes | unfused |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, again, wall, ps, pt, ds, np_, nd, nu in rows:
-        print(f"| {mine.tag} | {name} | {again} | {wall:.2f} | {ps:.2f} | {pt:,} | {ds:.2f} | {np_} | {nd} | {nu} |")
+    print("| tag | workload | run | wall s | prefill s | prefill tok | decode s | passes | distinct shapes | unfused "
+          "| peak GiB over start |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, again, wall, ps, pt, ds, np_, nd, nu, mem in rows:
+        print(f"| {mine.tag} | {name} | {again} | {wall:.2f} | {ps:.2f} | {pt:,} | {ds:.2f} | {np_} | {nd} | {nu} "
+              f"| {mem:.2f} |")
 
 
 if __name__ == "__main__":

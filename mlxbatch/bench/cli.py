@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="concurrent sequences for the decode table (default 1,8,64,256; '' skips it)")
     ap.add_argument("--decode-prompt-len", type=int, default=32, help="decode table prompt length (default 32)")
     ap.add_argument("--decode-new-tokens", type=int, default=128, help="decode table new tokens (default 128)")
+    ap.add_argument("--decode-repeats", type=int, default=3,
+                    help="GPU suite: runs of each decode-table path, interleaved; medians (default 3)")
     ap.add_argument("--job-rows", type=int, default=512, help="job section: rows of the overhead run (default 512; "
                     "0 skips it)")
     ap.add_argument("--job-max-tokens", type=int, default=16, help="job section: max_tokens (default 16)")

@@ -118,11 +118,29 @@ def bare_decode(b: Bench, rows: int, prompt_len: int, new_tokens: int) -> tuple[
     return tps, 1e3 * statistics.median(host), 1e3 * statistics.median(wait)
 
 
-def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: int = 128) -> tuple[Table, dict]:
-    tab = Table(f"decode at fixed concurrency: {prompt_len}-token prompts, {new_tokens} new tokens",
+def _decode_engine(b: Bench, w: wl.Workload, cfg: dict) -> dict:
+    """One engine run of the decode table: step and forward tok/s, host and wait ms a decode pass."""
+    p = b.run_engine(w, **cfg).extra["profile"]
+    decode_steps = max(1, p["steps"] - 1)
+    # the engine's decode passes: building and launching them on the host, then waiting for the device
+    waited = p.get("waited_decode_s", 0.0)
+    return {"engine_step": p["decode_tokens"] / max(1e-9, p["total_s"] - p["prefill_s"]),
+            "engine_fwd": p["decode_tokens"] / max(1e-9, p["decode_s"]),
+            "engine_host_ms": 1e3 * (p["decode_s"] - waited) / decode_steps,
+            "engine_wait_ms": 1e3 * waited / decode_steps, "syncs_per_step": p["syncs"] / decode_steps,
+            "engine_profile": p}
+
+
+def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: int = 128,
+                 repeats: int = 3) -> tuple[Table, dict]:
+    """Decode at fixed concurrency: the engine, mlx-lm's BatchGenerator and a bare forward + argmax loop, each run
+    ``repeats`` times interleaved (rotating order); medians. A step this short is bound by the host, whose speed
+    drifts by up to ~25% between runs, so one run of each is not enough to compare two commits."""
+    tab = Table(f"decode at fixed concurrency: {prompt_len}-token prompts, {new_tokens} new tokens, median of "
+                f"{repeats}",
                 ["sequences", "engine step tok/s", "engine fwd tok/s", "mlx-lm BatchGenerator tok/s",
-                 "bare forward+argmax tok/s", "step x mlx-lm", "step x bare", "syncs / step",
-                 "host / wait ms a step: engine", "bare"])
+                 "bare forward+argmax tok/s", "step x mlx-lm", "step x bare", "engine step min-max",
+                 "syncs / step", "host / wait ms a step: engine", "bare"])
     raw = {}
     for L in levels:
         w = b.workload("short", L, prompt_len=prompt_len, max_tokens=new_tokens)
@@ -130,28 +148,35 @@ def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: 
         warm = wl.Workload("warm-up", w.prompts, 4)
         b.run_b1(warm, L, L)
         b.run_engine(warm, **cfg)
-        ref = b.run_b1(w, L, L, name="mlx-lm")
-        eng = b.run_engine(w, **cfg)
-        bare, bare_host, bare_wait = bare_decode(b, L, prompt_len, new_tokens)
-        p = eng.extra["profile"]
-        decode_steps = max(1, p["steps"] - 1)
-        # the engine's decode passes: building and launching them on the host, then waiting for the device
-        waited = p.get("waited_decode_s", 0.0)
-        eng_host, eng_wait = 1e3 * (p["decode_s"] - waited) / decode_steps, 1e3 * waited / decode_steps
-        step = p["decode_tokens"] / max(1e-9, p["total_s"] - p["prefill_s"])
-        fwd = p["decode_tokens"] / max(1e-9, p["decode_s"])
-        ref_tps = ref.extra["decode_tps"]
-        tab.rows.append([L, step, fwd, ref_tps, bare, ratio(step, ref_tps), ratio(step, bare),
-                         p["syncs"] / decode_steps, f"{eng_host:.2f} / {eng_wait:.2f}", f"{bare_host:.2f} / {bare_wait:.2f}"])
-        raw[L] = {"engine_step": step, "engine_fwd": fwd, "mlx_lm": ref_tps, "bare": bare,
-                  "engine_host_ms": eng_host, "engine_wait_ms": eng_wait, "bare_host_ms": bare_host,
-                  "bare_wait_ms": bare_wait, "engine_profile": p}
+        got: dict[str, list] = {"mlx-lm": [], "engine": [], "bare": []}
+        for r in range(repeats):
+            names = list(got)
+            for name in names[r % 3:] + names[: r % 3]:
+                if name == "mlx-lm":
+                    got[name].append(b.run_b1(w, L, L, name="mlx-lm").extra["decode_tps"])
+                elif name == "engine":
+                    got[name].append(_decode_engine(b, w, cfg))
+                else:
+                    got[name].append(bare_decode(b, L, prompt_len, new_tokens))
+        eng = sorted(got["engine"], key=lambda e: e["engine_step"])[len(got["engine"]) // 2]  # the median run
+        ref_tps = statistics.median(got["mlx-lm"])
+        bare_run = sorted(got["bare"])[len(got["bare"]) // 2]
+        bare, bare_host, bare_wait = bare_run
+        step, steps = eng["engine_step"], [e["engine_step"] for e in got["engine"]]
+        tab.rows.append([L, step, eng["engine_fwd"], ref_tps, bare, ratio(step, ref_tps), ratio(step, bare),
+                         f"{min(steps):,.0f}-{max(steps):,.0f}", eng["syncs_per_step"],
+                         f"{eng['engine_host_ms']:.2f} / {eng['engine_wait_ms']:.2f}",
+                         f"{bare_host:.2f} / {bare_wait:.2f}"])
+        raw[L] = {**{k: v for k, v in eng.items() if k != "syncs_per_step"}, "mlx_lm": ref_tps, "bare": bare,
+                  "bare_host_ms": bare_host, "bare_wait_ms": bare_wait, "engine_steps": steps,
+                  "mlx_lm_runs": got["mlx-lm"], "bare_runs": [x[0] for x in got["bare"]]}
         log(f"  decode {L}: engine step {step:,.0f} tok/s, mlx-lm {ref_tps:,.0f}, bare {bare:,.0f}")
     tab.notes.append("engine step = decode tokens / (step time - prefill time): forward, sampling and host work; "
                      "bare = mlx-lm model + KVCache, forward + argmax + eval per step (what a raw loop gets). "
                      "host / wait: a step's median host time (building the graph, mx.async_eval: MLX encodes and "
                      "launches every kernel; the engine: its decode passes' mean) and the wait for the device after "
-                     "it; a wait near 0 means the step is bound by the host, which overlap cannot hide.")
+                     "it; a wait near 0 means the step is bound by the host, which overlap cannot hide. Each path "
+                     "ran the given number of times, interleaved; the engine's columns are its median run's")
     return tab, raw
 
 
@@ -177,7 +202,7 @@ def gpu_suite(b: Bench) -> list[Table]:
         figures[name] = fig
     levels = [int(x) for x in a.decode_levels.split(",") if x.strip()]
     if levels:
-        tab, dec = suite_decode(b, levels)
+        tab, dec = suite_decode(b, levels, repeats=a.decode_repeats)
         keep(tab)
         figures["decode"] = dec
     summary = Table(f"GPU suite summary at commit {commit}", ["workload", "x B1", "x B1 (no cache)",

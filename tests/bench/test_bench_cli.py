@@ -72,7 +72,7 @@ def test_gpu_command_on_a_bare_copy_of_the_tree(tmp_path, tiny_model_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-S", "scripts/bench.py", "--section", "gpu", "--model", "tiny", "--commit", "abc1234",
            "--out", str(out), "--cache-dir", str(_cache_with_tiny(tmp_path, tiny_model_path)),
-           "--suite-workloads", "label", "--suite-rows", "8", "--decode-levels", "1", "--json", str(out / "all.json")]
+           "--suite-workloads", "label", "--suite-rows", "8", "--decode-levels", "1", "--decode-repeats", "2", "--json", str(out / "all.json")]
     check = "import importlib.util as u; print(u.find_spec('mlxbatch') is None)"
     assert _run([sys.executable, "-S", "-c", check], env=env, cwd=tmp_path).stdout.strip() == "True"
     proc = _run(cmd, env=env, cwd=tree)
@@ -86,6 +86,10 @@ def test_gpu_command_on_a_bare_copy_of_the_tree(tmp_path, tiny_model_path):
     decode = suite["figures"]["decode"]["1"]
     assert set(decode) >= {"engine_step", "mlx_lm", "bare", "engine_host_ms", "engine_wait_ms", "bare_host_ms"}
     assert decode["bare_host_ms"] > 0 and decode["engine_host_ms"] > 0 and "host / wait ms a step" in (out / "gpu_suite.md").read_text()
+    # each decode path ran twice, interleaved; the table gives the medians and the engine's spread
+    assert len(decode["engine_steps"]) == len(decode["mlx_lm_runs"]) == len(decode["bare_runs"]) == 2
+    assert min(decode["engine_steps"]) <= decode["engine_step"] <= max(decode["engine_steps"])
+    assert "median of 2" in (out / "gpu_suite.md").read_text()
     md = (out / "gpu_suite.md").read_text()
     assert md.startswith("GPU figures measured at commit abc1234") and "### label: 8 rows" in md
     assert "- software: python" in md and "(git abc1234 (given))" in md  # the machine header
