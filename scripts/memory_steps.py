@@ -6,7 +6,7 @@ For each workload, in one process: mlx-lm's batch_generate (B1) and the engine, 
 ``MemoryProbe`` (peak MLX memory over the run's start). The engine's peak is then found step by step: the peak is
 reset before every ``EngineCore.step`` and read after it (with a synchronize), beside the step's make-up (decode
 rows, prefill chunks and tokens) and the KV it holds at the end of the step (slot buffers, prefix store). Prints
-the steps with the highest peaks. Wraps our own ``EngineCore.step`` and runner ``_execute`` (this script only).
+the steps with the highest peaks. Wraps our own ``EngineCore.step`` and ``ModelRunner.launch`` (this script only).
 """
 
 # ruff: isort: skip_file
@@ -32,13 +32,13 @@ def main() -> None:
     C = b.concurrency
     steps: list[dict] = []
     shape: dict = {}
-    runner_cls = next(v for v in vars(runner_mod).values() if isinstance(v, type) and hasattr(v, "_execute"))
-    execute, step = runner_cls._execute, EngineCore.step
+    runner_cls = runner_mod.ModelRunner
+    launch, step = runner_cls.launch, EngineCore.step
 
-    def timed_execute(self, out):  # type: ignore[no-untyped-def]
+    def recorded_launch(self, out):  # type: ignore[no-untyped-def]
         shape.update(decodes=len(out.decodes), chunks=len(out.prefills),
                      prefill_tok=sum(c.end - c.start for c in out.prefills), stores=len(out.stores))
-        return execute(self, out)
+        return launch(self, out)
 
     def measured_step(self):  # type: ignore[no-untyped-def]
         shape.clear()
@@ -52,7 +52,7 @@ def main() -> None:
                       "store": st.prefix_store_bytes, "cap": f"{self.runner.batch._rows_cap}x{self.runner.batch._pos_cap}", **shape})
         return deltas
 
-    runner_cls._execute, EngineCore.step = timed_execute, measured_step
+    runner_cls.launch, EngineCore.step = recorded_launch, measured_step
     b.run_engine(b.workload("label", 32), max_num_seqs=C)
     for item in mine.runs.split(","):
         name, n = item.split(":")
