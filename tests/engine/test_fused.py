@@ -125,3 +125,19 @@ def test_kinds_it_does_not_know_are_left_alone(fresh):
     assert fused is not None and fused.gate_up is None
     x = mx.random.normal((1, 2, attn.q_proj.weight.shape[1]), key=mx.random.key(2))
     assert mx.array_equal(fused.mlp(layers[1], x), layers[1].mlp(x)).item()
+
+
+def test_quantized_projections_fuse_too(fresh):
+    """4-bit weights: the packed weights, scales and biases stack along the output axis as plain weights do."""
+    model = fresh.model
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.QuantizedLinear
+    used = mx.get_active_memory()
+    own = split_model(model).body
+    assert own.fuse() and all(f.gate_up is not None for f in own.fused)
+    assert mx.get_active_memory() - used < 64 * 1024
+    ref_cache, own_cache = make_prompt_cache(model), make_prompt_cache(model)
+    for tokens in (mx.array([[5, 9, 2, 44, 7, 31, 12]]), mx.array([[3]]), mx.array([[19]])):
+        want, got = model.model(tokens, cache=ref_cache), own(tokens, cache=own_cache)
+        assert mx.allclose(want, got, atol=1e-5, rtol=1e-5).item()
