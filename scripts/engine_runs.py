@@ -5,18 +5,20 @@
 
 Each workload: a first run (cuDNN builds a graph for every new attention shape) and the same run again (the graphs
 are built). Prints wall, prefill seconds and tokens, decode seconds, the prefill passes and their distinct
-(rows, tokens, keys) shapes, and MLX's peak memory over the run's start (the suite's working memory). For two commits on one machine: copy each commit's ``mlxbatch`` to a folder and run
-this script once per folder with ``PYTHONPATH=<folder>``; compare the rows of one table, not machines.
+(rows, tokens, keys) shapes, and MLX's peak memory over the run's start (the suite's working memory). For two
+commits on one machine: copy each commit's ``mlxbatch`` to a folder and run this script once per folder with
+``PYTHONPATH=<folder>``; compare the rows of one table, not machines.
 """
 
 # ruff: isort: skip_file
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import mlxbatch  # noqa: F401  (first: it sets up MLX's BLAS on Linux CPUs)
 from mlxbatch.bench.cli import parse_script_args
-from mlxbatch.bench.harness import Bench, MemoryProbe, log
+from mlxbatch.bench.harness import Bench, log
 from mlxbatch.engine.kv.slots import SlotBatch
 
 
@@ -66,9 +68,7 @@ def main() -> None:
         w = b.workload(name, int(n))
         for again in ("first", "again"):
             seen.clear()
-            with MemoryProbe() as probe:
-                run = b.run_engine(w, max_num_seqs=C)
-            run.mlx_base, run.mlx_peak = probe.mlx_base, probe.mlx_peak
+            run = b.measure({"engine": partial(b.run_engine, w, max_num_seqs=C)}, 1)["engine"].median  # memory probed
             p = run.extra["profile"]
             rows.append((name, again, run.wall_s, p["prefill_s"], p["prefill_tokens"], p["decode_s"], len(seen),
                          len(set(seen)), p.get("prefill_unfused_passes", "-"), (run.mlx_peak - run.mlx_base) / 2**30))

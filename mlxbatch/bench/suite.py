@@ -22,6 +22,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -131,6 +132,11 @@ def _decode_engine(b: Bench, w: wl.Workload, cfg: dict) -> dict:
             "engine_profile": p}
 
 
+def _median(runs: list, key: Any) -> Any:
+    """The median run by ``key`` (the lower middle one of an even number), so its columns come from one run."""
+    return sorted(runs, key=key)[(len(runs) - 1) // 2]
+
+
 def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: int = 128,
                  repeats: int = 3) -> tuple[Table, dict]:
     """Decode at fixed concurrency: the engine, mlx-lm's BatchGenerator and a bare forward + argmax loop, each run
@@ -148,9 +154,9 @@ def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: 
         warm = wl.Workload("warm-up", w.prompts, 4)
         b.run_b1(warm, L, L)
         b.run_engine(warm, **cfg)
-        got: dict[str, list] = {"mlx-lm": [], "engine": [], "bare": []}
+        names = ["mlx-lm", "engine", "bare"]
+        got: dict[str, list] = {name: [] for name in names}
         for r in range(repeats):
-            names = list(got)
             for name in names[r % 3:] + names[: r % 3]:
                 if name == "mlx-lm":
                     got[name].append(b.run_b1(w, L, L, name="mlx-lm").extra["decode_tps"])
@@ -158,10 +164,9 @@ def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: 
                     got[name].append(_decode_engine(b, w, cfg))
                 else:
                     got[name].append(bare_decode(b, L, prompt_len, new_tokens))
-        eng = sorted(got["engine"], key=lambda e: e["engine_step"])[len(got["engine"]) // 2]  # the median run
-        ref_tps = statistics.median(got["mlx-lm"])
-        bare_run = sorted(got["bare"])[len(got["bare"]) // 2]
-        bare, bare_host, bare_wait = bare_run
+        eng = _median(got["engine"], lambda e: e["engine_step"])
+        ref_tps = _median(got["mlx-lm"], float)
+        bare, bare_host, bare_wait = _median(got["bare"], lambda x: x[0])
         step, steps = eng["engine_step"], [e["engine_step"] for e in got["engine"]]
         tab.rows.append([L, step, eng["engine_fwd"], ref_tps, bare, ratio(step, ref_tps), ratio(step, bare),
                          f"{min(steps):,.0f}-{max(steps):,.0f}", eng["syncs_per_step"],

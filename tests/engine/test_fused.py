@@ -73,11 +73,11 @@ def _decode_matmuls(eng: Engine, prompts: list[list[int]], params: SamplingParam
 
     def recorded(self, kind, *arrays):
         if kind == "decode":
-            path = tempfile.mktemp(suffix=".dot")
-            mx.export_to_dot(path, *[a for a in arrays if isinstance(a, mx.array)])
-            with open(path) as f:
-                graphs.append(collections.Counter(re.findall(r'label ="([A-Za-z]+)', f.read())))
-            os.remove(path)
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "step.dot")
+                mx.export_to_dot(path, *[a for a in arrays if isinstance(a, mx.array)])
+                with open(path) as f:
+                    graphs.append(collections.Counter(re.findall(r'label ="([A-Za-z]+)', f.read())))
         return launch(self, kind, *arrays)
 
     outputs.Traffic.launch = recorded
