@@ -1,8 +1,9 @@
 """EngineCore: the step loop (schedule -> execute -> update), written once.
 
-Owns the requests in flight and turns submissions into sequences (``n`` samples become ``n`` sequences
-with derived seeds) after validating them. ``step()`` is the only place where the scheduler, the runner
-and the requests meet. ``AsyncEngineCore`` drives the same loop from asyncio on one dedicated thread.
+Owns the requests in flight; submissions become sequences (``n`` samples become ``n`` sequences with derived seeds)
+after validation in ``engine.intake`` (``RequestIntake``, its base class). ``step()`` is the only place where the
+scheduler, the runner and the requests meet. ``AsyncEngineCore`` drives the same loop from asyncio on one dedicated
+thread.
 """
 
 from __future__ import annotations
@@ -10,63 +11,32 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import secrets
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from mlxbatch.config import EngineConfig
-from mlxbatch.engine.decoding.detok import TextTracker
-from mlxbatch.engine.decoding.sampling import derive_seed, uniform_for
-from mlxbatch.engine.decoding.structured import GrammarCompiler, short_value
-from mlxbatch.engine.inputs import Prompt, encode_prompt
+from mlxbatch.engine.decoding.structured import GrammarCompiler
+from mlxbatch.engine.inputs import Prompt
+from mlxbatch.engine.intake import RequestGroup, RequestIntake
 from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.engine.model.memory import MemoryLimits, plan_memory
 from mlxbatch.engine.model.worker import Worker
 from mlxbatch.engine.outputs import Launched
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.runner import ModelRunner
-from mlxbatch.engine.sched.blocks import BLOCK_SIZE, stable_hash
+from mlxbatch.engine.sched.blocks import BLOCK_SIZE
 from mlxbatch.engine.sched.prefix import PrefixIndex
 from mlxbatch.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from mlxbatch.engine.vision.adapter import MultimodalPrompt
 from mlxbatch.engine.warmup import WarmUpReport, exercise
-from mlxbatch.errors import EngineClosedError, InvalidRequestError, OutOfMemoryError
-from mlxbatch.types import ImageInput, RequestOutput, RequestTimings, SamplingParams, StreamDelta
+from mlxbatch.errors import OutOfMemoryError
+from mlxbatch.types import RequestOutput, StreamDelta
+
+__all__ = ["EngineCore", "Prompt"]  # Prompt: api and async_core import it from here
 
 log = logging.getLogger(__name__)
 
-_SCORE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # scoring generates nothing; greedy, no seed
 
-
-@dataclass
-class _Group:
-    """A submitted request: its ``n`` sequences and what the caller asked to see."""
-
-    request_id: str
-    sequences: list[Request]
-    stream: bool
-    arrival: float = field(default_factory=time.perf_counter)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.status.finished for s in self.sequences)
-
-    def output(self) -> RequestOutput:
-        first = self.sequences[0]
-        sched = [s.first_scheduled for s in self.sequences if s.first_scheduled is not None]
-        toks = [s.first_token for s in self.sequences if s.first_token is not None]
-        ends = [s.finished_at for s in self.sequences if s.finished_at is not None]
-        timings = RequestTimings(self.arrival, min(sched, default=None), min(toks, default=None),
-                                 max(ends) if self.finished and ends else None)
-        # a score request's prompt is its context (each candidate sequence runs context + candidate)
-        prompt = first.score_from if first.score_from is not None else first.num_prompt_tokens
-        return RequestOutput(self.request_id, prompt, tuple(c for s in self.sequences for c in s.completions()),
-                             timings, self.finished, cached_tokens=first.num_cached_tokens)
-
-
-class EngineCore:
+class EngineCore(RequestIntake):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  worker: Worker | None = None) -> None:
         self.config = config or EngineConfig()
@@ -87,7 +57,7 @@ class EngineCore:
                             mem.slot_budget, self.runner.invariant_slice),
             self.runner.kv_cost,
             PrefixIndex(mem.prefix_blocks, BLOCK_SIZE, block_bytes) if mem.prefix_blocks else None)
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, RequestGroup] = {}
         self._aborted: set[str] = set()  # groups aborted since the last step
         self._seqs: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -113,148 +83,6 @@ class EngineCore:
                                   prefill_chunk_size=16, kv_budget_bytes=budget, prefix_cache=True,
                                   prefix_cache_bytes=4 * per_row)
         return exercise(EngineCore(self.loaded, cfg, self.worker))
-
-    @property
-    def compiler(self) -> GrammarCompiler:
-        """Compiles output constraints for this model's tokenizer (built on first use, then cached)."""
-        if self._compiler is None:
-            width = self.loaded.config.get("vocab_size") or self._vocab_size
-            try:
-                self._compiler = GrammarCompiler(self.loaded.tokenizer, width, self._eos)
-            except (ValueError, TypeError) as exc:  # e.g. a slow (non-Rust) tokenizer
-                msg = f"this model's tokenizer does not support constrained decoding: {exc}"
-                raise InvalidRequestError("constraint", "<any>", msg) from exc
-        return self._compiler
-
-    # -- submission ----------------------------------------------------------------------------
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt: text, token ids, or chat messages (rendered with the chat template)."""
-        return encode_prompt(self.loaded.tokenizer, prompt)
-
-    def encode_images(self, prompt: Prompt, images: Sequence[ImageInput]) -> MultimodalPrompt:
-        """Token ids and image inputs of a prompt with images; a text-only model refuses them (InvalidRequestError)."""
-        if self.loaded.vlm is None:
-            raise InvalidRequestError("images", ", ".join(im.source or "<image>" for im in images),
-                                      f"model {self.loaded.spec.model!r} is text-only and cannot take images")
-        if isinstance(prompt, MultimodalPrompt) or (not isinstance(prompt, str) and
-                                                    not all(isinstance(m, dict) for m in prompt)):
-            raise InvalidRequestError("prompt", type(prompt).__name__, "with images, give text or chat messages")
-        return self.loaded.vlm.encode(prompt, images)
-
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = False, cache_tokens: int | None = None,
-                    images: Sequence[ImageInput] = ()) -> str:
-        """Validate and queue one request; raises InvalidRequestError (the engine goes on) if it cannot run.
-
-        ``cache_tokens`` is the plan's retention for this prompt: how many of its leading tokens later requests
-        share (their KV is kept in the prefix cache, longer cached prefixes of it are dropped once it is
-        admitted). None (no plan) caches every full block and evicts least recently used first.
-        ``images`` go with a text or chat prompt (vision-language models); ``prompt`` may also be a
-        ``MultimodalPrompt`` that ``encode_images`` made.
-        """
-        if self._closed:
-            raise EngineClosedError("the engine has shut down")
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params", type(params).__name__, "expected SamplingParams")
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._groups:
-            raise InvalidRequestError("request_id", request_id, "already in flight")
-        mm = None
-        if images:
-            prompt = self.encode_images(prompt, images)
-        if isinstance(prompt, MultimodalPrompt):
-            ids, mm = prompt.token_ids, prompt.mm
-        else:
-            ids = self.encode(prompt)
-        ctx = self.loaded.context_length
-        self._check_ids(ids, "prompt", prompt)
-        if params.constraint is not None and (reason := self.compiler.check(params.constraint)) is not None:
-            raise InvalidRequestError("constraint", short_value(params.constraint), reason)
-        seed = params.seed
-        if seed is None:
-            seed = (int(uniform_for(self.config.seed, stable_hash(request_id) & 0xFFFFFFFF) * (1 << 53))
-                    if self.config.seed is not None else secrets.randbits(63))
-        incremental = stream or bool(params.stop)
-        # sample 0 prefills the prompt; samples 1..n-1 fork its KV when that prefill ends (prefill once)
-        seqs = [
-            Request(
-                request_id=request_id if params.n == 1 else f"{request_id}#{i}", group_id=request_id, index=i,
-                prompt_token_ids=ids, params=params, seed=derive_seed(seed, i), eos_token_ids=self._eos,
-                max_context=ctx, cache_tokens=cache_tokens, mm=mm,
-                # samples 1..n-1 fork sample 0's KV (text rows; an image row's samples prefill on their own)
-                fork_parent=f"{request_id}#0" if i and mm is None else None,
-                text=TextTracker(self.loaded.tokenizer, params.stop, params.include_stop_str_in_output,
-                                 incremental, self._hidden_ids, self._vocab_size),
-            )
-            for i in range(params.n)
-        ]
-        self._groups[request_id] = _Group(request_id, seqs, stream)
-        for s in seqs:
-            self._seqs[s.request_id] = s
-            if params.constraint is not None:
-                self.runner.set_constraint(s.request_id, self.compiler.matcher(params.constraint))
-            self.scheduler.add(s)
-        return request_id
-
-    def _check_ids(self, ids: list[int], what: str, shown: Any, room: int = 1) -> None:
-        ctx = self.loaded.context_length
-        if not ids:
-            raise InvalidRequestError(what, shown if isinstance(shown, str) else "[]", "is empty")
-        if len(ids) > ctx - room:
-            raise InvalidRequestError(what, f"<{len(ids)} tokens>", f"is longer than the model's context ({ctx} "
-                                      f"tokens{', room for one more' if room else ''})")
-        vocab = self.loaded.config.get("vocab_size") or self._vocab_size
-        if max(ids) >= vocab or min(ids) < 0:
-            raise InvalidRequestError(what, f"token id {max(ids)}", f"outside the vocabulary (size {vocab})")
-
-    def add_score_request(self, context: Prompt, continuations: Sequence[str | Sequence[int]],
-                          request_id: str | None = None, cache_tokens: int | None = None) -> str:
-        """Queue the scoring of each continuation after ``context``: log-probability per token, their sum and
-        whether each token is the greedy choice (the output's completions, in order; nothing is generated).
-
-        Context and continuations are tokenized separately (a continuation's leading space stays its own), so
-        every candidate is scored on the same context tokens. When every candidate is one token, they are one
-        sequence: the context's last position scores each (the context computed once, no candidate token run).
-        Otherwise each candidate is a sequence of its own; they share the context's KV through the prefix cache:
-        the first computes it, the others wait for its blocks and reuse them. ``cache_tokens``: the
-        plan's retention of the context (what the next row's context shares with it), as for ``add_request``.
-        """
-        if self._closed:
-            raise EngineClosedError("the engine has shut down")
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._groups:
-            raise InvalidRequestError("request_id", request_id, "already in flight")
-        ctx_ids = self.encode(context)
-        self._check_ids(ctx_ids, "context", context, room=0)
-        if isinstance(continuations, str) or not continuations:
-            raise InvalidRequestError("candidates", continuations if isinstance(continuations, str) else "[]",
-                                      "expected a non-empty list of continuations")
-        tok = self.loaded.tokenizer
-        cands = []
-        for i, cont in enumerate(continuations):
-            ids = list(tok.encode(cont, add_special_tokens=False)) if isinstance(cont, str) else [int(t) for t in cont]
-            if not ids:
-                raise InvalidRequestError(f"candidates[{i}]", cont, "is empty")
-            self._check_ids(ctx_ids + ids, f"context + candidates[{i}]", cont, room=0)
-            cands.append(ids)
-
-        def sequence(i: int, ids: list[int], score_tokens: tuple[int, ...] = ()) -> Request:
-            return Request(
-                request_id=f"{request_id}#{i}", group_id=request_id, index=i, prompt_token_ids=ctx_ids + ids,
-                params=_SCORE_PARAMS, seed=0, eos_token_ids=self._eos, max_context=self.loaded.context_length,
-                text=TextTracker(tok, (), False, False, self._hidden_ids, self._vocab_size),
-                score_from=len(ctx_ids), score_tokens=score_tokens, cache_tokens=cache_tokens)
-
-        if all(len(ids) == 1 for ids in cands):  # one sequence: the context's last logits score every candidate
-            seqs = [sequence(0, [], tuple(ids[0] for ids in cands))]
-        else:
-            seqs = [sequence(i, ids) for i, ids in enumerate(cands)]
-        self._groups[request_id] = _Group(request_id, seqs, False)
-        for s in seqs:
-            self._seqs[s.request_id] = s
-            self.scheduler.add(s)
-        return request_id
 
     def abort(self, request_id: str) -> None:
         group = self._groups.get(request_id)

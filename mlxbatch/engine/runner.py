@@ -7,7 +7,8 @@ gets a cost function (``kv_cost``) to admit by memory, and it decides every reus
 forward; prefill chunks run batched too, in groups of similar length so right-padding stays small; the rows whose
 next token is due are sampled together. KV positions are committed only when the whole step succeeded, so a failed
 (out-of-memory) step leaves nothing half-counted. With ``batch_invariant`` the forwards run in fixed shapes instead
-(``kv.fixed_forwards``: slices, key widths and row tiles fixed by each row alone); sampling and commit are shared.
+(``kv.fixed_forwards``: slices, key widths and row tiles fixed by each row alone); sampling and commit are shared
+(``engine.commit``: ``StepCommit``, the runner's base class).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.decoding.sampling import SampleRow, draw, draw_greedy
+from mlxbatch.engine.commit import StepCommit
 from mlxbatch.engine.decoding.structured import Matcher, SequenceGrammars
 from mlxbatch.engine.kv import KVLayout, reuse
 from mlxbatch.engine.kv.decode_attention import DecodeAttention
@@ -49,7 +50,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in text for m in _OOM_MARKERS)
 
 
-class ModelRunner:
+class ModelRunner(StepCommit):
     def __init__(self, model: Any, geometry: KVGeometry, prefix_blocks: int = 0, block_size: int = 16,
                  vlm: Any = None, vision_cache_bytes: int = 1 << 30, batch_invariant: bool = False) -> None:
         self.model = model
@@ -235,47 +236,6 @@ class ModelRunner:
             scored = score_positions(lg, step.score_targets, step.score_owners, self.traffic)
         return self._draw_commit(out, step.due, [fx.logits(step.hidden)] if step.due else [], scored)
 
-    def _draw_commit(self, out: SchedulerOutput, due: list[Request], logits: list[mx.array],
-                     scored: dict[str, ScoredTokens]) -> Launched:
-        """Draw every due row's next token (forked samples from their parent's logits), commit the step's books, and
-        launch what is left of the step."""
-        prof = self.profile
-        drawn = None
-        if due:
-            all_logits = mx.concatenate(logits, axis=0) if len(logits) > 1 else logits[0]
-            if out.forks:  # each forked sample draws its first token from its parent's last logits
-                pos = {r.request_id: i for i, r in enumerate(due)}
-                all_logits = mx.concatenate([all_logits,
-                                             all_logits[mx.array([pos[p.request_id] for p, _ in out.forks])]])
-                due += [child for _, child in out.forks]
-            t0 = time.perf_counter()
-            if not len(self._grammars) and all(r.plain_greedy for r in due):  # nothing per row to build
-                drawn = draw_greedy(all_logits)
-            else:  # ``pending``: a token the step in flight drew counts among the row's tokens
-                rows_s = [SampleRow(r.params, r.seed, len(r.output_token_ids) + r.pending, r.prompt_token_ids,
-                                    r.output_token_ids, r.banned_ids) for r in due]
-                t1 = time.perf_counter()
-                constrained = self._grammars.constrain([r.request_id for r in due], all_logits)
-                prof.grammar_mask_s += time.perf_counter() - t1
-                drawn = draw(constrained, rows_s, all_logits if constrained is not all_logits else None)
-            prof.sampling_s += time.perf_counter() - t0
-        pending = self._commit(out)  # the prefix store's writes read this step's KV: evaluated with it
-        t0, w0 = time.perf_counter(), self.traffic.wait_s
-        if drawn is not None:
-            n = self.traffic.launch("decode" if out.decodes else "prefill", *drawn.arrays(), *pending)
-        elif pending or out.decodes:
-            n = self.traffic.launch("prefill", *pending, *self.batch.kv_arrays())
-        else:
-            n = self.traffic.launches
-        build = time.perf_counter() - t0 - (self.traffic.wait_s - w0)
-        if out.decodes:
-            prof.decode_build_s += build
-        else:
-            prof.prefill_build_s += build
-        step = Launched(tuple(r.request_id for r in due), drawn, n, scored)
-        self._last = step if drawn is not None else None
-        return step
-
     def _score(self, start: int, group: list[PrefillChunk], tokens: list[list[int]], last: list[int],
                seqs: list[RowInput], scored: dict[str, ScoredTokens]) -> mx.array:
         """A prefill forward that also scores tokens (``scoring.score_chunk``)."""
@@ -307,36 +267,6 @@ class ModelRunner:
             out = out[mx.array(rows)] if rows else out[:0]
         return head(out) if head is not None else out
 
-    def _commit(self, out: SchedulerOutput) -> list[mx.array]:
-        """The step's books: its KV positions count, finished prompts' blocks go to the prefix store (lazily: returns
-        the store's buffers to evaluate with the step), forked samples get their parent's KV, and finished prefills
-        join the decode rows when the next step starts (a row move waits for the device: not while this one runs).
-        Called once every pass of the step is built; the pass reads lengths as they were."""
-        for r in out.decodes:
-            self.batch.advance(r.request_id, 1)
-        for c in out.prefills:
-            self.batch.advance(c.request.request_id, c.end - c.start)
-        pending: list[mx.array] = []
-        if out.stores:
-            assert self._store is not None
-            pending = reuse.store_blocks(self.batch, self._store, out.stores)  # before any row moves again
-        for parent, child in out.forks:  # n > 1: the prompt was prefilled once, each sample gets a copy
-            self.batch.add(child.request_id, self.batch.extract(parent.request_id), parent.num_prompt_tokens)
-        # in row order: a finished prefill row already at the head of the prefill region joins without moving
-        done = {c.request.request_id for c in out.prefills if c.last} | {c.request_id for _, c in out.forks}
-        self._promote = [rid for rid in self.batch.ids[self.batch.n_decode :] if rid in done]
-        return pending
-
-    def _settle_rows(self) -> None:
-        """Row moves left by the last step (promotions, then frees), before this step touches the rows."""
-        if self._promote:
-            leaving = set(self._free)  # (a row done as its prefill ended is not promoted first)
-            self.batch.promote_many([rid for rid in self._promote if rid not in leaving])
-            self._promote = []
-        if self._free:
-            gone, self._free = self._free, []
-            self.batch.remove_many(gone)
-            self.batch.shrink()
 
     def free(self, request_ids: list[str]) -> None:
         """Drop the KV of sequences that finished, were aborted or were preempted (their rows go when the next step
