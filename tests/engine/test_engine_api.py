@@ -47,6 +47,27 @@ def test_bad_prompts_are_rejected_at_submission_and_the_engine_goes_on(engine):
     assert len(engine.generate(["import os", "import sys"], GREEDY)) == 2
 
 
+def test_token_id_prompts_are_taken_as_plain_ints_and_never_aliased():
+    """Ids pass through as a new list (the engine's request owns it); int subclasses become ints; bools and other
+    items are refused with the reason."""
+    import enum
+
+    from mlxbatch.engine.inputs import encode_prompt
+
+    class Tok(enum.IntEnum):
+        A = 7
+
+    ids = [3, 1, 4]
+    got = encode_prompt(None, ids)
+    assert got == ids and got is not ids
+    assert encode_prompt(None, (5, 6)) == [5, 6]
+    mixed = encode_prompt(None, [Tok.A, 2])
+    assert mixed == [7, 2] and [type(t) for t in mixed] == [int, int]
+    for bad in ([True, 2], [1, 2.0], [1, "2"]):
+        with pytest.raises(InvalidRequestError, match="token ids"):
+            encode_prompt(None, bad)
+
+
 def test_chat_messages_use_the_chat_template(engine):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     ids = engine.core.encode(msgs)

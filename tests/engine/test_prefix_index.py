@@ -70,6 +70,58 @@ def test_a_running_row_beats_whole_blocks_but_not_in_the_step_it_was_admitted():
     assert ix.stats()["tokens_reused_live"] == 14
 
 
+def _running(ix: PrefixIndex, rows: list[Request]) -> None:
+    """``rows`` admitted in an earlier step, prefilled and decoding (sources a later row can copy from)."""
+    ix.begin_step()
+    for r in rows:
+        admit(ix, r)
+    ix.plan_stores([])
+    for r in rows:
+        r.num_computed_tokens, r.status = r.num_prompt_tokens, RequestStatus.DECODING
+    ix.begin_step()
+
+
+def test_the_running_row_search_compares_whole_prefixes_only_with_rows_that_can_win(monkeypatch):
+    """A job's rows share their instruction and differ after it: the search rejects a running row by the one token it
+    must share to beat what is found so far, before comparing prefixes (each a slice of ~1k ids) with it."""
+    import mlxbatch.engine.sched.prefix as prefix_mod
+
+    calls = []
+    full = prefix_mod.common_prefix_len
+    monkeypatch.setattr(prefix_mod, "common_prefix_len", lambda a, b: calls.append(1) or full(a, b))
+    ix = PrefixIndex(64, B)
+    others = [req(f"r{i}", [1, 2, 3, 100 + i, 5, 6, 7, 8, 9]) for i in range(10)]  # 3 tokens shared: under a block
+    a = req("a", list(range(1, 20)))
+    _running(ix, [*others, a])
+    assert admit(ix, req("c", list(range(1, 15)) + [77])) == RunningRow("a", 14)
+    assert len(calls) == 1  # only "a" was compared in full
+
+
+def test_the_running_row_search_finds_what_comparing_every_row_finds():
+    """Pinned against the plain search (every running row compared in full) on random prompts over few symbols."""
+    import random
+
+    from mlxbatch.engine.sched.planner import common_prefix_len
+
+    rng = random.Random(7)
+    for trial in range(200):
+        ix = PrefixIndex(256, B)
+        rows = [req(f"s{i}", [1] + [rng.randrange(2) for _ in range(rng.randrange(1, 14))]) for i in range(6)]
+        _running(ix, rows)
+        for r in rows:
+            r.num_computed_tokens = rng.randrange(1, r.num_prompt_tokens + 1)
+        tokens = [1] + [rng.randrange(2) for _ in range(rng.randrange(1, 16))]
+        at_least = rng.choice([0, 0, 4, 8])
+        limit = len(tokens) - 1
+        want = None
+        for src in rows:
+            n = min(common_prefix_len(tokens, src.prompt_token_ids), src.num_computed_tokens, limit)
+            if n > (want.num_tokens if want else at_least) and n >= B:
+                want = RunningRow(src.request_id, n)
+        new = req(f"t{trial}", tokens)
+        assert ix._running_row(new, tokens, at_least) == want, (trial, tokens, at_least)
+
+
 def test_a_failed_step_registers_nothing_and_frees_its_blocks():
     ix = PrefixIndex(8, B)
     ix.begin_step()

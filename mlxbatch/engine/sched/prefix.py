@@ -161,10 +161,14 @@ class PrefixIndex(PrefixKeeping):
                 continue
             if self._admitted_at.get(src.request_id, self._step) >= self._step:
                 continue  # admitted this step: its row is not filled before this step's copies
-            if not src.prompt_token_ids or src.prompt_token_ids[0] != tokens[0]:
+            # to be taken, ``src`` must share token k (and all before it): one comparison rejects most rows
+            # before the whole prefix is compared (rows of one job share their instruction, not what follows it)
+            k = max(best.num_tokens if best else at_least, self.block_size - 1)
+            ids = src.prompt_token_ids
+            if k >= limit or src.num_computed_tokens <= k or len(ids) <= k or ids[k] != tokens[k] or ids[0] != tokens[0]:
                 continue
-            n = min(common_prefix_len(tokens, src.prompt_token_ids), src.num_computed_tokens, limit)
-            if n > (best.num_tokens if best else at_least) and n >= self.block_size:
+            n = min(common_prefix_len(tokens, ids), src.num_computed_tokens, limit)
+            if n > k:
                 best = RunningRow(src.request_id, n)
         return best
 

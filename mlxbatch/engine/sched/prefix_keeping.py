@@ -133,9 +133,10 @@ class PrefixKeeping:
             self.pool.release(list(s.block_ids))  # cached, unreferenced: evictable when space is needed
         for r in finished_prefills:
             self._done_computing(r.request_id)
-        spared = {h for hashes in self._pending.values() for h in hashes}
-        for r in self._planned:
-            self._drop_after(r, spared)
+        if self._planned:  # (the spared set spans every waiting sequence's chain: built only when it is read)
+            spared = {h for hashes in self._pending.values() for h in hashes}
+            for r in self._planned:
+                self._drop_after(r, spared)
         self._planned = []
 
     def abort_step(self, stores: Sequence[BlockStore]) -> None:
