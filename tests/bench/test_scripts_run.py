@@ -36,3 +36,9 @@ def test_diagnostic_script_runs(script, args, expect, tiny_model_path):
 def test_kernel_call_cost_runs_without_cuda():
     out = _script(["scripts/kernel_call_cost.py", "--steps", "2", "--chain", "3", "--rows", "4", "--dims", "8"])
     assert "| built-in + |" in out and "| compiled (one kernel) |" in out
+
+
+def test_copy_kernels_runs_and_every_way_writes_the_same():
+    out = _script(["scripts/copy_kernels.py", "--blocks", "24", "--layers", "2", "--reps", "1", "--rows", "8",
+                   "--capacity", "64"])
+    assert out.count("| True |") == 2  # the two other ways' slots equal the way of now
