@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from mlxbatch.engine.kv import copies, words
+from mlxbatch.engine.kv import copies
 from mlxbatch.engine.outputs import Traffic
 
 
@@ -56,7 +56,7 @@ class PrefixStore:
     def gather(self, block_ids: Sequence[int]) -> tuple[list[mx.array], list[mx.array]]:
         """These blocks, in order, per layer ``[blocks, H, block_size, D]`` (one gather per layer, lazy)."""
         idx = mx.array(list(block_ids), dtype=mx.int32)
-        return [words.take(k, idx) for k in self._keys], [words.take(v, idx) for v in self._values]
+        return [k[idx] for k in self._keys], [v[idx] for v in self._values]
 
     def write(self, row_kv: Sequence[tuple[mx.array, mx.array]], first_block: int, block_ids: Sequence[int]) -> None:
         """Copy blocks ``first_block ..`` of a row (per layer ``[1, H, length, D]``, lazy views) into ``block_ids`` (the
@@ -78,9 +78,9 @@ class PrefixStore:
         assert len(set(block_ids)) == len(block_ids), "a block is written once a step"
         self._ensure(max(block_ids))
         idx = mx.array(list(block_ids), dtype=mx.int32)
-        for layer in range(self._num_layers):  # (each list holds its buffer's last reference: written in place)
-            self._keys[layer] = words.put(self._keys[layer], idx, keys[layer])
-            self._values[layer] = words.put(self._values[layer], idx, values[layer])
+        for layer in range(self._num_layers):
+            self._keys[layer][idx] = keys[layer]
+            self._values[layer][idx] = values[layer]
         self.traffic.stored_bytes += len(block_ids) * self.block_size * self._token_bytes
         self._dirty = True
 

@@ -12,8 +12,6 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from mlxbatch.engine.kv import words
-
 
 class RowMoves:
     """A base of ``SlotBatch``: moves its rows in its buffers (``_keys``, ``_values``) and books (``ids``,
@@ -117,13 +115,12 @@ class RowMoves:
         """Positions ``0..n-1`` of rows ``src`` into rows ``dst``, all rows at once: one gather per buffer, one
         sync, one scatter per buffer."""
         take, put = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
-        copies = [words.take_rows(buf, take, n) for buf in (*self._keys, *self._values)]
+        copies = [mx.take(buf[:, :, :n, :], take, axis=0) for buf in (*self._keys, *self._values)]
         self.traffic.evaluate(copies)  # nothing lazy may reference the buffers while they are written in place
         self.traffic.moved_bytes += len(dst) * n * self._pos_bytes
         for i, c in enumerate(copies):
             target = self._keys if i < self.num_layers else self._values
-            j = i % self.num_layers
-            target[j] = words.put_rows(target[j], put, n, c)
+            target[i % self.num_layers][put, :, :n, :] = c
 
     def copy_prefixes(self, copies: Sequence[tuple[str, str, int]]) -> None:
         """(destination, source, n): each destination row (admitted, empty) gets the source row's first ``n``

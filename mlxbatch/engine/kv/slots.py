@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.kv import copies, words
+from mlxbatch.engine.kv import copies
 from mlxbatch.engine.kv.row_moves import RowMoves
 from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache, bucketed_pass, plan_forward, write_kv
 from mlxbatch.engine.outputs import Traffic
@@ -178,32 +178,17 @@ class SlotBatch(RowMoves):
                         bufs[i][row, :, start : start + width, :] = blk.transpose(1, 0, 2, 3).reshape(H, n * B, D)
                 b = e
             return
-        index = self._block_rows(targets, block_size)
-        if index is None:
-            rows, heads, pos = self._block_index(targets, block_size)
-            for i in range(self.num_layers):
-                self._keys[i][rows, heads, pos] = keys[i]
-                self._values[i][rows, heads, pos] = values[i]
-            return
-        for i in range(self.num_layers):  # (each list holds its buffer's last reference: written in place)
-            self._keys[i] = words.write_blocks(self._keys[i], index, keys[i])
-            self._values[i] = words.write_blocks(self._values[i], index, values[i])
+        rows, heads, pos = self._block_index(targets, block_size)
+        for i in range(self.num_layers):
+            self._keys[i][rows, heads, pos] = keys[i]
+            self._values[i][rows, heads, pos] = values[i]
 
     def read_blocks(self, sources: Sequence[tuple[str, int]], block_size: int) -> tuple[list[mx.array], list[mx.array]]:
         """Blocks of rows, lazily, per layer ``[n, H, block_size, D]``: block ``b`` is row ``sources[b][0]``'s positions
         ``sources[b][1] .. + block_size`` (past the row's length: whatever is there). One gather per buffer for all
         rows (the inverse of ``write_blocks``); evaluate before any row is written or moved again."""
-        index = self._block_rows(sources, block_size)
-        if index is not None:
-            return ([words.read_blocks(k, index, block_size) for k in self._keys],
-                    [words.read_blocks(v, index, block_size) for v in self._values])
         rows, heads, pos = self._block_index(sources, block_size)
         return [k[rows, heads, pos] for k in self._keys], [v[rows, heads, pos] for v in self._values]
-
-    def _block_rows(self, blocks: Sequence[tuple[str, int]], block_size: int) -> mx.array | None:
-        """``kv.words.block_rows`` of blocks given as (row id, first position); None if one is not block-aligned."""
-        rows, starts = mx.array([self.row_of(r) for r, _ in blocks]), mx.array([p for _, p in blocks])
-        return None if any(p % block_size for _, p in blocks) else words.block_rows(self._keys[0], rows, starts, block_size)
 
     def _block_index(self, blocks: Sequence[tuple[str, int]], block_size: int) -> tuple[mx.array, mx.array, mx.array]:
         """Index arrays (rows ``[n,1,1]``, heads ``[1,H,1]``, positions ``[n,1,B]``) of blocks given as (row id,
