@@ -347,3 +347,105 @@ def test_a_decode_only_step_waits_for_the_device_once(tiny_loaded, overlap):
         core.step()
         assert tr.since(before).syncs == 1
     core.run_until_done()
+
+
+def _bf16_batch(batched: bool, running: int = 0) -> SlotBatch:
+    """A bfloat16 slot batch (the GPU's KV dtype) of capacity 128 x 2048,
+    random contents, ``running`` decoding rows of 300 positions and a source row ``src`` of 200."""
+    b = SlotBatch(L, Traffic())
+    b.batched_moves = batched
+    b.allocate(H, D, mx.bfloat16)
+    b._ensure(128, 2048)
+    key = mx.random.key(3)
+    for bufs in (b._keys, b._values):
+        for i in range(L):
+            key, sub = mx.random.split(key)
+            bufs[i] = mx.random.normal(bufs[i].shape, key=sub).astype(mx.bfloat16)
+    for rid, n in [*((f"run{i}", 300) for i in range(running)), ("src", 200)]:
+        b.add(rid)
+        b.advance(rid, n)
+        b.promote(rid)
+    mx.eval(b.kv_arrays())
+    return b
+
+
+def _rows(b: SlotBatch) -> dict[str, list]:
+    """Every row's committed KV, by request id."""
+    return {rid: [buf[b.row_of(rid), :, : b.lengths[b.row_of(rid)], :] for buf in b.kv_arrays()] for rid in b.ids}
+
+
+def test_batched_moves_of_16_bit_kv_write_what_per_row_moves_write_and_in_place():
+    """The GPU path's copies of bfloat16 KV (batched: one gather and scatter per buffer) leave every row as the per-row
+    path does, and allocate no more than what they move (in place, whatever the capacity)."""
+    blocks = [mx.random.normal((6, H, 16, D)).astype(mx.bfloat16) for _ in range(L)]
+    new = [f"new{i}" for i in range(4)]
+
+    def run(b: SlotBatch) -> tuple[dict, list, dict]:
+        pos_bytes = b.position_bytes
+        for rid in new:
+            b.add(rid)
+        copy = _allocated(lambda: (b.copy_prefixes([(rid, "src", 64 + 16 * i) for i, rid in enumerate(new)]),
+                                   mx.eval(b.kv_arrays())))
+        b.add("hit")
+        write = _allocated(lambda: (b.write_blocks([("hit", 16 * j) for j in range(6)], blocks, blocks, 16),
+                                    mx.eval(b.kv_arrays())))
+        b.advance("hit", 96)
+        b.arrange(list(reversed(new)) + ["hit"])
+        b.promote_many(["hit", new[0]])
+        b.remove_many([new[0], "run3", "src"])
+        keys, values = b.read_blocks([("hit", 16), ("new1", 0), ("run7", 32)], 16)
+        allocs = {"copy_prefixes": (copy, 4 * (64 + 48) * pos_bytes), "write_blocks": (write, 6 * 16 * pos_bytes)}
+        return _rows(b), [mx.array(x) for x in (*keys, *values)], allocs
+
+    states = {batched: run(_bf16_batch(batched, running=20)) for batched in (False, True)}
+    (rows_a, read_a, _), (rows_b, read_b, allocs) = states[False], states[True]
+    assert rows_a.keys() == rows_b.keys()
+    for rid in rows_a:
+        assert all(mx.array_equal(x, y).item() for x, y in zip(rows_a[rid], rows_b[rid])), rid
+    assert all(mx.array_equal(x, y).item() for x, y in zip(read_a, read_b))
+    assert read_b[0].dtype == mx.bfloat16 and read_b[0].shape == (3, H, 16, D)
+    for name, (alloc, moved) in allocs.items():  # a whole-buffer copy would be 128 x 2048 positions
+        assert alloc <= 2 * moved + SLACK, (name, alloc, moved)
+
+
+def test_prefix_store_copies_16_bit_blocks_in_place():
+    tr = Traffic()
+    pos_bytes = 2 * L * H * D * 2
+    store = PrefixStore(L, H, D, mx.bfloat16, pos_bytes, 4096, 16, tr)
+    first = [mx.random.normal((64, H, 16, D)).astype(mx.bfloat16) for _ in range(L)]
+    store.write_blocks(list(range(2000, 2064)), first, first)  # grows the store to 2064+ blocks
+    tr.evaluate(*store.pending())
+    blocks = [mx.random.normal((10, H, 16, D)).astype(mx.bfloat16) for _ in range(L)]
+    ids = [5, 9, 2001, 17, 3, 40, 41, 42, 100, 7]
+    alloc = _allocated(lambda: (store.write_blocks(ids, blocks, blocks), tr.evaluate(*store.pending())))
+    assert alloc <= 2 * 10 * 16 * pos_bytes + SLACK, alloc
+    keys, values = store.gather(ids)
+    assert keys[0].dtype == mx.bfloat16 and all(mx.array_equal(k, blk).item() for k, blk in zip(keys, blocks))
+    assert mx.array_equal(store.gather([2000])[0][1], first[1][:1]).item()
+
+
+def test_a_bfloat16_engine_run_copies_the_same_after_earlier_work(tiny_model_path):
+    """The GPU path end to end in the GPU's KV dtype (batched moves of bfloat16 KV): a run
+    after other work gives the same tokens and moves and stores the same bytes as a fresh engine's, and the tokens of
+per-row moves."""
+    from mlxbatch.engine.model.loader import ModelSpec, load_model
+
+    loaded = load_model(ModelSpec(str(tiny_model_path), dtype="bfloat16"))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    shared = list(range(100, 180))
+    prompts = [shared + list(range(300 + 7 * i, 300 + 7 * i + 5 + i % 4)) for i in range(12)]
+    other = [[(7 * i + 13 * j) % 900 + 50 for j in range(400)] for i in range(24)]
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, prefill_chunk_size=64, warm_up=False)
+    runs = []
+    for batched, earlier in ((True, None), (True, other), (False, None)):
+        with Engine(loaded, cfg) as eng:
+            eng.core.runner.batch.batched_moves = batched
+            if earlier:
+                eng.generate(earlier, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+            before = eng.core.runner.traffic.snapshot()
+            outs = eng.generate(prompts, params)
+            t = eng.core.runner.traffic.since(before)
+            assert eng.core.runner.batch.kv_arrays()[0].dtype == mx.bfloat16
+            runs.append(([o.completions[0].token_ids for o in outs], t.moved_bytes, t.stored_bytes))
+    assert runs[0] == runs[1] and runs[0][1] > 0 and runs[0][2] > 0
+    assert runs[2][0] == runs[0][0]  # the tokens of per-row moves (slice copies)
