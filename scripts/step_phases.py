@@ -36,6 +36,7 @@ from mlxbatch.types import SamplingParams
 SECONDS: collections.Counter = collections.Counter()
 CALLS: collections.Counter = collections.Counter()
 SEEN: set = set()
+PASSES: list = []
 
 
 def timed(name, fn, sync=True):
@@ -81,8 +82,24 @@ def forward(orig):
             key = (n, T, K, len(set(offs)) == 1)
             kind += " (new shape)" if key not in SEEN else " (seen shape)"
             SEEN.add(key)
-        return timed(f"forward: {kind}", orig)(self, model, start, tokens, full, offsets)
+        before = SECONDS[f"forward: {kind}"]
+        out = timed(f"forward: {kind}", orig)(self, model, start, tokens, full, offsets)
+        if T > 1:  # each prefill pass: (tokens computed, longest keys, seconds)
+            PASSES.append((sum(len(t) for t in tokens), K, SECONDS[f"forward: {kind}"] - before))
+        return out
     return run
+
+
+def pass_sizes() -> None:
+    """Prefill passes by the tokens they compute: small passes (a few rows admitted as slots free) cost more per
+    token than large ones, whatever the cache saved."""
+    print("  prefill passes by tokens computed | passes | s | tokens/s | mean longest keys")
+    for lo, hi in ((1, 512), (513, 1024), (1025, 2048), (2049, 4096), (4097, 1 << 30)):
+        got = [p for p in PASSES if lo <= p[0] <= hi]
+        if got:
+            tok, sec = sum(p[0] for p in got), sum(p[2] for p in got)
+            print(f"    {lo:>5}-{min(hi, 99999):<5} | {len(got):4d} | {sec:6.2f} | {tok / sec:9,.0f} | "
+                  f"{sum(p[1] for p in got) / len(got):7.0f}")
 
 
 def main() -> None:
@@ -117,6 +134,7 @@ def main() -> None:
         SECONDS.clear()
         CALLS.clear()
         SEEN.clear()
+        PASSES.clear()
         t0 = time.perf_counter()
         eng.generate(w.prompts, SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True))
         wall = time.perf_counter() - t0
@@ -127,6 +145,7 @@ def main() -> None:
             print(f"  {k:32s} {v:7.2f} s  {CALLS[k]:5d} calls  {1e3 * v / CALLS[k]:7.2f} ms/call")
         top = sum(v for k, v in SECONDS.items() if not k.startswith(" "))  # parts are inside their phase's time
         print(f"  {'(rest: host)':32s} {wall - top:7.2f} s", flush=True)
+        pass_sizes()
 
 
 if __name__ == "__main__":

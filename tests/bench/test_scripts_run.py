@@ -23,7 +23,7 @@ def _script(args: list[str]) -> str:
 
 
 @pytest.mark.parametrize("script,args,expect", [
-    ("step_phases.py", ["--rows", "12"], "forward: decode"),
+    ("step_phases.py", ["--rows", "12"], "prefill passes by tokens computed"),
     ("engine_runs.py", ["--runs", "label:12", "--tag", "t"], "| t | label | again |"),
     ("memory_steps.py", ["--runs", "fewshot:12", "--top", "2"], "| step | peak over start GiB"),
     ("decode_ab.py", ["--levels", "2", "--decode-repeats", "1", "--decode-new-tokens", "6", "--tag", "t"], "| t | 2 |"),
