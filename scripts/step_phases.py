@@ -84,8 +84,11 @@ def forward(orig):
             SEEN.add(key)
         before = SECONDS[f"forward: {kind}"]
         out = timed(f"forward: {kind}", orig)(self, model, start, tokens, full, offsets)
-        if T > 1:  # each prefill pass: (tokens computed, longest keys, seconds)
-            PASSES.append((sum(len(t) for t in tokens), K, SECONDS[f"forward: {kind}"] - before))
+        if T > 1:  # each prefill pass: (tokens computed, longest keys, seconds, how it attends, rows x tokens run)
+            fp = self.current_pass()
+            how = ("causal" if isinstance(fp.mask, str) else "array mask") + (", fused" if fp.fused else ", unfused")
+            PASSES.append((sum(len(t) for t in tokens), K, SECONDS[f"forward: {kind}"] - before, how,
+                           (fp.stop - fp.start) * fp.width))
         return out
     return run
 
@@ -100,6 +103,11 @@ def pass_sizes() -> None:
             tok, sec = sum(p[0] for p in got), sum(p[2] for p in got)
             print(f"    {lo:>5}-{min(hi, 99999):<5} | {len(got):4d} | {sec:6.2f} | {tok / sec:9,.0f} | "
                   f"{sum(p[1] for p in got) / len(got):7.0f}")
+    print("  prefill passes by how they attend | passes | s | tokens/s | run (padded) / computed tokens")
+    for how in sorted({p[3] for p in PASSES}):
+        got = [p for p in PASSES if p[3] == how]
+        tok, sec = sum(p[0] for p in got), sum(p[2] for p in got)
+        print(f"    {how:22s} | {len(got):4d} | {sec:6.2f} | {tok / sec:9,.0f} | {sum(p[4] for p in got) / tok:5.2f}")
 
 
 def main() -> None:
