@@ -1,9 +1,11 @@
 """A step's transient memory bound (EngineConfig.step_memory_bytes) against speed and B1's peak (GPU diagnostic)
 
     python3 scripts/step_memory.py --model 0.5b --runs fewshot:2048,unique:1024,label:2048 --bounds 0,4,2,1,0.5
+    python3 scripts/step_memory.py --model 0.5b --runs fewshot:2048 --bounds 2,2 --tokens 8192,4096
 
 For each workload, in one process: mlx-lm's batch_generate (B1) once, then the engine once unbound to build its
-cuDNN graphs, then once per bound (GiB; 0: none) in the order given. Each run inside the suite's ``MemoryProbe``:
+cuDNN graphs, then once per bound (GiB; 0: none) in the order given; ``--tokens`` (one per bound) also sets each
+run's ``max_num_batched_tokens`` (a step's prefill tokens: what its passes' activations scale with). Each run inside the suite's ``MemoryProbe``:
 peak MLX memory over the run's start, wall, prefill and decode seconds.
 """
 
@@ -20,10 +22,13 @@ GiB = 2**30
 
 
 def main() -> None:
-    mine, args = parse_script_args(sys.argv[1:], runs="fewshot:2048,unique:1024,label:2048", bounds="0,4,2,1,0.5")
+    mine, args = parse_script_args(sys.argv[1:], runs="fewshot:2048,unique:1024,label:2048", bounds="0,4,2,1,0.5",
+                                   tokens="")
     b = Bench(args)
     C = b.concurrency
     bounds = [float(x) for x in mine.bounds.split(",")]
+    tokens = [int(x) for x in mine.tokens.split(",")] if mine.tokens else [0] * len(bounds)
+    assert len(tokens) == len(bounds), "--tokens: one per bound"
     b.run_engine(b.workload("label", 64), max_num_seqs=C)
     rows = []
     for item in mine.runs.split(","):
@@ -33,12 +38,14 @@ def main() -> None:
             r1 = b.run_b1(w, C, args.prefill_batch)
         b1_peak = (p1.mlx_peak - p1.mlx_base) / GiB
         rows.append((name, "B1", r1.wall_s, None, None, b1_peak, b1_peak))
-        for i, gib in enumerate([0.0] + bounds):
+        for i, (gib, tok) in enumerate(zip([0.0] + bounds, [0] + tokens)):
             with MemoryProbe() as pe:
-                run = b.run_engine(w, max_num_seqs=C, step_memory_bytes=int(gib * GiB))
+                run = b.run_engine(w, max_num_seqs=C, step_memory_bytes=int(gib * GiB),
+                                   **({"max_num_batched_tokens": tok} if tok else {}))
             p = run.extra["profile"]
             peak = (pe.mlx_peak - pe.mlx_base) / GiB
-            rows.append((name, f"{gib:g} GiB" + (" (graphs built here)" if i == 0 else ""), run.wall_s,
+            tag = f"{gib:g} GiB" + (f", {tok} tokens" if tok else "") + (" (graphs built here)" if i == 0 else "")
+            rows.append((name, tag, run.wall_s,
                          p["prefill_s"], p["decode_s"], peak, b1_peak))
             log(f"{rows[-1]}")
     print(f"\nstep memory bounds: concurrency {C}, B1 wall {r1.wall_s:.2f}")
