@@ -18,7 +18,7 @@ from mlxbatch.engine.kv import KVLayout, reuse
 from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.outputs import Launched, ScoredTokens, StepProfile, Traffic
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.sched.scheduler import SchedulerOutput
+from mlxbatch.engine.sched.step import SchedulerOutput
 
 
 class StepCommit:

@@ -26,7 +26,8 @@ from mlxbatch.engine.request import Request
 from mlxbatch.engine.runner import ModelRunner
 from mlxbatch.engine.sched.blocks import BLOCK_SIZE
 from mlxbatch.engine.sched.prefix import PrefixIndex
-from mlxbatch.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from mlxbatch.engine.sched.scheduler import Scheduler
+from mlxbatch.engine.sched.step import SchedulerConfig, SchedulerOutput
 from mlxbatch.engine.warmup import WarmUpReport, exercise
 from mlxbatch.errors import OutOfMemoryError
 from mlxbatch.types import RequestOutput, StreamDelta

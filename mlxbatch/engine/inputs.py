@@ -54,7 +54,7 @@ def encode_prompt(tok: Any, prompt: Prompt) -> list[int]:
         items = list(prompt)
         if set(map(type, items)) <= {int}:  # plain ints (not bools), checked at C speed: jobs pass ids of 1k+ tokens
             return items  # (a new list: the caller's is never aliased; an empty prompt is refused by the caller)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):  # int subclasses, e.g. numpy's
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):  # int subclasses (IntEnum); numpy ints are not ints: refused
             return [int(t) for t in items]
         if not all(isinstance(m, dict) for m in items):
             raise InvalidRequestError("prompt", type(prompt).__name__,

@@ -33,7 +33,7 @@ from mlxbatch.engine.model.split import split_model
 from mlxbatch.engine.model.worker import KVGeometry
 from mlxbatch.engine.outputs import Launched, RunnerOutput, RunnerStats, ScoredTokens, StepProfile
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.sched.scheduler import PrefillChunk, SchedulerOutput
+from mlxbatch.engine.sched.step import PrefillChunk, SchedulerOutput
 from mlxbatch.engine.scoring import score_chunk, score_positions
 from mlxbatch.engine.vision.rows import RowInput, VisionLanguageRows
 from mlxbatch.errors import InvalidRequestError, OutOfMemoryError

@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxbatch.engine.outputs import ScoredTokens
-from mlxbatch.engine.sched.scheduler import PrefillChunk
+from mlxbatch.engine.sched.step import PrefillChunk
 from mlxbatch.types import TokenLogprob
 
 

@@ -237,10 +237,10 @@ def test_greedy_random_model_output_matches_its_constraint(tiny_loaded, tiny_com
 def test_the_metal_kernel_is_checked_once_against_the_portable_path(tiny_compiler, kernel, monkeypatch):
     """On a Mac the constrained rows go through llguidance's Metal kernel only if it agreed with the portable path
     on the first batch (evaluated inside the check); here the Metal branch runs with the kernel injected."""
-    from mlxbatch.engine.decoding import structured
+    from mlxbatch.engine.decoding import masks, structured
 
-    monkeypatch.setattr(structured, "_METAL_CHECKED", {})
-    monkeypatch.setattr(structured, "_on_metal", lambda: True)
+    monkeypatch.setattr(masks, "_METAL_CHECKED", {})
+    monkeypatch.setattr(masks, "_on_metal", lambda: True)
     calls = {"n": 0}
 
     def fake_metal(logits, rows, mask, ntok):
@@ -249,15 +249,15 @@ def test_the_metal_kernel_is_checked_once_against_the_portable_path(tiny_compile
             raise RuntimeError("[metal_kernel] Unable to load kernel")
         if kernel == "differs":
             return logits  # nothing masked
-        return structured._apply_portable(logits, rows, mask, ntok)
+        return masks._apply_portable(logits, rows, mask, ntok)
 
-    monkeypatch.setattr(structured, "_apply_metal", fake_metal)
+    monkeypatch.setattr(masks, "_apply_metal", fake_metal)
     m = tiny_compiler.matcher(OutputConstraint.choice(["yes", "no"]))
     logits = mx.random.normal((3, tiny_compiler.vocab_size))
-    want = structured._apply_portable(logits, [1], structured.fill_masks([m]), m.tokenizer_vocab)
+    want = masks._apply_portable(logits, [1], structured.fill_masks([m]), m.tokenizer_vocab)
     for _ in range(3):
         got = constrain_logits(logits, [1], [m])
         assert mx.array_equal(got, want).item()
-    assert structured._METAL_CHECKED == {"ok": kernel == "agrees"}
+    assert masks._METAL_CHECKED == {"ok": kernel == "agrees"}
     # checked once; then used for every batch only when it agreed
     assert calls["n"] == (1 + 3 if kernel == "agrees" else 1)

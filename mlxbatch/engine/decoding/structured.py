@@ -2,8 +2,8 @@ r"""Grammar-constrained token masks: structured outputs (choice / regex / JSON s
 
 Owns turning an ``OutputConstraint`` into a per-sequence ``Matcher`` (``GrammarCompiler``, one per tokenizer,
 caches each compiled grammar) and masking the logits of a batch's constrained rows (``constrain_logits``): the
-allowed-token bitmasks of all constrained rows are filled in one parallel call, then applied with portable MLX
-ops (Metal kernel only on a Metal default device). Unconstrained rows are left bit-identical.
+allowed-token bitmasks of all constrained rows are filled in one parallel call, then applied by ``masks`` (portable
+MLX ops; llguidance's Metal kernel on a Metal default device). Unconstrained rows are left bit-identical.
 
 The grammar engine is llguidance, chosen over outlines-core by ``mlxbatch bench constraints`` (Linux CPU,
 2 shared cores; SmolLM2's 49,152-id tokenizer and a synthetic 151,646-id byte-level BPE of Qwen2's size):
@@ -28,12 +28,13 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
 
+from mlxbatch.engine.decoding import masks
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.types import OutputConstraint
 
@@ -195,44 +196,6 @@ def fill_masks(matchers: list[Matcher]) -> np.ndarray:
     return mask
 
 
-def _on_metal() -> bool:
-    try:
-        return mx.default_device() == mx.gpu and mx.metal.is_available()
-    except Exception:  # noqa: BLE001 - no Metal module on this build
-        return False
-
-
-def _apply_metal(logits: mx.array, rows: list[int], mask: np.ndarray, ntok: int) -> mx.array:
-    """llguidance's Metal kernel on the constrained rows (it masks every column past the mask's words)."""
-    import llguidance.mlx as llg_mlx
-
-    if ntok % 32:  # clear the bits past the tokenizer in the last word
-        mask = mask.copy()
-        mask[:, -1] &= np.int32((1 << (ntok % 32)) - 1)
-    if rows == list(range(logits.shape[0])):
-        return llg_mlx.apply_token_bitmask(logits, mask)
-    idx = mx.array(rows, dtype=mx.int32)
-    out = mx.array(logits)  # a new array: the item assignment must not touch the caller's
-    out[idx] = llg_mlx.apply_token_bitmask(logits[idx], mask)
-    return out
-
-
-def _apply_portable(logits: mx.array, rows: list[int], mask: np.ndarray, ntok: int) -> mx.array:
-    """Unpack the bits on the host, then one ``mx.where`` with -inf (columns >= ``ntok`` are masked too)."""
-    batch, width = logits.shape
-    keep = min(ntok, width)
-    bits = np.unpackbits(mask.view(np.uint8), axis=1, count=keep, bitorder="little").view(np.bool_)
-    neg = mx.array(float("-inf"), dtype=logits.dtype)
-    if rows == list(range(batch)):  # every row constrained: mask the tokenizer's columns, pad the rest
-        head = mx.where(mx.array(bits), logits[:, :keep] if keep < width else logits, neg)
-        return head if keep == width else mx.pad(head, ((0, 0), (0, width - keep)), constant_values=neg)
-    # some rows: one full-width keep mask (all True in free rows) beats a gather + scatter of the rows ~2x
-    full = np.ones((batch, width), np.bool_)
-    full[rows] = False
-    full[rows, :keep] = bits
-    return mx.where(mx.array(full), logits, neg)
-
-
 def constrain_logits(logits: mx.array, rows: list[int], matchers: list[Matcher]) -> mx.array:
     """``logits`` [B, V] with the disallowed tokens of each constrained row (``rows[i]`` by ``matchers[i]``)
     at -inf; other rows are returned bit-identical. The input array is not modified."""
@@ -243,32 +206,7 @@ def constrain_logits(logits: mx.array, rows: list[int], matchers: list[Matcher])
     rows = [int(r) for r in rows]
     mask = fill_masks(matchers)  # one parallel fill for every constrained row
     ntok = matchers[0].tokenizer_vocab
-    if _on_metal() and _metal_kernel_ok(logits, rows, mask, ntok):
-        return _apply_metal(logits, rows, mask, ntok)
-    return _apply_portable(logits, rows, mask, ntok)
-
-
-_METAL_CHECKED: dict[str, bool] = {}  # "ok" -> whether llguidance's Metal kernel agreed with the portable path
-
-
-def _metal_kernel_ok(logits: mx.array, rows: list[int], mask: np.ndarray, ntok: int,
-                     apply_metal: Callable[..., mx.array] | None = None) -> bool:
-    """Whether llguidance's Metal kernel may be used: checked once, on the first real batch, against the portable
-    path and evaluated inside the check (a kernel that fails to compile or dispatch only fails when evaluated, long
-    after a ``try`` around the call). A kernel that fails or differs is never used again in this process."""
-    if "ok" not in _METAL_CHECKED:
-        try:
-            got = (apply_metal or _apply_metal)(logits, rows, mask, ntok)
-            want = _apply_portable(logits, rows, mask, ntok)
-            mx.eval(got, want)
-            same = got.shape == want.shape and bool(mx.array_equal(got, want).item())
-            if not same:
-                log.warning("llguidance's Metal kernel disagrees with the portable mask; using the portable one")
-        except Exception:  # noqa: BLE001 - compile or dispatch failure: the portable ops
-            log.warning("llguidance's Metal kernel failed; using portable MLX ops", exc_info=True)
-            same = False
-        _METAL_CHECKED["ok"] = same
-    return _METAL_CHECKED["ok"]
+    return masks.apply(logits, rows, mask, ntok)
 
 
 class SequenceGrammars:

@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlxbatch.engine.kv.invariant import InvariantSlots, Shapes, grouped_order
 from mlxbatch.engine.outputs import StepProfile
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.sched.scheduler import PrefillChunk
+from mlxbatch.engine.sched.step import PrefillChunk
 
 
 @dataclass

@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlxbatch.engine.kv import KVLayout, copies
 from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.sched.prefix import BlockStore, CachedBlocks, RunningRow
-from mlxbatch.engine.sched.scheduler import Admission
+from mlxbatch.engine.sched.step import Admission
 
 
 def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admission],

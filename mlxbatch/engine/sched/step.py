@@ -1,0 +1,65 @@
+"""The scheduler's named types: its configuration and what one step runs (``SchedulerOutput``, which the runner
+executes: decodes, prefill chunks, forks, admissions with the source of their reused KV, and cache stores).
+Pure Python: no mlx.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mlxbatch.engine.request import Request
+from mlxbatch.engine.sched.prefix import BlockStore, PrefixSource
+
+KVCost = Callable[[list[int]], int]  # reserved lengths of the running sequences -> bytes (the runner's layout)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    kv_budget_bytes: int = 1 << 62
+    # batch-invariant mode (0: off): prefill chunks and reused prefixes start at multiples of this many tokens, so a
+    # position is always computed in the same slice; prefill covers the prompt only (a preempted sequence's
+    # generated tokens are recomputed by decode steps, as they were first computed)
+    invariant_slice: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.max_num_seqs >= 1 and self.prefill_chunk_size >= 1 and self.invariant_slice >= 0
+        assert self.max_num_batched_tokens >= 1 and self.kv_budget_bytes >= 0
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    request: Request
+    start: int
+    end: int
+    last: bool  # completes the sequence's KV, so its last logits give the next token
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A sequence that gets a row this step, and where the KV it starts from comes from (None: nothing reused)."""
+
+    request: Request
+    source: PrefixSource | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    decodes: tuple[Request, ...]
+    prefills: tuple[PrefillChunk, ...]
+    # (parent, child): the parent's prefill ends this step and the child (another sample of the same request)
+    # starts from a copy of its KV, sampling its first token from the same logits
+    forks: tuple[tuple[Request, Request], ...] = ()
+    admissions: tuple[Admission, ...] = ()  # new rows, in admission order (each also has a chunk in ``prefills``)
+    stores: tuple[BlockStore, ...] = ()  # prompt blocks copied into the prefix cache once the step succeeded
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.end - c.start for c in self.prefills)
