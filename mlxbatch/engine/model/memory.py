@@ -93,12 +93,15 @@ def default_kv_fraction(kind: str, host_total: int) -> float:
 
 def default_step_tokens(kind: str, host_total: int) -> int:
     """Prefill tokens per step: a multi-second step on a base M-series chip stalls every decoding row (and the
-    desktop); an H100-class GPU takes 8192 in milliseconds."""
+    desktop). On CUDA 4096: a step's transient grows with its prefill tokens (activations, attention scores) and
+    MLX's memory limit only slows it (``MemoryLimits.step_bound``), so 8192-token steps overshot the 2 GiB step
+    bound to 4.1-4.4 GiB on the H200 (0.5B shape), above mlx-lm's own peak; 4096-token steps stayed near it
+    (docs/benchmarks.md), for ~10% of prefill time on workloads that admit rows in waves."""
     if kind == "cpu":
         return 2048
     if kind == "metal":
         return 2048 if host_total <= SMALL_MAC else 4096 if host_total <= 48 * GiB else 8192
-    return 8192
+    return 4096
 
 
 class MemoryLimits:
