@@ -29,7 +29,7 @@ from mlxbatch.engine import Engine
 from mlxbatch.engine.outputs import Traffic
 from mlxbatch.types import SamplingParams
 
-VIEWS = {"Reshape", "Slice", "Transpose", "Broadcast", "Squeeze", "ExpandDims", "AsType?", "Depends", "StopGradient"}
+VIEWS = {"Reshape", "Slice", "Transpose", "Broadcast", "Squeeze", "ExpandDims", "Depends", "StopGradient"}
 
 
 def primitives(*arrays: mx.array) -> collections.Counter:

@@ -5,8 +5,8 @@
 
 For each workload, in one process: mlx-lm's batch_generate (B1) once, then the engine once unbound to build its
 cuDNN graphs, then once per bound (GiB; 0: none) in the order given; ``--tokens`` (one per bound) also sets each
-run's ``max_num_batched_tokens`` (a step's prefill tokens: what its passes' activations scale with). Each run inside the suite's ``MemoryProbe``:
-peak MLX memory over the run's start, wall, prefill and decode seconds.
+run's ``max_num_batched_tokens`` (a step's prefill tokens: what its passes' activations scale with). Each run inside
+the suite's ``MemoryProbe``: peak MLX memory over the run's start, wall, prefill and decode seconds.
 """
 
 # ruff: isort: skip_file
