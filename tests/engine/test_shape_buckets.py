@@ -120,3 +120,44 @@ def test_padding_never_grows_the_slots_past_an_exact_pass(tiny_loaded):
         assert b._pos_cap == want_cap, (offset, tokens, b._pos_cap)
         fp = b.current_pass()
         assert max(fp.offsets) + fp.width <= want_cap
+
+
+def test_a_pass_that_runs_unfused_computes_its_exact_shape(tiny_loaded):
+    """Bucket padding exists so cuDNN's graphs recur; a pass the policy runs unfused (its bucket's shape still
+    counted) computes its exact rows and tokens, and once that bucket has recurred the pass is padded and fused.
+    Both give the exact pass's outputs and KV."""
+    from collections import Counter
+
+    from mlxbatch.engine.kv.prefill_attention import PrefillAttention
+
+    mx.random.seed(0)
+    seen: Counter = Counter()
+    runs = []
+    for attempt in range(2):  # after=1: the bucket's first pass runs unfused, its second fused
+        b = SlotBatch(2)
+        b.batched_moves = True
+        b.shape_buckets = True
+        b.prefill_attention = PrefillAttention(4, 2, 32, mx.float32, after=1, seen=seen)
+        b.allocate(2, 32, mx.float32)
+        for i in range(9):
+            n = 20 + 3 * i
+            kv = [(mx.random.normal((1, 2, n, 32), key=mx.random.key(10 * i + j)),
+                   mx.random.normal((1, 2, n, 32), key=mx.random.key(10 * i + j + 5))) for j in range(2)]
+            b.add(f"r{i}", kv, n)
+        tokens = [[(7 * i + t) % 200 + 1 for t in range(3 + i % 4)] for i in range(9)]
+        out = b.forward(tiny_loaded.model, 0, tokens)
+        mx.eval(out, b.kv_arrays())
+        fp = b.current_pass()
+        runs.append((out, [k[:9] for k in b.kv_arrays()]))
+        if attempt == 0:  # unfused: 9 rows, 6 tokens, keys to the last row's end (offset 44 + 6), as the exact pass
+            assert (fp.fused, fp.stop - fp.start, fp.width, fp.t_used) == (False, 9, 6, 50)
+        else:  # the bucket recurred: padded to 10 rows, keys to a multiple of 256
+            assert (fp.fused, fp.stop - fp.start, fp.written) == (True, 10, 9)
+            assert fp.t_used % POSITION_STEP == 0
+    assert b.prefill_attention.unfused_passes == 0 and sum(seen.values()) == 2
+    (o1, kv1), (o2, kv2) = runs
+    assert mx.allclose(o1, o2, atol=1e-5).item()
+    for x, y in zip(kv1, kv2):
+        for i in range(9):
+            lo, hi = 20 + 3 * i, 20 + 3 * i + 3 + i % 4
+            assert mx.allclose(x[i, :, lo:hi], y[i, :, lo:hi], atol=1e-5).item(), i
