@@ -48,6 +48,11 @@ def test_fusion_keeps_the_weights_and_costs_no_memory(fresh):
     assert all(mx.array_equal(a, b).item() for a, b in zip(before, after))  # the modules give what they gave
     assert mx.allclose(fused[0].qkv(x), mx.concatenate(before[:3], axis=-1), atol=1e-5).item()
     assert mx.allclose(fused[0].mlp(body.layers[0], x), before[3], atol=1e-5).item()
+    h = mx.random.normal(x.shape, key=mx.random.key(4))
+    assert fused[0].down_t is not None and fused[0].o_t is not None  # plain bias-free linears: adds in the matmul
+    assert mx.allclose(fused[0].mlp(body.layers[0], x, h), h + before[3], atol=1e-5).item()
+    out = mx.random.normal((2, 3, attn.o_proj.weight.shape[1]), key=mx.random.key(5))
+    assert mx.allclose(fused[0].attn_out(attn, out, h), h + attn.o_proj(out), atol=1e-5).item()
     again = fuse_layers(list(body.layers))  # a second engine on the model: the same stacked arrays
     assert again is not None and all(a is b for a, b in zip(again, fused))
     assert mx.get_active_memory() - used < 64 * 1024
@@ -66,8 +71,8 @@ def test_fused_body_equals_mlx_lm_step_by_step(fresh):
         assert mx.allclose(want, got, atol=1e-5, rtol=1e-5).item()
 
 
-def _decode_matmuls(eng: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, int]:
-    """The engine's tokens, and the matmuls (with or without bias) of its last decode launch's graph."""
+def _decode_graph(eng: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, collections.Counter]:
+    """The engine's tokens, and the primitives of its last decode launch's graph by kind."""
     graphs: list[collections.Counter] = []
     launch = outputs.Traffic.launch
 
@@ -85,23 +90,30 @@ def _decode_matmuls(eng: Engine, prompts: list[list[int]], params: SamplingParam
         tokens = [list(o.completions[0].token_ids) for o in eng.generate(prompts, params)]
     finally:
         outputs.Traffic.launch = launch
-    return tokens, graphs[-1]["Matmul"] + graphs[-1]["AddMM"]
+    return tokens, graphs[-1]
 
 
-def test_engine_decodes_the_same_tokens_with_fewer_matmuls(fresh):
+def test_engine_decodes_the_same_tokens_with_fewer_matmuls_and_adds(fresh):
+    """Three engines: projections apart; fused with the residual adds apart; fused with the adds in the o and down
+    projections' matmuls (``mx.addmm``). The same greedy tokens; 3 matmuls a layer fewer, then 2 adds a layer fewer."""
     prompts = [[(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([5, 40, 17, 90, 33, 61, 8, 120])]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     layers = len(fresh.model.model.layers)
     runs = {}
-    for fuse in (False, True):
+    for mode in ("apart", "fused", "fused+addmm"):
         cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, warm_up=False)
         with Engine(fresh, cfg) as eng:
-            if fuse:
-                assert eng.core.runner._split.body.fuse()
-            runs[fuse] = _decode_matmuls(eng, prompts, params)
-    assert runs[True][0] == runs[False][0]
+            if mode != "apart":
+                assert eng.core.runner._split.body.fuse(residual_in_matmul=mode == "fused+addmm")
+            runs[mode] = _decode_graph(eng, prompts, params)
+    assert runs["apart"][0] == runs["fused"][0] == runs["fused+addmm"][0]
+    matmuls = {m: g["Matmul"] + g["AddMM"] for m, (_, g) in runs.items()}
     # a layer: q, k, v, o, gate, up, down -> qkv, o, gate_up, down (attention's own matmuls are the same in both)
-    assert runs[False][1] - runs[True][1] == 3 * layers
+    assert matmuls["apart"] - matmuls["fused"] == 3 * layers
+    assert matmuls["fused+addmm"] == matmuls["fused"]
+    fused, addmm = runs["fused"][1], runs["fused+addmm"][1]
+    assert fused["Add"] - addmm["Add"] == 2 * layers  # the two residual adds of each layer ...
+    assert addmm["AddMM"] - fused["AddMM"] == 2 * layers  # ... ride in the o and down projections
 
 
 def test_kinds_it_does_not_know_are_left_alone(fresh):

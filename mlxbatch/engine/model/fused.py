@@ -4,7 +4,8 @@ A decode step of a small model at a few hundred rows is bound by the host's kern
 (docs/benchmarks.md: about 19 kernels a layer, ~17 us each on an H200). Three projections that read the same input
 are one matmul over their weights stacked along the output axis, and so are the MLP's gate and up projections: 3 of
 a layer's kernels fewer, and larger matmuls. This is what vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``
-do.
+do. Where o_proj and down_proj are plain bias-free ``nn.Linear``, the residual adds after them ride in their
+matmuls (``mx.addmm``): 2 kernels a layer fewer again.
 
 The stacked weights are the only copy: each original module's parameters become views (row slices) of the stacked
 arrays, so the model keeps its memory, and mlx-lm's own forward of the same modules gives what it gave. A module is
@@ -30,13 +31,29 @@ class FusedLayer:
     qkv: nn.Module  # x -> [q | k | v] (q: heads x dim features, k and v: kv_heads x dim each)
     gate_up: nn.Module | None  # x -> [gate | up], None where the MLP is kept as it is
     inter: int  # the MLP's hidden size (gate's output features)
+    # o_proj's and down_proj's weights transposed (views of the weights), where they are plain bias-free
+    # ``nn.Linear``: the residual add then rides in their matmul (``mx.addmm``), 2 kernels a layer fewer
+    o_t: mx.array | None = None
+    down_t: mx.array | None = None
 
-    def mlp(self, layer: Any, x: mx.array) -> mx.array:
-        """``layer.mlp(x)`` with gate and up in one matmul."""
+    def attn_out(self, attn: Any, out: mx.array, h: mx.array) -> mx.array:
+        """``h + attn.o_proj(out)``: the residual add in the projection's matmul where it can be."""
+        if self.o_t is None:
+            return h + attn.o_proj(out)
+        return mx.addmm(h, out, self.o_t)
+
+    def mlp(self, layer: Any, x: mx.array, h: mx.array | None = None) -> mx.array:
+        """``layer.mlp(x)`` with gate and up in one matmul; with ``h``, ``h + layer.mlp(x)`` (the add in the down
+        projection's matmul where it can be)."""
         if self.gate_up is None:
-            return layer.mlp(x)
+            return layer.mlp(x) if h is None else h + layer.mlp(x)
         gu = self.gate_up(x)
-        return layer.mlp.down_proj(swiglu(gu[..., : self.inter], gu[..., self.inter :]))
+        act = swiglu(gu[..., : self.inter], gu[..., self.inter :])
+        if h is None:
+            return layer.mlp.down_proj(act)
+        if self.down_t is None:
+            return h + layer.mlp.down_proj(act)
+        return mx.addmm(h, act, self.down_t)
 
 
 _KINDS = (nn.Linear, nn.QuantizedLinear)
@@ -101,10 +118,20 @@ def fuse_layer(layer: Any) -> FusedLayer | None:
         gate_up = _stack(parts)
         if not _mlp_is_swiglu(layer, gate_up, inter, _in_features(attn.q_proj), _dtype(attn.q_proj)):
             gate_up = None  # the views stay: they are the same numbers as before
-    fused = FusedLayer(qkv, gate_up, inter)
+    fused = FusedLayer(qkv, gate_up, inter, _transposed(attn.o_proj),
+                       _transposed(mlp.down_proj) if gate_up is not None else None)
     _FUSED[key] = (weakref.ref(layer), fused, layer.self_attn.q_proj.weight)
     weakref.finalize(layer, _FUSED.pop, key, None)  # the entry goes with the model (it holds the stacked arrays)
     return fused
+
+
+def _transposed(linear: Any) -> mx.array | None:
+    """A plain bias-free ``nn.Linear``'s weight transposed (an evaluated view: no copy), else None."""
+    if type(linear) is not nn.Linear or "bias" in linear:
+        return None
+    w_t = linear.weight.T
+    mx.eval(w_t)
+    return w_t
 
 
 def _in_features(linear: Any) -> int:

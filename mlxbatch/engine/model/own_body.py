@@ -12,6 +12,7 @@ Used only when it gives the model's own output on a probe (``own_body``); any ot
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import mlx.core as mx
@@ -44,9 +45,11 @@ def _projected(attn: Any, x: mx.array, fused: FusedLayer | None) -> tuple[mx.arr
     return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3), False
 
 
-def attention(attn: Any, x: mx.array, mask: Any, cache: Any, fused: FusedLayer | None = None) -> mx.array:
+def attention(attn: Any, x: mx.array, mask: Any, cache: Any, fused: FusedLayer | None = None,
+              residual: mx.array | None = None) -> mx.array:
     """``attn``'s forward (mlx-lm's Llama / Qwen2 / Qwen3 attention), its attention asked of ``cache``; with
-    ``fused``, its projections as one matmul and RoPE as one call for queries and keys."""
+    ``fused``, its projections as one matmul and RoPE as one call for queries and keys; with ``residual``,
+    ``residual`` plus the forward (with ``fused``, the add in the output projection's matmul where it can be)."""
     B, L, _ = x.shape
     queries, keys, values, joint = _projected(attn, x, fused)
     offset = 0 if cache is None else cache.offset
@@ -62,7 +65,10 @@ def attention(attn: Any, x: mx.array, mask: Any, cache: Any, fused: FusedLayer |
     else:
         keys, values = cache.update_and_fetch(keys, values)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    if residual is None:
+        return attn.o_proj(out)
+    return residual + attn.o_proj(out) if fused is None else fused.attn_out(attn, out, residual)
 
 
 class OwnBody:
@@ -72,10 +78,15 @@ class OwnBody:
         self.body = body
         self.fused: list[FusedLayer] | None = None  # each layer's fused projections (``fuse``), else None
 
-    def fuse(self) -> bool:
+    def fuse(self, residual_in_matmul: bool = True) -> bool:
         """Run each layer's projections fused in decode passes (``model.fused``): fewer kernels a layer, the same
-        weights. Returns whether it does (every layer's projections are of a kind that fuses)."""
-        self.fused = fuse_layers(list(self.body.layers))
+        weights; with ``residual_in_matmul``, the residual adds in the o and down projections' matmuls where those
+        are plain bias-free linears (on bf16 that rounds once where the add apart rounded twice). Returns whether
+        it does (every layer's projections are of a kind that fuses)."""
+        fused = fuse_layers(list(self.body.layers))
+        if fused is not None and not residual_in_matmul:
+            fused = [dataclasses.replace(f, o_t=None, down_t=None) for f in fused]
+        self.fused = fused
         return self.fused is not None
 
     @property
@@ -92,9 +103,9 @@ class OwnBody:
         # apart: its activations are large, and separate outputs are freed (donated) as they are consumed
         fused = self.fused if self.fused and inputs.shape[1] == 1 else [None] * len(layers)
         for layer, c, f in zip(layers, caches, fused):
-            h = h + attention(layer.self_attn, layer.input_layernorm(h), mask, c, f)
+            h = attention(layer.self_attn, layer.input_layernorm(h), mask, c, f, residual=h)
             x = layer.post_attention_layernorm(h)
-            h = h + (layer.mlp(x) if f is None else f.mlp(layer, x))
+            h = h + layer.mlp(x) if f is None else f.mlp(layer, x, h)
         return body.norm(h)
 
 
