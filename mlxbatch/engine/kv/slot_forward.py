@@ -37,9 +37,9 @@ class ForwardPass:
 
     def scatter_index(self, heads: int) -> tuple[mx.array, ...]:
         """The scatter-mode write's index arrays (rows, heads, positions), each ``[written, heads, T]``, made once a
-        pass: every layer's write is then one scatter over them. Built per write, the index arithmetic (an
-        ``arange`` of the heads, the broadcasts of three index arrays) was ~6 graph nodes a write, ~12 a layer (keys
-        and values) of host work on a GPU, where a decode step is bound by the host's work per node."""
+        pass: every layer's write is then one scatter over them. Built per write, each layer's index arithmetic
+        (an ``arange`` of the heads, the broadcasts of three index arrays) was ~10 graph nodes of host work, about
+        a sixth of a decode layer's nodes on a GPU, where a step is bound by the host's work per node."""
         got = self._scatter.get(heads)
         if got is None:
             assert self.index is not None

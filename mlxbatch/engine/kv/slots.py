@@ -243,10 +243,7 @@ class SlotBatch(RowMoves):
         fp = self._pass
         if T > 1 and self.prefill_attention is not None:  # CUDA: a new shape's attention unfused, no cuDNN build
             fused = self.prefill_attention.fused(fp.stop - fp.start, fp.width, fp.t_used, self._pos_cap, fp.mask)
-            # the bucket's padding exists so cuDNN's graphs recur: a pass that runs unfused (its bucket still
-            # counted) computes its exact shape instead
-            exact = fp if fused else plan_forward(start, offsets, T, self.batched_moves)
-            self._pass = dataclasses.replace(exact, fused=fused)
+            self._pass = dataclasses.replace(fp, fused=fused)
         rows, width = self._pass.stop - start, self._pass.width
         if isinstance(tokens, mx.array):
             assert (rows, width) == (n, 1)

@@ -96,7 +96,7 @@ def default_step_tokens(kind: str, host_total: int) -> int:
     desktop). On CUDA 4096: a step's transient grows with its prefill tokens (activations, attention scores) and
     MLX's memory limit only slows it (``MemoryLimits.step_bound``), so 8192-token steps overshot the 2 GiB step
     bound to 4.1-4.4 GiB on the H200 (0.5B shape), above mlx-lm's own peak; 4096-token steps stayed near it
-    (docs/benchmarks.md), for ~10% of the wall (prefill +29%) of a workload that admits rows in waves (fewshot)."""
+    (docs/benchmarks.md), for ~10% of prefill time on workloads that admit rows in waves."""
     if kind == "cpu":
         return 2048
     if kind == "metal":
