@@ -7,6 +7,9 @@ For each workload, in one process: mlx-lm's batch_generate (B1) once, then the e
 cuDNN graphs, then once per bound (GiB; 0: none) in the order given; ``--tokens`` (one per bound) also sets each
 run's ``max_num_batched_tokens`` (a step's prefill tokens: what its passes' activations scale with). Each run inside
 the suite's ``MemoryProbe``: peak MLX memory over the run's start, wall, prefill and decode seconds.
+``--prefill-max-scores`` / ``--prefill-after`` vary CUDA's prefill-attention policy (as in ``engine_runs.py``): e.g.
+``--tokens 8192,8192 --prefill-max-scores 16777216`` asks whether a large step's transient is its unfused attention's
+scores (passes over 2^24 score elements then run fused; the engine's limit is 2^27).
 """
 
 # ruff: isort: skip_file
@@ -17,13 +20,15 @@ import sys
 import mlxbatch  # noqa: F401  (first: it sets up MLX's BLAS on Linux CPUs)
 from mlxbatch.bench.cli import parse_script_args
 from mlxbatch.bench.harness import Bench, MemoryProbe, log
+from engine_runs import set_prefill_policy  # scripts/ is this script's path
 
 GiB = 2**30
 
 
 def main() -> None:
     mine, args = parse_script_args(sys.argv[1:], runs="fewshot:2048,unique:1024,label:2048", bounds="0,4,2,1,0.5",
-                                   tokens="")
+                                   tokens="", prefill_after="", prefill_max_scores="")
+    set_prefill_policy(mine.prefill_after, mine.prefill_max_scores)
     b = Bench(args)
     C = b.concurrency
     bounds = [float(x) for x in mine.bounds.split(",")]

@@ -25,7 +25,8 @@ def _script(args: list[str]) -> str:
 @pytest.mark.parametrize("script,args,expect", [
     ("step_phases.py", ["--rows", "12"], "prefill passes by how they attend"),
     ("step_graph.py", ["--rows", "4", "--prompt-len", "8"], "bare mlx-lm step (forward + argmax)"),
-    ("step_memory.py", ["--runs", "fewshot:12", "--bounds", "2", "--tokens", "64"], "| fewshot | 2 GiB, 64 tokens |"),
+    ("step_memory.py", ["--runs", "fewshot:12", "--bounds", "2", "--tokens", "64", "--prefill-max-scores", "4096"],
+     "| fewshot | 2 GiB, 64 tokens |"),
     ("engine_runs.py", ["--runs", "label:12", "--tag", "t"], "| t | label | again |"),
     ("memory_steps.py", ["--runs", "fewshot:12", "--top", "2"], "| step | peak over start GiB"),
     ("decode_ab.py", ["--levels", "2", "--decode-repeats", "1", "--decode-new-tokens", "6", "--tag", "t"], "| t | 2 |"),
