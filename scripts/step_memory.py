@@ -8,8 +8,9 @@ cuDNN graphs, then once per bound (GiB; 0: none) in the order given; ``--tokens`
 run's ``max_num_batched_tokens`` (a step's prefill tokens: what its passes' activations scale with). Each run inside
 the suite's ``MemoryProbe``: peak MLX memory over the run's start, wall, prefill and decode seconds.
 ``--prefill-max-scores`` / ``--prefill-after`` vary CUDA's prefill-attention policy (as in ``engine_runs.py``): e.g.
-``--tokens 8192,8192 --prefill-max-scores 16777216`` asks whether a large step's transient is its unfused attention's
-scores (passes over 2^24 score elements then run fused; the engine's limit is 2^27).
+``--tokens 8192,4096 --prefill-max-scores 16777216`` against the same run without it asks whether a large step's
+transient is its unfused attention's scores (passes over 2^24 score elements then run fused; the engine's limit is
+2^27).
 """
 
 # ruff: isort: skip_file
