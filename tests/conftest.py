@@ -14,12 +14,13 @@ import pytest
 # OpenBLAS picks its float32 GEMM kernel by CPU. The Haswell and Zen kernels (AVX2 machines without AVX-512) give a
 # row different bits at different positions in the batch (rows 6-11 of every 12 take another path), so outputs
 # depend on the batch a row ran in: tests that compare a row across batches (batch invariance, resumed or
-# redistributed runs against an unbroken one) would fail there for that reason alone. The Sandybridge kernel holds
-# on every x86-64 CPU (AVX-512 machines passed with their default kernel in earlier CI runs); the tests run with it,
-# set before OpenBLAS is loaded, and so do their subprocesses. A user on such a CPU gets the engine's refusal of
-# ``batch_invariant``, with this hint.
+# redistributed runs against an unbroken one) would fail there for that reason alone. The tests run with the Nehalem
+# kernel (SSE), the same code and the same bits on every x86-64 CPU, set before OpenBLAS is loaded (their
+# subprocesses inherit it). Not Sandybridge: its kernel leaves the AVX registers' upper halves dirty, and every CPU op
+# of MLX after the first matmul ran ~50x slower (the suite took twice as long; ``tests/test_blas.py`` guards it).
+# A user on such a CPU gets the engine's refusal of ``batch_invariant``, with this hint.
 if platform.machine() in ("x86_64", "AMD64"):
-    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Nehalem")
 
 import mlxbatch  # noqa: E402, F401  (preloads OpenBLAS before mlx)
 

@@ -1,10 +1,12 @@
-"""OpenBLAS is loaded before MLX on Linux, and its absence is reported once, with the fix."""
+"""OpenBLAS is loaded before MLX on Linux, and its absence is reported once, with the fix; the kernel the tests run
+with leaves MLX's CPU ops as fast after a matmul as before it."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -32,3 +34,36 @@ def test_a_missing_openblas_warns_once_with_the_fix():
     res = _run({"MLXBATCH_OPENBLAS": "/nonexistent/libopenblas.so.0"})
     assert res.returncode == 0 and "loaded=''" in res.stdout
     assert res.stderr.count("OpenBLAS not found") == 1 and "apt-get install libopenblas0-pthread" in res.stderr
+
+
+def test_a_kernel_that_slows_mlx_down_is_named_with_the_fix():
+    res = _run({"OPENBLAS_CORETYPE": "Sandybridge"})
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("OPENBLAS_CORETYPE=Sandybridge makes MLX's CPU ops") == 1
+    assert "OPENBLAS_CORETYPE=Nehalem" in res.stderr
+    assert "OPENBLAS_CORETYPE" not in _run({"OPENBLAS_CORETYPE": "Nehalem"}).stderr
+
+
+def test_mlx_cpu_ops_run_as_fast_after_an_openblas_matmul():
+    """With the suite's OpenBLAS kernel (``conftest.py``), an elementwise op costs what it cost before the first float32
+    matmul. Sandybridge's kernel made it ~50x slower (0.23 -> 11 s here) and the suite twice as long; the bound is loose
+    (3x) so that only a change of that kind fails it."""
+    import mlx.core as mx
+
+    x = mx.random.normal((1 << 22,), key=mx.random.key(0))
+    mx.eval(x)
+
+    def exp_seconds() -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            mx.eval(mx.exp(x))
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[2]
+
+    with mx.stream(mx.cpu):
+        before = exp_seconds()
+        a = mx.random.normal((256, 512), key=mx.random.key(1))
+        mx.eval(a @ a.T)  # through OpenBLAS
+        after = exp_seconds()
+    assert after <= 3 * before + 0.002, (before, after)
