@@ -73,7 +73,7 @@ class ModelRunner(StepCommit):
             shapes = shapes_for(device, geometry.dtype, smallest_linear_out(model))
             failed = check_rows(body, head, shapes)
             if failed:
-                hint = ("; OpenBLAS's float32 kernel for this CPU is not row-invariant: OPENBLAS_CORETYPE=Sandybridge "
+                hint = ("; OpenBLAS's float32 kernel for this CPU is not row-invariant: OPENBLAS_CORETYPE=Nehalem "
                         "(x86-64) selects one that is" if device == "cpu" and geometry.dtype == "float32" else "")
                 raise InvalidRequestError("batch_invariant", True, f"cannot hold on this device: {failed}{hint}")
             self._fixed = FixedForwards(slots, shapes, body, head, self.profile)

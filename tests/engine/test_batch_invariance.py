@@ -7,7 +7,12 @@ flag) and bfloat16; SmolLM2 (real weights) in float32.
 
 from __future__ import annotations
 
+import os
+import platform
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +20,11 @@ from mlxbatch.engine import Engine, EngineConfig, ModelSpec, load_model
 from mlxbatch.engine.kv.invariant import Shapes, grouped_order
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.types import SamplingParams
+
+
+def _cpu_flags() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.read_text() if cpuinfo.exists() else ""
 
 
 def rows(n: int, seed: int = 0, shared: int = 0, vocab: int = 1000) -> list[list[int]]:
@@ -291,3 +301,32 @@ def test_gpu_warm_up_fits_batch_invariant_rows(tiny_loaded, monkeypatch, caplog)
         report = core.warm_up_paths()
     assert report.steps > 3
     assert not [r for r in caplog.records if "running it alone" in r.getMessage()]
+
+
+_START = """
+import mlxbatch
+from mlxbatch.engine import Engine, EngineConfig, ModelSpec, load_model
+from mlxbatch.errors import InvalidRequestError
+try:
+    Engine(load_model(ModelSpec({path!r})), EngineConfig(batch_invariant=True, warm_up=False)).close()
+    print("started")
+except InvalidRequestError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or "avx2" not in _cpu_flags(),
+                    reason="OpenBLAS's Haswell kernel needs an x86-64 CPU with AVX2")
+def test_the_refusal_names_a_kernel_that_passes_and_that_kernel_does(tiny_model_path):
+    """OpenBLAS's Haswell kernel (the default on AVX2 CPUs without AVX-512) fails the start-up check; the refusal
+    names OPENBLAS_CORETYPE=Nehalem, and an engine started with it passes the check."""
+    def start(core_type: str) -> str:
+        env = {**os.environ, "OPENBLAS_CORETYPE": core_type}
+        res = subprocess.run([sys.executable, "-c", _START.format(path=str(tiny_model_path))], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    refused = start("Haswell")
+    assert "refused:" in refused and "OPENBLAS_CORETYPE=Nehalem" in refused, refused
+    assert "started" in start("Nehalem")

@@ -42,15 +42,13 @@ class FusedLayer:
             return h + attn.o_proj(out)
         return mx.addmm(h, out, self.o_t)
 
-    def mlp(self, layer: Any, x: mx.array, h: mx.array | None = None) -> mx.array:
-        """``layer.mlp(x)`` with gate and up in one matmul; with ``h``, ``h + layer.mlp(x)`` (the add in the down
-        projection's matmul where it can be)."""
+    def mlp(self, layer: Any, x: mx.array, h: mx.array) -> mx.array:
+        """``h + layer.mlp(x)`` with gate and up in one matmul (the add in the down projection's matmul where it
+        can be)."""
         if self.gate_up is None:
-            return layer.mlp(x) if h is None else h + layer.mlp(x)
+            return h + layer.mlp(x)
         gu = self.gate_up(x)
         act = swiglu(gu[..., : self.inter], gu[..., self.inter :])
-        if h is None:
-            return layer.mlp.down_proj(act)
         if self.down_t is None:
             return h + layer.mlp.down_proj(act)
         return mx.addmm(h, act, self.down_t)

@@ -45,11 +45,11 @@ def _projected(attn: Any, x: mx.array, fused: FusedLayer | None) -> tuple[mx.arr
     return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3), False
 
 
-def attention(attn: Any, x: mx.array, mask: Any, cache: Any, fused: FusedLayer | None = None,
-              residual: mx.array | None = None) -> mx.array:
-    """``attn``'s forward (mlx-lm's Llama / Qwen2 / Qwen3 attention), its attention asked of ``cache``; with
-    ``fused``, its projections as one matmul and RoPE as one call for queries and keys; with ``residual``,
-    ``residual`` plus the forward (with ``fused``, the add in the output projection's matmul where it can be)."""
+def attention(attn: Any, x: mx.array, mask: Any, cache: Any, fused: FusedLayer | None,
+              residual: mx.array) -> mx.array:
+    """``residual`` plus ``attn``'s forward (mlx-lm's Llama / Qwen2 / Qwen3 attention), its attention asked of
+    ``cache``; with ``fused``, its projections as one matmul, RoPE as one call for queries and keys and the add in
+    the output projection's matmul where it can be."""
     B, L, _ = x.shape
     queries, keys, values, joint = _projected(attn, x, fused)
     offset = 0 if cache is None else cache.offset
@@ -66,9 +66,9 @@ def attention(attn: Any, x: mx.array, mask: Any, cache: Any, fused: FusedLayer |
         keys, values = cache.update_and_fetch(keys, values)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
     out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-    if residual is None:
-        return attn.o_proj(out)
-    return residual + attn.o_proj(out) if fused is None else fused.attn_out(attn, out, residual)
+    if fused is None:
+        return residual + attn.o_proj(out)
+    return fused.attn_out(attn, out, residual)
 
 
 class OwnBody:
@@ -105,7 +105,7 @@ class OwnBody:
         for layer, c, f in zip(layers, caches, fused):
             h = attention(layer.self_attn, layer.input_layernorm(h), mask, c, f, residual=h)
             x = layer.post_attention_layernorm(h)
-            h = h + layer.mlp(x) if f is None else f.mlp(layer, x, h)
+            h = (h + layer.mlp(x)) if f is None else f.mlp(layer, x, h)
         return body.norm(h)
 
 
