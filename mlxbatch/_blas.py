@@ -21,9 +21,9 @@ _CANDIDATES = (
     "libopenblas.so",
 )
 
-#: OpenBLAS kernels that leave the AVX registers' upper halves dirty on return: every later CPU op of MLX (built
-#: without AVX) then pays a state transition per instruction. Measured (2 cores, Xeon with AVX-512): ``exp`` of 16M
-#: floats 0.23 s -> 11 s after one matmul, a tiny-model engine run 1.5 s -> 20 s.
+#: OpenBLAS kernels after whose first matmul MLX's CPU ops ran far slower. Measured (2 cores, an Intel Xeon with
+#: AVX-512): ``exp`` of 16M floats 0.23 s -> 11 s after one matmul, a tiny-model engine run 1.5 s -> 20 s. The likely
+#: cause (not verified): the kernel leaves the AVX registers' upper halves dirty and MLX's non-AVX code pays for it.
 SLOW_CORE_TYPES = ("sandybridge",)
 
 #: path of the OpenBLAS that was loaded, "" if none was, None before :func:`preload_openblas` ran.
@@ -69,8 +69,8 @@ def preload_openblas() -> str:
 def _warn_about_core_type(core_type: str) -> None:
     if core_type.strip().lower() in SLOW_CORE_TYPES:
         warnings.warn(
-            f"mlxbatch: OPENBLAS_CORETYPE={core_type} makes MLX's CPU ops after the first matmul ~50x slower (its kernel "
-            "leaves the AVX registers dirty). For a row-invariant float32 kernel on any x86-64 CPU use "
+            f"mlxbatch: OPENBLAS_CORETYPE={core_type} makes MLX's CPU ops after the first matmul far slower (~50x "
+            "measured on an Intel Xeon). For a row-invariant float32 kernel on any x86-64 CPU use "
             "OPENBLAS_CORETYPE=Nehalem.",
             stacklevel=4,
         )
