@@ -63,6 +63,8 @@ class SlotBatch(RowMoves):
         self.shape_buckets = False
         self.decode_attention: Any = None  # fused per-row decode attention (``kv.decode_attention``, CUDA); the runner sets it
         self.prefill_attention: Any = None  # ``kv.prefill_attention.PrefillAttention`` (CUDA); the runner sets it
+        # decode passes replayed from compiled graphs (``kv.compiled_decode.CompiledDecode``, CUDA); the runner sets it
+        self.compiled_decode: Any = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -233,7 +235,12 @@ class SlotBatch(RowMoves):
         T = 1 if isinstance(tokens, mx.array) else max(len(t) for t in tokens)
         # where each row's new tokens start: its committed length, unless an earlier forward of the same step
         # (not committed yet) already wrote some
+        explicit = offsets is not None
         offsets = list(offsets) if offsets is not None else self.lengths[start : start + n]
+        if T == 1 and start == 0 and not explicit and not full and self.compiled_decode is not None:
+            out = self._compiled_decode(model, tokens, offsets)
+            if out is not None:
+                return out
         if self.shape_buckets and T > 1:
             self._ensure(start + n, _round_up(max(o + T for o in offsets), POSITION_STEP))  # as an exact pass
             self._pass = bucketed_pass(start, offsets, T, self._rows_cap - start, POSITION_STEP)
@@ -261,6 +268,25 @@ class SlotBatch(RowMoves):
             return out[:, 0, :]
         last = mx.array([len(t) - 1 for t in tokens], dtype=mx.int32)
         return mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :]
+
+    def _compiled_decode(self, model: Any, tokens: Sequence[Sequence[int]] | mx.array, offsets: list[int]
+                         ) -> mx.array | None:
+        """A decode pass over rows ``0 .. len(offsets)`` from a compiled graph, if its shape is compiled."""
+        n = len(offsets)
+        self._ensure(n, max(offsets) + 1)
+        if not self.compiled_decode.accepts(self, n, self._keys[0].shape[1], self._pos_cap):
+            return None
+        inputs = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.int32)
+        return self.compiled_decode.run(self, model, inputs.astype(mx.int32), offsets, self._keys, self._values)
+
+    def swap(self, keys: list[mx.array], values: list[mx.array], fp: ForwardPass | None
+             ) -> tuple[list[mx.array], list[mx.array]]:
+        """Put ``keys``/``values`` in place of the buffers and ``fp`` as the pass in progress; returns the buffers
+        they replace (``kv.compiled_decode``: a trace runs the layer caches over its own buffers, and the written
+        buffers a compiled pass returns replace the old ones)."""
+        old = self._keys, self._values
+        self._keys, self._values, self._pass = keys, values, fp
+        return old
 
     def current_pass(self) -> ForwardPass:
         assert self._pass is not None, "layer caches are read during a forward pass only"
