@@ -7,7 +7,8 @@ together) after a warm-up run, ``--reps`` times. The engine's parts are wrapped 
 nested inside them, so each second is counted once: scheduling, building the forward's graph in Python, drawing,
 the commit of the step's books, MLX's encoding and launch (``mx.async_eval``), waits for the device, reading the
 drawn tokens into the requests, collecting outputs, finishing the step; "other" is the rest of ``EngineCore.step``.
-Prints ms a step (medians over the runs). A cProfile of the same run counts Python calls at about twice their cost.
+Prints ms a step (medians over the runs), with the engine's compiled decode passes (``kv.compiled_decode``) off and
+on, interleaved in one engine (``--compiled off|on|both``; both by default). A cProfile of the same run counts Python calls at about twice their cost.
 """
 
 # ruff: isort: skip_file
@@ -66,7 +67,7 @@ PARTS = [  # (owner, attribute, label)
 
 
 def main() -> None:
-    mine, args = parse_script_args(sys.argv[1:], rows="256", prompt_len="32", new="128", reps="3")
+    mine, args = parse_script_args(sys.argv[1:], rows="256", prompt_len="32", new="128", reps="3", compiled="both")
     for owner, attr, label in PARTS:
         setattr(owner, attr, _timed(label, getattr(owner, attr)))
     b = Bench(args)
@@ -74,25 +75,46 @@ def main() -> None:
     vocab = b.vocab
     prompts = [[vocab.low + (7 * i + 13 * j) % (vocab.high - vocab.low) for j in range(plen)] for i in range(rows)]
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    runs: list[tuple[dict, int, float]] = []
+    # decode passes from compiled graphs (``kv.compiled_decode``, where the engine uses them): "on", "off", or "both"
+    # (interleaved in one engine: the same process, machine state and shapes)
+    modes = ["off", "on"] if mine.compiled == "both" else [mine.compiled]
+    runs: dict[str, list[tuple[dict, int, float]]] = {m: [] for m in modes}
+    tokens: dict[str, list] = {}
     with Engine(b.loaded, EngineConfig(seed=0, max_num_seqs=rows, max_num_batched_tokens=max(rows * plen, 256))) as eng:
-        eng.generate(prompts, params)  # warm-up: the shapes of this run
-        for _ in range(int(mine.reps)):
-            SECONDS.clear()
-            steps0 = eng.stats()["profile"]["steps"]
-            t0 = time.perf_counter()
+        batch = eng.core.runner.batch
+        compiled = batch.compiled_decode
+        for mode in modes:  # warm-up: the shapes of this run (and their traces)
+            batch.compiled_decode = compiled if mode == "on" else None
             eng.generate(prompts, params)
-            runs.append((dict(SECONDS), eng.stats()["profile"]["steps"] - steps0, time.perf_counter() - t0))
+        for _ in range(int(mine.reps)):
+            for mode in modes:
+                batch.compiled_decode = compiled if mode == "on" else None
+                SECONDS.clear()
+                steps0 = eng.stats()["profile"]["steps"]
+                t0 = time.perf_counter()
+                outs = eng.generate(prompts, params)
+                tokens[mode] = [o.completions[0].token_ids for o in outs]
+                runs[mode].append((dict(SECONDS), eng.stats()["profile"]["steps"] - steps0, time.perf_counter() - t0))
+        stats = eng.stats()["profile"]
+    print(f"\ncompiled decode passes {stats.get('decode_compiled_passes', '-')}, traces {stats.get('decode_traces', '-')}"
+          + ("" if compiled is not None else " (the engine compiles none on this device)"))
+    if len(modes) == 2:
+        same = sum(a == b for a, b in zip(tokens["off"], tokens["on"]))
+        print(f"greedy tokens equal, compiled on vs off: {same}/{rows} rows")
+    for mode in modes:
+        _table(runs[mode], f"compiled decode {mode}", rows, plen, new)
+
+
+def _table(runs: list[tuple[dict, int, float]], title: str, rows: int, plen: int, new: int) -> None:
     steps = statistics.median(s for _, s, _ in runs)
     wall = statistics.median(w for _, _, w in runs)
-    print(f"\nhost time a decode step: {rows} rows, {plen}-token prompts, {new} new tokens, {len(runs)} runs, "
-          f"{steps:.0f} steps, wall {wall:.3f} s ({wall / steps * 1e3:.2f} ms a step)")
+    print(f"\nhost time a decode step ({title}): {rows} rows, {plen}-token prompts, {new} new tokens, {len(runs)} "
+          f"runs, {steps:.0f} steps, wall {wall:.3f} s ({wall / steps * 1e3:.2f} ms a step)")
     print("| part | ms a step | share of the wall |")
     print("|---|---|---|")
     for _, _, label in PARTS:
         ms = statistics.median(r.get(label, 0.0) / s for r, s, _ in runs) * 1e3
         print(f"| {label} | {ms:.3f} | {ms / (wall / steps * 1e3):.0%} |")
-
 
 if __name__ == "__main__":
     main()

@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlxbatch.engine.commit import StepCommit
 from mlxbatch.engine.decoding.structured import Matcher, SequenceGrammars
 from mlxbatch.engine.kv import KVLayout, reuse
+from mlxbatch.engine.kv.compiled_decode import CompiledDecode
 from mlxbatch.engine.kv.decode_attention import DecodeAttention
 from mlxbatch.engine.kv.fixed_forwards import FixedForwards
 from mlxbatch.engine.kv.invariant import InvariantSlots, check_rows, shapes_for, smallest_linear_out
@@ -92,6 +93,8 @@ class ModelRunner(StepCommit):
                 slots.prefill_attention = PrefillAttention(self._split.body.heads, geometry.kv_heads,
                                                            geometry.head_dim, dtype)
                 self._split.body.fuse()  # q/k/v and gate/up as one matmul each: fewer launches a layer
+                if slots.decode_attention is not None:  # decode passes of a recurring shape: no graph build
+                    slots.compiled_decode = CompiledDecode()
         self.batch: KVLayout = slots
         self._store = (PrefixStore(geometry.num_layers, geometry.kv_heads, geometry.head_dim, dtype,
                                    geometry.bytes_per_token, prefix_blocks, block_size, self.traffic)
@@ -125,6 +128,9 @@ class ModelRunner(StepCommit):
     def stats(self) -> RunnerStats:
         policy = getattr(self.batch, "prefill_attention", None)  # CUDA: prefill passes run unfused (new shapes)
         unfused = {"prefill_unfused_passes": policy.unfused_passes} if policy is not None else {}
+        compiled = getattr(self.batch, "compiled_decode", None)  # CUDA: decode passes from compiled graphs
+        if compiled is not None:
+            unfused.update(decode_compiled_passes=compiled.passes, decode_traces=compiled.traces)
         return RunnerStats({**self.profile.as_dict(), **unfused}, self.batch.nbytes,
                            self._store.nbytes if self._store is not None else 0,
                            self._mm.stats() if self._mm is not None else None)
