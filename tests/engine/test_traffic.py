@@ -75,9 +75,10 @@ def _operations(b: SlotBatch) -> dict[str, tuple[Traffic, int]]:
 
     measure("add", admit)
     measure("copy_prefixes", lambda: b.copy_prefixes([(rid, "src", 64 + 16 * i) for i, rid in enumerate(new)]))
-    blocks = [mx.ones((6, H, 16, D)) for _ in range(L)]
+    prefix = [mx.ones((H, 96, D)) for _ in range(2 * L)]  # a cached prefix of 6 blocks, as a row
     b.add("hit")
-    measure("write_blocks", lambda: b.write_blocks([("hit", 16 * j) for j in range(6)], blocks, blocks, 16))
+    b.add("hit2")
+    measure("write_prefix", lambda: b.write_prefix(["hit", "hit2"], prefix))
     b.advance("hit", 96)
     measure("arrange", lambda: b.arrange(list(reversed(new)) + ["hit"]))
     measure("promote", lambda: b.promote(new[-1]))
@@ -102,14 +103,40 @@ def test_row_operations_scale_with_what_moves(batched):
             assert a2 <= 2 * t2.moved_bytes + SLACK, (name, a2, t2.moved_bytes)
             assert a2 < capacity_bytes // 8, (name, a2)
     moved = {name: t.moved_bytes for name, (t, _) in small.items()}
-    assert moved["copy_prefixes"] == sum(64 + 16 * i for i in range(4)) * POS_BYTES or batched
-    if batched:  # one gather + scatter for all rows: each row copies the longest prefix's positions
-        assert moved["copy_prefixes"] == 4 * (64 + 16 * 3) * POS_BYTES
-        assert small["copy_prefixes"][0].syncs == 1
-    assert moved["write_blocks"] == 6 * 16 * POS_BYTES
+    # each row gets its own prefix's positions; each source prefix is read once, all of them in one sync
+    assert moved["copy_prefixes"] == sum(64 + 16 * i for i in range(4)) * POS_BYTES
+    assert small["copy_prefixes"][0].syncs == 1
+    assert moved["write_prefix"] == 2 * 96 * POS_BYTES
     assert moved["add"] == 0
     if batched:  # rows finishing their prefill together join the decode rows in one gather + scatter
         assert small["promote_many"][0].syncs == 1
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["per-row moves (CPU)", "batched moves (GPU path)"])
+@pytest.mark.parametrize("contiguous", [True, False], ids=["rows side by side", "rows apart"])
+def test_a_prefix_shared_by_many_rows_is_read_once(batched, contiguous):
+    """A wave of new rows starting from one running row's prefix: the prefix is read once and written into every row
+    at once (a broadcast write), so MLX allocates about one copy of it, not one per row; every row gets it exactly."""
+    b = _batch(batched, rows_cap=128, pos_cap=2048, running=0)
+    new = [f"new{i}" for i in range(24)]
+    for rid in new:
+        b.add(rid)
+    dst = new if contiguous else new[::2]  # every other row: a scatter
+    before = b.traffic.snapshot()
+    alloc = _allocated(lambda: (b.copy_prefixes([(rid, "src", 160) for rid in dst]), mx.eval(b.kv_arrays())))
+    t = b.traffic.since(before)
+    assert t.moved_bytes == len(dst) * 160 * POS_BYTES and t.syncs == 1
+    one = 160 * POS_BYTES
+    assert alloc <= (1 if contiguous else len(dst) + 1) * one + SLACK, (alloc, one)
+    src = b.row_of("src")
+    for rid in new:
+        row = b.row_of(rid)
+        assert b.lengths[row] == (160 if rid in dst else 0)
+        for buf in b.kv_arrays():
+            if rid in dst:
+                assert mx.array_equal(buf[row, :, :160], buf[src, :, :160]).item()
+            else:
+                assert not mx.any(buf[row]).item()
 
 
 def test_a_lazy_view_alive_across_a_row_copy_shows_as_a_whole_buffer_copy():
@@ -290,8 +317,7 @@ def test_small_resizes_are_one_sync():
 
 def test_copy_ins_are_sliced_so_their_transient_memory_is_bounded():
     """A step admitting many rows from cached blocks gathers them in slices (``max_bytes`` each, a sync each): the
-    rows get the same KV as in one gather, and MLX allocates about one slice beyond the rows' new KV, not every
-    block of the step at once."""
+    rows get the same KV as in one gather, and MLX allocates at most about one slice beyond the rows' new KV."""
     from mlxbatch import SamplingParams
     from mlxbatch.engine.decoding.detok import TextTracker
     from mlxbatch.engine.kv import reuse
@@ -326,7 +352,6 @@ def test_copy_ins_are_sliced_so_their_transient_memory_is_bounded():
     assert t_whole.moved_bytes == t_sliced.moved_bytes == rows * per_row
     for x, y in zip(whole.kv_arrays(), sliced.kv_arrays()):
         assert mx.array_equal(x, y).item()
-    assert a_whole >= rows * per_row  # all blocks gathered at once
     assert a_sliced <= 2 * (2 * per_row) + SLACK, a_sliced  # one slice (gathered, then its scatter's source)
 
 
@@ -387,14 +412,15 @@ def test_batched_moves_of_16_bit_kv_write_what_per_row_moves_write_and_in_place(
         copy = _allocated(lambda: (b.copy_prefixes([(rid, "src", 64 + 16 * i) for i, rid in enumerate(new)]),
                                    mx.eval(b.kv_arrays())))
         b.add("hit")
-        write = _allocated(lambda: (b.write_blocks([("hit", 16 * j) for j in range(6)], blocks, blocks, 16),
-                                    mx.eval(b.kv_arrays())))
+        row = [x.transpose(1, 0, 2, 3).reshape(H, 96, D) for x in blocks]
+        write = _allocated(lambda: (b.write_prefix(["hit"], row + row), mx.eval(b.kv_arrays())))
         b.advance("hit", 96)
         b.arrange(list(reversed(new)) + ["hit"])
         b.promote_many(["hit", new[0]])
         b.remove_many([new[0], "run3", "src"])
         keys, values = b.read_blocks([("hit", 16), ("new1", 0), ("run7", 32)], 16)
-        allocs = {"copy_prefixes": (copy, 4 * (64 + 48) * pos_bytes), "write_blocks": (write, 6 * 16 * pos_bytes)}
+        allocs = {"copy_prefixes": (copy, sum(64 + 16 * i for i in range(4)) * pos_bytes),
+                  "write_prefix": (write, 6 * 16 * pos_bytes)}
         return _rows(b), [mx.array(x) for x in (*keys, *values)], allocs
 
     states = {batched: run(_bf16_batch(batched, running=20)) for batched in (False, True)}

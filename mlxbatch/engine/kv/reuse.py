@@ -22,9 +22,9 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
           max_bytes: int | None = None) -> None:
     """Rows for newly admitted sequences, starting from the KV they reuse.
 
-    The copies are batched (one gather and one scatter per buffer) in slices of at most ``max_bytes`` gathered
-    (default ``copies.MAX_COPY_BYTES``): all at once, ~200 fewshot rows x 37 blocks made a 1.4 GB transient on the
-    0.5B shape.
+    Each prefix is read once and written into every row that starts from it at once (``write_prefix``: a wave of
+    ~200 fewshot rows sharing one prefix is one broadcast write per buffer); the reads go in slices of at most
+    ``max_bytes`` (default ``copies.MAX_COPY_BYTES``, a sync each).
     """
     live: list[tuple[str, str, int]] = []
     cached: list[tuple[str, CachedBlocks]] = []
@@ -39,18 +39,29 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
         else:
             batch.add(rid)
     pos = batch.position_bytes
-    longest = max((n for _, _, n in live), default=0)  # a batched copy gathers every row at the longest's length
-    for part in copies.slices(live, lambda c: longest * pos, max_bytes):
+    # a copy reads its source's prefix once, whatever the number of rows it goes to
+    sources: set[tuple[str, int]] = set()
+
+    def read_once(c: tuple[str, str, int]) -> int:
+        new = (c[1], c[2]) not in sources
+        sources.add((c[1], c[2]))
+        return c[2] * pos if new else 0
+
+    for part in copies.slices(live, read_once, max_bytes):
         batch.copy_prefixes(part)
     if cached:
         assert store is not None
         B = store.block_size
-        for part in copies.slices(cached, lambda c: len(c[1].block_ids) * B * pos, max_bytes):
-            keys, values = store.gather([b for _, c in part for b in c.block_ids])
-            batch.write_blocks([(rid, j * B) for rid, c in part for j in range(len(c.block_ids))], keys, values, B)
-            del keys, values
+        same: dict[tuple[int, ...], list[str]] = {}  # rows that start from the same blocks: read them once
+        for rid, c in cached:
+            same.setdefault(c.block_ids, []).append(rid)
+        for part in copies.slices(list(same.items()), lambda g: len(g[0]) * B * pos, max_bytes):
+            for block_ids, rids in part:
+                keys, values = store.gather(block_ids)  # per layer [blocks, H, B, D] -> one row's [H, blocks * B, D]
+                batch.write_prefix(rids, [x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])
+                                          for x in (*keys, *values)])
+                del keys, values
             batch.traffic.evaluate(batch.kv_arrays())  # one sync a slice, before the blocks may be rewritten
-
 
 def store_blocks(batch: KVLayout, store: PrefixStore, stores: Sequence[BlockStore]) -> list[mx.array]:
     """Finished prompts' blocks into the prefix store, lazily, before any row moves again; returns the store's

@@ -124,23 +124,43 @@ class RowMoves:
 
     def copy_prefixes(self, copies: Sequence[tuple[str, str, int]]) -> None:
         """(destination, source, n): each destination row (admitted, empty) gets the source row's first ``n``
-        positions (its length becomes ``n``). One sync and one scatter per buffer for all of them."""
+        positions (its length becomes ``n``). Each source prefix is read once (one sync for all of them) and written
+        into all its destinations at once (``write_prefix``): a wave of rows that share a running row's prefix is
+        one broadcast write per buffer, not a gather and a scatter of a copy per row."""
         if not copies:
             return
-        n = max(c[2] for c in copies)
-        if not self.batched_moves:
-            rows = [(self.row_of(d), self._row_copies(self.row_of(s), k), k) for d, s, k in copies]
-            for d, data, k in rows:
-                self._ensure(len(self.ids), k + 1)
-                self._put_row(d, k, data)
-                self.lengths[d] = k
-            return
-        for _, s, k in copies:
+        groups: dict[tuple[str, int], list[str]] = {}
+        for d, s, k in copies:
             assert k <= self.lengths[self.row_of(s)], "only committed positions can be copied"
-        self._ensure(len(self.ids), n + 1)
-        self._copy_rows([self.row_of(s) for _, s, _ in copies], [self.row_of(d) for d, _, _ in copies], n)
+            if k:
+                groups.setdefault((s, k), []).append(d)
+        if groups:
+            self._ensure(len(self.ids), max(k for _, k in groups) + 1)
+            data = [[mx.contiguous(buf[self.row_of(s), :, :k, :]) for buf in (*self._keys, *self._values)]
+                    for s, k in groups]
+            self.traffic.evaluate(data)  # nothing lazy may reference the buffers while they are written in place
+            for dsts, kv in zip(groups.values(), data):
+                self.write_prefix(dsts, kv)
         for d, _, k in copies:
             self.lengths[self.row_of(d)] = k
+
+    def write_prefix(self, request_ids: Sequence[str], kv: Sequence[mx.array]) -> None:
+        """One prefix into rows: ``kv`` holds every layer's keys then values, each ``[H, n, D]`` (evaluated, or lazy
+        reads of anything but these buffers), for positions ``0 .. n``. One write per buffer for all the rows: a
+        broadcast slice write when they are contiguous (as a wave of admissions is), else a scatter. Lengths are the
+        caller's."""
+        rows = [self.row_of(rid) for rid in request_ids]
+        n = kv[0].shape[1]
+        self._ensure(len(self.ids), n + 1)
+        self.traffic.moved_bytes += len(rows) * n * self._pos_bytes
+        a = rows[0]
+        put = None if rows == list(range(a, a + len(rows))) else mx.array(rows, dtype=mx.int32)
+        for i, src in enumerate(kv):
+            buf = (self._keys if i < self.num_layers else self._values)[i % self.num_layers]
+            if put is None:
+                buf[a : a + len(rows), :, :n, :] = src[None]
+            else:
+                buf[put, :, :n, :] = src[None]
 
     def remove_many(self, request_ids: Sequence[str]) -> None:
         """Retire rows. With batched moves, every row that fills a hole moves in one gather + scatter."""

@@ -1,0 +1,135 @@
+"""Decode passes replayed from compiled graphs (``kv.compiled_decode``; the engine uses them on CUDA).
+
+A compiled pass must give what a built pass gives, write each step's KV where that step's rows are (nothing per step
+baked into a trace), and write the buffers in place (no copy of a whole buffer). The CUDA kernel's call path runs here
+with MLX's attention in the kernel's place (same arguments: full buffers, slot rows, key lengths; traceable).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.kv.compiled_decode import CompiledDecode
+from mlxbatch.engine.kv.decode_attention import DecodeAttention
+from mlxbatch.engine.kv.slots import SlotBatch
+from mlxbatch.types import SamplingParams
+
+
+class FullBuffers:
+    """The fused kernel's call path with MLX's attention inside, as a graph (no host read: it traces)."""
+
+    worth = staticmethod(DecodeAttention.worth)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, queries, k_buf, v_buf, rows, lengths, scale):
+        self.calls += 1
+        k, v = k_buf[rows], v_buf[rows]
+        mask = (mx.arange(k.shape[2])[None, :] < lengths[:, None])[:, None, None, :]
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+
+
+def _tokens(loaded, compiled: CompiledDecode | None, kernel: FullBuffers | None) -> list[list[int]]:
+    # rows of different lengths, more rows than slots (rows finish and join: decode shapes come and go)
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([5, 40, 17, 90, 33, 61, 8, 120] * 3)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * (i % 5), ignore_eos=True) for i in range(len(prompts))]
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, warm_up=False)
+    with Engine(loaded, cfg) as eng:
+        batch = eng.core.runner.batch
+        assert batch.compiled_decode is None  # CPU: passes are built (the engine compiles them on CUDA)
+        batch.compiled_decode, batch.decode_attention = compiled, kernel
+        outs = eng.generate(prompts, params)
+        if compiled is not None:
+            stats = eng.stats()["profile"]
+            assert stats["decode_compiled_passes"] == compiled.passes and stats["decode_traces"] == compiled.traces
+    return [list(o.completions[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["masked attention", "kernel call path"])
+def test_compiled_passes_give_the_built_passes_tokens(tiny_loaded, kernel):
+    built = _tokens(tiny_loaded, None, FullBuffers() if kernel else None)
+    compiled, stand_in = CompiledDecode(), FullBuffers() if kernel else None
+    got = _tokens(tiny_loaded, compiled, stand_in)
+    assert got == built
+    assert compiled.traces >= 1 and compiled.passes > 2 * compiled.traces  # shapes recur: replays, not traces
+    if stand_in is not None:  # traced once per shape: the kernel is called in traces and built passes only
+        assert stand_in.calls > 0
+
+
+def _batch(model, lengths: list[int]) -> SlotBatch:
+    batch = SlotBatch(len(model.layers))
+    attn = model.layers[0].self_attn
+    batch.allocate(attn.n_kv_heads, model.args.hidden_size // model.args.num_attention_heads, mx.float32)
+    for i, n in enumerate(lengths):
+        batch.add(f"r{i}")
+        if n:
+            batch.forward(model, i, [[(3 * i + j) % 200 + 5 for j in range(n)]])
+            batch.advance(f"r{i}", n)
+    batch.n_decode = len(lengths)
+    return batch
+
+
+def test_each_replay_writes_at_its_own_rows_offsets(tiny_loaded):
+    """Same shape, new offsets every step: a replay must not write where the trace's step wrote."""
+    model = tiny_loaded.model
+    lengths = [3, 11, 6, 20]
+    built, comp = _batch(model, lengths), _batch(model, lengths)
+    comp.compiled_decode = cd = CompiledDecode()
+    for step in range(5):
+        tokens = [[17 + step + r] for r in range(len(lengths))]
+        want, got = built.forward(model, 0, tokens), comp.forward(model, 0, tokens)
+        mx.eval(want, got, *built.kv_arrays(), *comp.kv_arrays())
+        assert mx.allclose(want, got, atol=1e-5).item()
+        for rid in built.ids:
+            built.advance(rid, 1)
+            comp.advance(rid, 1)
+        for (kb, vb), (kc, vc) in zip(built.row_view("r0"), comp.row_view("r0")):
+            assert mx.allclose(kb, kc, atol=1e-6).item() and mx.allclose(vb, vc, atol=1e-6).item()
+        for rid in built.ids:  # every row's keys, its new one included, and nothing written past it
+            row, n = built.row_of(rid), built.lengths[built.row_of(rid)]
+            for kb, kc in zip(built.kv_arrays(), comp.kv_arrays()):
+                assert mx.allclose(kb[row, :, :n], kc[row, :, :n], atol=1e-6).item()
+                assert not mx.any(kc[row, :, n:]).item()  # positions past the row's length were never written
+    assert cd.traces == 1 and cd.passes == 4  # the first pass was built, the second traced, then replays
+
+
+def _address(a: mx.array) -> int:
+    view = np.array(a, copy=False)  # the buffer itself (a view, dropped at once: it would keep the buffer held)
+    address = view.__array_interface__["data"][0]
+    del view
+    return address
+
+
+def test_a_replay_writes_the_buffers_in_place(tiny_loaded):
+    """The buffers are the compiled graph's inputs and its outputs: a replay must write them where they are (MLX
+    writes in place only when nothing else holds the old buffer; a copy of every buffer at every step would cost a
+    GPU seconds and show nowhere else: the peak stays flat when the old buffers are freed as the new ones fill)."""
+    model = tiny_loaded.model
+    batch = _batch(model, [4, 9, 2, 7])
+    batch.compiled_decode = cd = CompiledDecode()
+    for step in range(4):
+        mx.eval(*batch.kv_arrays())
+        before = [_address(b) for b in batch.kv_arrays()]
+        out = batch.forward(model, 0, [[5 + step] for _ in range(4)])
+        mx.eval(out, *batch.kv_arrays())
+        for rid in batch.ids:
+            batch.advance(rid, 1)
+        assert [_address(b) for b in batch.kv_arrays()] == before, step
+    assert cd.passes == 3 and batch.traffic.moved_bytes == 0  # the first pass was built, the second traced
+
+
+def test_shapes_compile_on_their_second_sighting_and_only_the_last_are_kept(tiny_loaded):
+    model = tiny_loaded.model
+    batch = _batch(model, [4, 9, 2, 7, 5, 3])
+    batch.compiled_decode = cd = CompiledDecode(after=2, keep=2)
+    for rows in (2, 3, 2, 4, 3, 2, 4, 5, 2, 3):  # passes over the first ``rows`` rows (same buffers)
+        batch.forward(model, 0, [[7]] * rows)
+        mx.eval(*batch.kv_arrays())
+    # built at its first sighting (5: only one), traced at its second (2, 3, 4), replayed after (2 twice); 3 was
+    # dropped when 4 came (two kept) and is traced again at its third sighting, which drops 4
+    assert cd.traces == 4 and cd.passes == 6
+    assert [key[0] for key in cd._fns] == [2, 3]
