@@ -6,7 +6,8 @@ walls add up to more than an unprofiled run; the split is what counts).
 Wraps the runner's phases (prefix copy-ins, row moves, forwards by kind and shape, sampling, cache stores, frees)
 with a device synchronisation before and after, and prints the seconds per phase; prefill forwards are split by
 whether their (rows, tokens, keys) shape was seen before in the run. The copy-ins are also split into their parts
-(indented: running rows' prefixes, the store's gather, the scatter into the rows), each evaluated on its own.
+(indented: running rows' prefixes, the store's gather, the writes into the rows, which the first includes), each
+evaluated on its own.
 """
 
 # ruff: isort: skip_file
@@ -130,7 +131,7 @@ def main() -> None:
     SlotBatch.copy_prefixes = settled("  copy-ins: running rows' prefixes", SlotBatch.copy_prefixes,
                                       lambda b, _: b.kv_arrays())
     PrefixStore.gather = settled("  copy-ins: gather cached blocks", PrefixStore.gather, lambda _, out: out)
-    SlotBatch.write_blocks = settled("  copy-ins: scatter blocks into rows", SlotBatch.write_blocks,
+    SlotBatch.write_prefix = settled("  copy-ins: write prefixes into rows (both kinds)", SlotBatch.write_prefix,
                                      lambda b, _: b.kv_arrays())
     for name in ("arrange", "promote_many", "remove_many", "shrink"):
         setattr(SlotBatch, name, timed(f"rows: {name}", getattr(SlotBatch, name)))

@@ -137,9 +137,8 @@ class Request:
 
         ``force_stop``: the output is complete (its grammar allows nothing more): it finishes with STOP.
         """
-        now = time.perf_counter()
         if self.first_token is None:
-            self.first_token = now
+            self.first_token = time.perf_counter()
         p = self.params
         is_eos = not p.ignore_eos and token_id in self.eos_token_ids
         if is_eos or token_id in p.stop_token_ids:

@@ -158,10 +158,12 @@ class ModelRunner(StepCommit):
         tokens_out = step.drawn.read()
         if step is self._last:
             self._last = None  # the host knows the last step's tokens: the next decode pass is fed from them
-        t1 = time.perf_counter()
-        self._grammars.advance(list(step.due), [t.token_id for t in tokens_out])  # the step can no longer fail
-        self.profile.grammar_advance_s += time.perf_counter() - t1
-        done = frozenset(rid for rid in step.due if self._grammars.done(rid))
+        done: frozenset[str] = frozenset()
+        if len(self._grammars):  # constrained sequences (none: no per-row work here)
+            t1 = time.perf_counter()
+            self._grammars.advance(list(step.due), [t.token_id for t in tokens_out])  # the step can no longer fail
+            self.profile.grammar_advance_s += time.perf_counter() - t1
+            done = frozenset(rid for rid in step.due if self._grammars.done(rid))
         return RunnerOutput(dict(zip(step.due, tokens_out)), step.scored, done)
 
     @property
