@@ -103,8 +103,9 @@ def test_row_operations_scale_with_what_moves(batched):
             assert a2 <= 2 * t2.moved_bytes + SLACK, (name, a2, t2.moved_bytes)
             assert a2 < capacity_bytes // 8, (name, a2)
     moved = {name: t.moved_bytes for name, (t, _) in small.items()}
-    # each row gets its own prefix's positions; each source prefix is read once, all of them in one sync
-    assert moved["copy_prefixes"] == sum(64 + 16 * i for i in range(4)) * POS_BYTES
+    assert moved["copy_prefixes"] == sum(64 + 16 * i for i in range(4)) * POS_BYTES or batched
+    if batched:  # prefixes few rows share: one gather + scatter for all rows, each at the longest prefix's positions
+        assert moved["copy_prefixes"] == 4 * (64 + 16 * 3) * POS_BYTES
     assert small["copy_prefixes"][0].syncs == 1
     assert moved["write_prefix"] == 2 * 96 * POS_BYTES
     assert moved["add"] == 0
@@ -355,6 +356,44 @@ def test_copy_ins_are_sliced_so_their_transient_memory_is_bounded():
     assert a_sliced <= 2 * (2 * per_row) + SLACK, a_sliced  # one slice (gathered, then its scatter's source)
 
 
+@pytest.mark.parametrize("shared", [1, 8, 16], ids=["each row its own blocks", "8 rows a prefix", "16 rows a prefix"])
+def test_cached_prefixes_many_rows_share_are_gathered_once(shared):
+    """GPU path: rows admitted from the same cached blocks get them from one gather and one broadcast write per buffer
+    (``broadcast_rows`` of them or more); fewer share a gather and a scatter. Every row gets its blocks exactly."""
+    from mlxbatch import SamplingParams
+    from mlxbatch.engine.decoding.detok import TextTracker
+    from mlxbatch.engine.kv import reuse
+    from mlxbatch.engine.request import Request
+    from mlxbatch.engine.sched.prefix import CachedBlocks
+    from mlxbatch.engine.sched.scheduler import Admission
+
+    rows, blocks = 16, 8
+    b = SlotBatch(L, Traffic())
+    b.batched_moves = True
+    b.allocate(H, D, mx.float32)
+    b._ensure(rows, 256)
+    store = PrefixStore(L, H, D, mx.float32, POS_BYTES, rows * blocks, 16, b.traffic)
+    blk = [mx.random.normal((rows * blocks, H, 16, D)) for _ in range(2 * L)]
+    store.write_blocks(list(range(rows * blocks)), blk[:L], blk[L:])
+    mx.eval(store.pending())
+    owned = {i: tuple(range((i // shared) * blocks, (i // shared + 1) * blocks)) for i in range(rows)}
+    adm = [Admission(Request(f"r{i}", f"r{i}", 0, list(range(200)), SamplingParams(), 0, frozenset(), 4096,
+                             TextTracker(None, incremental=False)), CachedBlocks(owned[i], blocks * 16))
+           for i in range(rows)]
+    before = b.traffic.snapshot()
+    alloc = _allocated(lambda: reuse.admit(b, store, adm))
+    t = b.traffic.since(before)
+    per_row = blocks * 16 * POS_BYTES
+    assert t.moved_bytes == rows * per_row and t.syncs == 1
+    if shared >= b.broadcast_rows:  # one gathered prefix (and its row copy) per group, not one per row
+        assert alloc <= 2 * (rows // shared) * per_row + SLACK, alloc
+    for i in range(rows):
+        row = b.row_of(f"r{i}")
+        for layer, buf in enumerate(b.kv_arrays()):
+            want = blk[layer][mx.array(owned[i])].transpose(1, 0, 2, 3).reshape(H, blocks * 16, D)
+            assert mx.array_equal(buf[row, :, : blocks * 16], want).item()
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["steps one at a time", "overlapped steps"])
 def test_a_decode_only_step_waits_for_the_device_once(tiny_loaded, overlap):
     """A decode-only step's forward is evaluated with its sampling: one sync (the sampled ids read back), as a bare
@@ -419,7 +458,7 @@ def test_batched_moves_of_16_bit_kv_write_what_per_row_moves_write_and_in_place(
         b.promote_many(["hit", new[0]])
         b.remove_many([new[0], "run3", "src"])
         keys, values = b.read_blocks([("hit", 16), ("new1", 0), ("run7", 32)], 16)
-        allocs = {"copy_prefixes": (copy, sum(64 + 16 * i for i in range(4)) * pos_bytes),
+        allocs = {"copy_prefixes": (copy, 4 * (64 + 48) * pos_bytes),
                   "write_prefix": (write, 6 * 16 * pos_bytes)}
         return _rows(b), [mx.array(x) for x in (*keys, *values)], allocs
 

@@ -48,6 +48,16 @@ class KVLayout(Protocol):
         """(destination, source, n): each new destination row gets the source row's first ``n`` positions."""
         ...
 
+    def write_blocks(self, targets: Sequence[tuple[str, int]], keys: Sequence[mx.array], values: Sequence[mx.array],
+                     block_size: int) -> None:
+        """Block ``b`` (per layer ``[H, block_size, D]``) goes to row ``targets[b][0]`` from ``targets[b][1]``."""
+        ...
+
+    @property
+    def broadcast_rows(self) -> int:
+        """New rows that must share a prefix for ``write_prefix`` to write it into them all at once."""
+        ...
+
     def write_prefix(self, request_ids: Sequence[str], kv: Sequence[mx.array]) -> None:
         """One prefix (every layer's keys then values, ``[H, n, D]``) into positions ``0 .. n`` of these rows."""
         ...

@@ -8,6 +8,7 @@ blocks are written into the prefix store.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -22,9 +23,10 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
           max_bytes: int | None = None) -> None:
     """Rows for newly admitted sequences, starting from the KV they reuse.
 
-    Each prefix is read once and written into every row that starts from it at once (``write_prefix``: a wave of
-    ~200 fewshot rows sharing one prefix is one broadcast write per buffer); the reads go in slices of at most
-    ``max_bytes`` (default ``copies.MAX_COPY_BYTES``, a sync each).
+    A prefix that many new rows share is read once and written into all of them at once (``write_prefix``: a wave of
+    ~200 fewshot rows sharing one prefix is one broadcast write per buffer); the other copies are batched (one gather
+    and one scatter per buffer on a GPU). The reads go in slices of at most ``max_bytes`` (default
+    ``copies.MAX_COPY_BYTES``, a sync each).
     """
     live: list[tuple[str, str, int]] = []
     cached: list[tuple[str, CachedBlocks]] = []
@@ -39,28 +41,43 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
         else:
             batch.add(rid)
     pos = batch.position_bytes
-    # a copy reads its source's prefix once, whatever the number of rows it goes to
-    sources: set[tuple[str, int]] = set()
+    # what a copy gathers: a prefix shared by ``broadcast_rows`` new rows or more is read once; the other copies are
+    # gathered together, each at the longest one's length
+    shared = collections.Counter((s, k) for _, s, k in live)
+    longest = max((n for _, _, n in live), default=0)
+    seen: set[tuple[str, int]] = set()
 
     def read_once(c: tuple[str, str, int]) -> int:
-        new = (c[1], c[2]) not in sources
-        sources.add((c[1], c[2]))
-        return c[2] * pos if new else 0
+        key = (c[1], c[2])
+        if shared[key] < batch.broadcast_rows:
+            return longest * pos
+        first = key not in seen
+        seen.add(key)
+        return c[2] * pos if first else 0
 
     for part in copies.slices(live, read_once, max_bytes):
         batch.copy_prefixes(part)
     if cached:
         assert store is not None
         B = store.block_size
-        same: dict[tuple[int, ...], list[str]] = {}  # rows that start from the same blocks: read them once
+        same: dict[tuple[int, ...], list[str]] = {}  # rows that start from the same blocks
         for rid, c in cached:
             same.setdefault(c.block_ids, []).append(rid)
-        for part in copies.slices(list(same.items()), lambda g: len(g[0]) * B * pos, max_bytes):
+        # a prefix shared by ``broadcast_rows`` or more is gathered once and written into all of them at once; the
+        # others' blocks go in one gather and one scatter per buffer
+        wide = [(ids, rids) for ids, rids in same.items() if len(rids) >= batch.broadcast_rows]
+        rest = [(ids, [rid]) for ids, rids in same.items() if len(rids) < batch.broadcast_rows for rid in rids]
+        for part in copies.slices(wide + rest, lambda g: len(g[0]) * B * pos, max_bytes):
+            blocks = [(ids, rids[0]) for ids, rids in part if len(rids) < batch.broadcast_rows]
             for block_ids, rids in part:
-                keys, values = store.gather(block_ids)  # per layer [blocks, H, B, D] -> one row's [H, blocks * B, D]
-                batch.write_prefix(rids, [x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])
-                                          for x in (*keys, *values)])
-                del keys, values
+                if len(rids) >= batch.broadcast_rows:  # per layer [blocks, H, B, D] -> one row's [H, blocks * B, D]
+                    keys, values = store.gather(block_ids)
+                    batch.write_prefix(rids, [x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])
+                                              for x in (*keys, *values)])
+            if blocks:
+                keys, values = store.gather([b for ids, _ in blocks for b in ids])
+                batch.write_blocks([(rid, j * B) for ids, rid in blocks for j in range(len(ids))], keys, values, B)
+            del keys, values
             batch.traffic.evaluate(batch.kv_arrays())  # one sync a slice, before the blocks may be rewritten
 
 def store_blocks(batch: KVLayout, store: PrefixStore, stores: Sequence[BlockStore]) -> list[mx.array]:

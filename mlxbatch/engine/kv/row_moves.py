@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+# on a GPU, new rows that share a prefix are written by broadcast from this many (``RowMoves.broadcast_rows``)
+BROADCAST_ROWS = 8
 
 class RowMoves:
     """A base of ``SlotBatch``: moves its rows in its buffers (``_keys``, ``_values``) and books (``ids``,
@@ -114,19 +116,34 @@ class RowMoves:
     def _copy_rows(self, src: Sequence[int], dst: Sequence[int], n: int) -> None:
         """Positions ``0..n-1`` of rows ``src`` into rows ``dst``, all rows at once: one gather per buffer, one
         sync, one scatter per buffer."""
-        take, put = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
+        take = mx.array(src, dtype=mx.int32)
         copies = [mx.take(buf[:, :, :n, :], take, axis=0) for buf in (*self._keys, *self._values)]
         self.traffic.evaluate(copies)  # nothing lazy may reference the buffers while they are written in place
+        self._put_rows(dst, n, copies)
+
+    def _put_rows(self, dst: Sequence[int], n: int, copies: list[mx.array]) -> None:
+        """Rows ``dst``'s positions ``0..n-1`` from ``copies`` (every layer's keys then values, ``[rows, H, n, D]``,
+        evaluated): one scatter per buffer."""
+        put = mx.array(dst, dtype=mx.int32)
         self.traffic.moved_bytes += len(dst) * n * self._pos_bytes
         for i, c in enumerate(copies):
             target = self._keys if i < self.num_layers else self._values
             target[i % self.num_layers][put, :, :n, :] = c
 
+    @property
+    def broadcast_rows(self) -> int:
+        """New rows that must share a prefix for it to be read once and written into them all at once
+        (``write_prefix``). On a GPU a broadcast write costs a kernel per buffer for each prefix, where the rows of
+        prefixes shared by fewer go together in one gather and one scatter per buffer (chat's admissions: each row
+        its own conversation; a write per prefix made its prefill 2x slower on the H200). On the CPU every copy is a
+        slice write anyway."""
+        return BROADCAST_ROWS if self.batched_moves else 1
+
     def copy_prefixes(self, copies: Sequence[tuple[str, str, int]]) -> None:
         """(destination, source, n): each destination row (admitted, empty) gets the source row's first ``n``
-        positions (its length becomes ``n``). Each source prefix is read once (one sync for all of them) and written
-        into all its destinations at once (``write_prefix``): a wave of rows that share a running row's prefix is
-        one broadcast write per buffer, not a gather and a scatter of a copy per row."""
+        positions (its length becomes ``n``). A prefix that ``broadcast_rows`` or more of them share is read once and
+        written into all of them at once (``write_prefix``); the others go in one gather and one scatter per buffer,
+        each row at the longest of them. One sync for all."""
         if not copies:
             return
         groups: dict[tuple[str, int], list[str]] = {}
@@ -136,11 +153,18 @@ class RowMoves:
                 groups.setdefault((s, k), []).append(d)
         if groups:
             self._ensure(len(self.ids), max(k for _, k in groups) + 1)
-            data = [[mx.contiguous(buf[self.row_of(s), :, :k, :]) for buf in (*self._keys, *self._values)]
-                    for s, k in groups]
-            self.traffic.evaluate(data)  # nothing lazy may reference the buffers while they are written in place
-            for dsts, kv in zip(groups.values(), data):
+            wide = {key: dsts for key, dsts in groups.items() if len(dsts) >= self.broadcast_rows}
+            rest = [(d, s, k) for (s, k), dsts in groups.items() if (s, k) not in wide for d in dsts]
+            reads = [[mx.contiguous(buf[self.row_of(s), :, :k, :]) for buf in (*self._keys, *self._values)]
+                     for s, k in wide]
+            n = max((k for _, _, k in rest), default=0)
+            take = mx.array([self.row_of(s) for _, s, _ in rest], dtype=mx.int32)
+            gathered = [mx.take(buf[:, :, :n, :], take, axis=0) for buf in (*self._keys, *self._values)] if rest else []
+            self.traffic.evaluate(reads, gathered)  # nothing lazy may reference the buffers while they are written
+            for dsts, kv in zip(wide.values(), reads):
                 self.write_prefix(dsts, kv)
+            if rest:
+                self._put_rows([self.row_of(d) for d, _, _ in rest], n, gathered)
         for d, _, k in copies:
             self.lengths[self.row_of(d)] = k
 

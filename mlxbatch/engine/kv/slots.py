@@ -157,6 +157,20 @@ class SlotBatch(RowMoves):
         self.ids.append(request_id)
         self.lengths.append(length)
 
+    def write_blocks(self, targets: Sequence[tuple[str, int]], keys: Sequence[mx.array], values: Sequence[mx.array],
+                     block_size: int) -> None:
+        """Write cached blocks into rows: block ``b`` (``keys[layer][b]``, ``[H, block_size, D]``) goes to row
+        ``targets[b][0]`` at positions ``targets[b][1] .. + block_size``. One scatter per buffer for all rows (the GPU
+        path for prefixes that few rows share: ``write_prefix`` writes a shared one into many rows at once)."""
+        if not targets:
+            return
+        self._ensure(len(self.ids), max(p for _, p in targets) + block_size + 1)
+        self.traffic.moved_bytes += len(targets) * block_size * self._pos_bytes
+        rows, heads, pos = self._block_index(targets, block_size)
+        for i in range(self.num_layers):
+            self._keys[i][rows, heads, pos] = keys[i]
+            self._values[i][rows, heads, pos] = values[i]
+
     def read_blocks(self, sources: Sequence[tuple[str, int]], block_size: int) -> tuple[list[mx.array], list[mx.array]]:
         """Blocks of rows, lazily, per layer ``[n, H, block_size, D]``: block ``b`` is row ``sources[b][0]``'s positions
         ``sources[b][1] .. + block_size`` (past the row's length: whatever is there). One gather per buffer for all
