@@ -29,8 +29,8 @@ def count_passes() -> list[tuple[int, int, int]]:
 
     def recorded(self: SlotBatch, *a: object, **k: object) -> object:
         out = forward(self, *a, **k)
-        fp = self.current_pass()
-        if fp.width > 1:
+        fp = self._pass  # None after a compiled decode pass (``kv.compiled_decode``)
+        if fp is not None and fp.width > 1:
             seen.append((fp.stop - fp.start, fp.width, fp.t_used))
         return out
 
