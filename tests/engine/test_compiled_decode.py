@@ -33,11 +33,12 @@ class FullBuffers:
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
 
-def _tokens(loaded, compiled: CompiledDecode | None, kernel: FullBuffers | None) -> list[list[int]]:
+def _tokens(loaded, compiled: CompiledDecode | None, kernel: FullBuffers | None, overlap: bool = False
+            ) -> list[list[int]]:
     # rows of different lengths, more rows than slots (rows finish and join: decode shapes come and go)
     prompts = [[(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([5, 40, 17, 90, 33, 61, 8, 120] * 3)]
     params = [SamplingParams(temperature=0, max_tokens=8 + 3 * (i % 5), ignore_eos=True) for i in range(len(prompts))]
-    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, warm_up=False)
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, warm_up=False, overlap_steps=overlap)
     with Engine(loaded, cfg) as eng:
         batch = eng.core.runner.batch
         assert batch.compiled_decode is None  # CPU: passes are built (the engine compiles them on CUDA)
@@ -49,11 +50,13 @@ def _tokens(loaded, compiled: CompiledDecode | None, kernel: FullBuffers | None)
     return [list(o.completions[0].token_ids) for o in outs]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["steps one at a time", "overlapped steps"])
 @pytest.mark.parametrize("kernel", [False, True], ids=["masked attention", "kernel call path"])
-def test_compiled_passes_give_the_built_passes_tokens(tiny_loaded, kernel):
-    built = _tokens(tiny_loaded, None, FullBuffers() if kernel else None)
+def test_compiled_passes_give_the_built_passes_tokens(tiny_loaded, kernel, overlap):
+    """Overlapped, a decode pass is fed the step before's draw while it is still on the device (a lazy input)."""
+    built = _tokens(tiny_loaded, None, FullBuffers() if kernel else None, overlap)
     compiled, stand_in = CompiledDecode(), FullBuffers() if kernel else None
-    got = _tokens(tiny_loaded, compiled, stand_in)
+    got = _tokens(tiny_loaded, compiled, stand_in, overlap)
     assert got == built
     assert compiled.traces >= 1 and compiled.passes > 2 * compiled.traces  # shapes recur: replays, not traces
     if stand_in is not None:  # traced once per shape: the kernel is called in traces and built passes only
