@@ -8,7 +8,8 @@ nested inside them, so each second is counted once: scheduling, building the for
 the commit of the step's books, MLX's encoding and launch (``mx.async_eval``), waits for the device, reading the
 drawn tokens into the requests, collecting outputs, finishing the step; "other" is the rest of ``EngineCore.step``.
 Prints ms a step (medians over the runs), with the engine's compiled decode passes (``kv.compiled_decode``) off and
-on, interleaved in one engine (``--compiled off|on|both``; both by default). A cProfile of the same run counts Python calls at about twice their cost.
+on, interleaved in one engine (``--compiled off|on|both``; both by default), and whether both gave the same tokens.
+A cProfile of the same run counts Python calls at about twice their cost.
 """
 
 # ruff: isort: skip_file
@@ -115,6 +116,7 @@ def _table(runs: list[tuple[dict, int, float]], title: str, rows: int, plen: int
     for _, _, label in PARTS:
         ms = statistics.median(r.get(label, 0.0) / s for r, s, _ in runs) * 1e3
         print(f"| {label} | {ms:.3f} | {ms / (wall / steps * 1e3):.0%} |")
+
 
 if __name__ == "__main__":
     main()
