@@ -34,6 +34,7 @@ from mlxbatch.types import TokenLogprob
 @dataclass
 class Traffic:
     moved_bytes: int = 0  # existing KV copied to another place: row moves, copy-ins (running rows, cached blocks), forks
+    row_moved_bytes: int = 0  # of ``moved_bytes``, those of row moves (arranging, promoting, retiring rows)
     stored_bytes: int = 0  # KV copied into the prefix cache
     grown_bytes: int = 0  # buffers copied when they grow or shrink (amortised: capacity doubles)
     resizes: int = 0  # buffer growths and shrinks

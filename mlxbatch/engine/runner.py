@@ -182,11 +182,10 @@ class ModelRunner(StepCommit):
         logits: list[mx.array] = []
         if out.prefills:
             t0, w0 = time.perf_counter(), traffic.wait_s
-            reuse.admit(batch, self._store, out.admissions)  # new rows start from the KV they reuse
-            groups = _pad_groups(out.prefills)
-            # arrange once, before any forward: rows move by committed length, and this step's writes
-            # are not committed yet
-            batch.arrange([c.request.request_id for g in groups for c in g])
+            groups = _pad_groups(out.prefills, [a.request.request_id for a in out.admissions])
+            # new rows join in pass order, then get the KV they reuse; arranged once, before any forward: rows move
+            # by committed length, and this step's writes are not committed yet
+            reuse.admit(batch, self._store, out.admissions, [c.request.request_id for g in groups for c in g])
             start = batch.n_decode
             for group in groups:
                 for i, c in enumerate(group):
@@ -237,7 +236,8 @@ class ModelRunner(StepCommit):
         """The step in batch-invariant mode: fixed-shape forwards, then the shared draw and commit."""
         fx = self._fixed
         assert fx is not None and len(out.decodes) == self.batch.n_decode, "every decoding sequence runs every step"
-        step = fx.run(out.decodes, out.prefills, lambda: reuse.admit(self.batch, self._store, out.admissions))
+        step = fx.run(out.decodes, out.prefills,
+                      lambda order: reuse.admit(self.batch, self._store, out.admissions, order))
         scored: dict[str, ScoredTokens] = {}
         if step.score_hidden:
             lg = fx.logits(step.score_hidden).astype(mx.float32)
@@ -287,8 +287,11 @@ class ModelRunner(StepCommit):
             self._settle_rows()
 
 
-def _pad_groups(chunks: tuple[PrefillChunk, ...], max_waste: float = 0.25) -> list[list[PrefillChunk]]:
-    """Split prefill chunks into forward passes whose right-padding stays under ``max_waste``."""
+def _pad_groups(chunks: tuple[PrefillChunk, ...], admitted: list[str] | None = None, max_waste: float = 0.25
+                ) -> list[list[PrefillChunk]]:
+    """Split prefill chunks into forward passes whose right-padding stays under ``max_waste``. Inside a pass, rows
+    already running come first, then the rows ``admitted`` this step in their order (the plan's: rows that share a
+    prefix are neighbours there, and stay neighbours in the slots, where one write puts the prefix into all)."""
     ordered = sorted(chunks, key=lambda c: c.end - c.start, reverse=True)
     groups: list[list[PrefillChunk]] = []
     for c in ordered:
@@ -300,4 +303,8 @@ def _pad_groups(chunks: tuple[PrefillChunk, ...], max_waste: float = 0.25) -> li
                 g.append(c)
                 continue
         groups.append([c])
+    if admitted:
+        rank = {rid: i for i, rid in enumerate(admitted)}
+        for g in groups:
+            g.sort(key=lambda c: rank.get(c.request.request_id, -1))
     return groups

@@ -514,3 +514,52 @@ per-row moves."""
             runs.append(([o.completions[0].token_ids for o in outs], t.moved_bytes, t.stored_bytes))
     assert runs[0] == runs[1] and runs[0][1] > 0 and runs[0][2] > 0
     assert runs[2][0] == runs[0][0]  # the tokens of per-row moves (slice copies)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["per-row moves (CPU)", "batched moves (GPU path)"])
+@pytest.mark.parametrize("source", ["running row", "cached blocks"])
+def test_admitted_rows_get_their_prefix_once_in_their_pass_place(tiny_loaded, batched, source):
+    """A step's new rows are placed in its prefill passes' order before their prefixes are copied in: each prefix is
+    written once, into the row's final place. (Arranged after the copy-ins, the new rows' prefixes moved a second time:
+    about a third of every byte a run moved.) Rows here are admitted in one step, in an order that is not the passes'
+    (those go longest first), all finish their prefill in it and decode together: no row moves at all, and what the
+    steps copy is exactly each row's reused prefix."""
+    from mlxbatch.engine.request import Request
+    from mlxbatch.engine.sched.prefix import CachedBlocks, RunningRow
+    from mlxbatch.engine.sched.step import Admission
+
+    # a running row is copied from where it shares more than the cache's whole blocks: 70 tokens (4 blocks and 6)
+    shared = list(range(100, 170 if source == "running row" else 164))
+    eng = Engine(tiny_loaded, EngineConfig(max_num_seqs=16, warm_up=False))
+    core = eng.core
+    core.runner.batch.batched_moves = batched
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    # (the first row outlives the others: it leaves no hole among them for a row to move into)
+    core.add_request(shared + [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                     request_id="first")
+    if source == "cached blocks":  # the first row finishes before the others come: its prefix is in the cache
+        core.run_until_done()
+    else:
+        core.step()  # the first row's prefill: the others copy its prefix while it runs
+    before = core.runner.traffic.snapshot()
+    admitted: list[Admission] = []
+    schedule = core.scheduler.schedule
+
+    def seen() -> object:
+        out = schedule()
+        admitted.extend(out.admissions)
+        return out
+
+    core.scheduler.schedule = seen  # type: ignore[method-assign]
+    suffixes = [list(range(400 + 20 * i, 400 + 20 * i + 2 + (5 * i) % 11)) for i in range(12)]  # lengths not sorted
+    for i, s in enumerate(suffixes):
+        core.add_request(shared + s, params, request_id=f"row{i}")
+    core.run_until_done()
+    t = core.runner.traffic.since(before)
+    new = [a for a in admitted if a.request.request_id.startswith("row")]
+    want = RunningRow if source == "running row" else CachedBlocks
+    assert len(new) == 12 and all(isinstance(a.source, want) for a in new), [a.source for a in new]
+    assert {a.request.request_id for a in new} == {a.request.request_id for a in admitted[: len(new)]}  # one step
+    assert t.row_moved_bytes == 0
+    assert t.moved_bytes == 12 * len(shared) * eng.core.runner.batch.position_bytes
+    eng.close()

@@ -84,14 +84,14 @@ class FixedForwards:
             a = b
 
     # -- prefill -----------------------------------------------------------------------------------------
-    def prefill(self, chunks: Sequence[PrefillChunk], step: FixedStep) -> None:
+    def prefill(self, chunks: Sequence[PrefillChunk], step: FixedStep, admit: Any) -> None:
         slots, shapes, C = self.slots, self.shapes, self.shapes.slice_tokens
         for c in chunks:
             assert c.start % C == 0, "batch-invariant prefill chunks start at multiples of the slice"
         n_slices = {c.request.request_id: -(-(c.end - c.start) // C) for c in chunks}
         first = {c.request.request_id: shapes.kv_width(c.start + C) for c in chunks}
         ordered = sorted(chunks, key=lambda c: (first[c.request.request_id], -n_slices[c.request.request_id]))
-        slots.arrange([c.request.request_id for c in ordered])
+        admit([c.request.request_id for c in ordered])  # new rows placed in this order, then their copy-ins
         base = slots.n_decode
         frontier = [c.start for c in ordered]  # per chunk row: where its next write goes
         for j in range(max(n_slices.values(), default=0)):
@@ -156,7 +156,8 @@ class FixedForwards:
         return out[: len(hidden)]
 
     def run(self, decodes: Sequence[Request], prefills: Sequence[PrefillChunk], admit: Any) -> FixedStep:
-        """Decode, then ``admit()`` (new rows' copy-ins), then prefill; times them into the profile."""
+        """Decode, then prefill; ``admit(order)`` places the new rows (and the other prefilling rows) in the prefill
+        passes' order and copies their prefixes in (``kv.reuse.admit``). Times them into the profile."""
         step = FixedStep()
         prof = self.profile
         if decodes:
@@ -166,8 +167,7 @@ class FixedForwards:
             prof.decode_tokens += len(decodes)
         if prefills:
             t0 = time.perf_counter()
-            admit()
-            self.prefill(prefills, step)
+            self.prefill(prefills, step, admit)
             prof.prefill_build_s += time.perf_counter() - t0
             prof.prefill_tokens += sum(c.end - c.start for c in prefills)
         return step

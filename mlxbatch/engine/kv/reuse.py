@@ -20,26 +20,30 @@ from mlxbatch.engine.sched.step import Admission
 
 
 def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admission],
-          max_bytes: int | None = None) -> None:
-    """Rows for newly admitted sequences, starting from the KV they reuse.
+          order: Sequence[str] | None = None, max_bytes: int | None = None) -> None:
+    """Rows for newly admitted sequences, placed where the step's prefill passes want them, starting from the KV they
+    reuse.
 
-    A prefix that many new rows share is read once and written into all of them at once (``write_prefix``: a wave of
-    ~200 fewshot rows sharing one prefix is one broadcast write per buffer); the other copies are batched (one gather
-    and one scatter per buffer on a GPU). The reads go in slices of at most ``max_bytes`` (default
-    ``copies.MAX_COPY_BYTES``, a sync each).
+    The new rows join empty, then ``order`` (this step's prefilling rows, new and old, in pass order) is arranged
+    (``arrange``: a row without KV moves by its books alone), and only then are the prefixes copied in, into the rows'
+    final places: arranged after their copy-ins, a step's new rows had their prefixes moved a second time (about a
+    third of every byte a run moved). A prefix that many new rows share is read once and written into all of them at
+    once (``write_prefix``: a wave of ~200 fewshot rows sharing one prefix is one broadcast write per buffer); the
+    other copies are batched (one gather and one scatter per buffer on a GPU). The reads go in slices of at most
+    ``max_bytes`` (default ``copies.MAX_COPY_BYTES``, a sync each).
     """
     live: list[tuple[str, str, int]] = []
     cached: list[tuple[str, CachedBlocks]] = []
     for a in admissions:
+        batch.add(a.request.request_id)
+    if order is not None:
+        batch.arrange(order)
+    for a in admissions:
         rid = a.request.request_id
         if isinstance(a.source, RunningRow):
-            batch.add(rid)
             live.append((rid, a.source.request_id, a.source.num_tokens))
         elif isinstance(a.source, CachedBlocks):
-            batch.add(rid, length=a.source.num_tokens)
             cached.append((rid, a.source))
-        else:
-            batch.add(rid)
     pos = batch.position_bytes
     # what a copy gathers: a prefix shared by ``broadcast_rows`` new rows or more is read once; the other copies are
     # gathered together, each at the longest one's length
@@ -79,6 +83,8 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
                 batch.write_blocks([(rid, j * B) for ids, rid in blocks for j in range(len(ids))], keys, values, B)
             del keys, values
             batch.traffic.evaluate(batch.kv_arrays())  # one sync a slice, before the blocks may be rewritten
+        for rid, c in cached:
+            batch.advance(rid, c.num_tokens)  # the row holds its cached prefix now
 
 def store_blocks(batch: KVLayout, store: PrefixStore, stores: Sequence[BlockStore]) -> list[mx.array]:
     """Finished prompts' blocks into the prefix store, lazily, before any row moves again; returns the store's

@@ -14,6 +14,28 @@ import mlx.core as mx
 
 # on a GPU, new rows that share a prefix are written by broadcast from this many (``RowMoves.broadcast_rows``)
 BROADCAST_ROWS = 8
+# a shared prefix goes into at most this many runs of neighbouring rows by slice writes (a kernel per buffer each),
+# into rows more scattered than that by one scatter per buffer (``RowMoves.write_prefix``)
+MAX_RUNS = 8
+
+
+def _fill(kept: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Moves (from, to) that bring the rows ``kept`` (sorted) into ``[lo, hi)`` (as many places as rows): those
+    already inside stay, those past ``hi`` fill the places left free, in order."""
+    inside = {r for r in kept if lo <= r < hi}
+    return list(zip([r for r in kept if r >= hi], [p for p in range(lo, hi) if p not in inside]))
+
+
+def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted distinct rows as ``[a, b)`` runs of neighbours."""
+    out: list[tuple[int, int]] = []
+    for r in rows:
+        if out and out[-1][1] == r:
+            out[-1] = (out[-1][0], r + 1)
+        else:
+            out.append((r, r + 1))
+    return out
+
 
 class RowMoves:
     """A base of ``SlotBatch``: moves its rows in its buffers (``_keys``, ``_values``) and books (``ids``,
@@ -32,7 +54,9 @@ class RowMoves:
         return out
 
     def _put_row(self, row: int, n: int, copies: list[mx.array]) -> None:
+        """A row move's write (the CPU path): one row's positions ``0..n-1`` from ``copies``."""
         self.traffic.moved_bytes += n * self._pos_bytes
+        self.traffic.row_moved_bytes += n * self._pos_bytes
         for buf, arr in zip((*self._keys, *self._values), copies):
             buf[row, :, :n, :] = arr
 
@@ -48,11 +72,13 @@ class RowMoves:
     def _swap(self, a: int, b: int) -> None:
         if a == b:
             return
-        n = max(self.lengths[a], self.lengths[b])
-        if n:
-            ra, rb = self._row_copies(a, n), self._row_copies(b, n)
-            self._put_row(a, n, rb)
-            self._put_row(b, n, ra)
+        na, nb = self.lengths[a], self.lengths[b]  # a row without KV (just admitted) moves by its books alone
+        ra = self._row_copies(a, na) if na else None
+        rb = self._row_copies(b, nb) if nb else None
+        if rb is not None:
+            self._put_row(a, nb, rb)
+        if ra is not None:
+            self._put_row(b, na, ra)
         self.ids[a], self.ids[b] = self.ids[b], self.ids[a]
         self._row[self.ids[a]], self._row[self.ids[b]] = a, b
         self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
@@ -102,16 +128,24 @@ class RowMoves:
         self._move_rows([(s, d) for s, d in zip(src, dst) if s != d])
 
     def _move_rows(self, moves: Sequence[tuple[int, int]]) -> None:
-        """Rows ``src -> dst`` at once (a permutation of the rows involved), KV and books."""
+        """Rows ``src -> dst`` at once (a permutation of the rows involved), KV and books; a row without KV (just
+        admitted, its prefix not copied in yet) moves by its books alone."""
         if not moves:
             return
-        n = max(self.lengths[s] for s, _ in moves)
         ids, lengths = list(self.ids), list(self.lengths)
         for s, d in moves:
             self.ids[d], self.lengths[d] = ids[s], lengths[s]
             self._row[ids[s]] = d
-        if n:
-            self._copy_rows([s for s, _ in moves], [d for _, d in moves], n)
+        held = [(s, d) for s, d in moves if lengths[s]]
+        if not held:
+            return
+        if not self.batched_moves:  # the CPU: row by row, in order (``remove_many``'s moves read no row written before)
+            for s, d in held:
+                self._put_row(d, lengths[s], self._row_copies(s, lengths[s]))
+            return
+        n = max(lengths[s] for s, _ in held)
+        self._copy_rows([s for s, _ in held], [d for _, d in held], n)
+        self.traffic.row_moved_bytes += len(held) * n * self._pos_bytes
 
     def _copy_rows(self, src: Sequence[int], dst: Sequence[int], n: int) -> None:
         """Positions ``0..n-1`` of rows ``src`` into rows ``dst``, all rows at once: one gather per buffer, one
@@ -170,42 +204,38 @@ class RowMoves:
 
     def write_prefix(self, request_ids: Sequence[str], kv: Sequence[mx.array]) -> None:
         """One prefix into rows: ``kv`` holds every layer's keys then values, each ``[H, n, D]`` (evaluated, or lazy
-        reads of anything but these buffers), for positions ``0 .. n``. One write per buffer for all the rows: a
-        broadcast slice write when they are contiguous (as a wave of admissions is), else a scatter. Lengths are the
-        caller's."""
-        rows = [self.row_of(rid) for rid in request_ids]
+        reads of anything but these buffers), for positions ``0 .. n``. A broadcast slice write per buffer for each
+        run of neighbouring rows (the runner keeps a step's rows that share a prefix neighbours in each pass); rows
+        in more than ``MAX_RUNS`` runs take one scatter per buffer instead on a GPU (a CPU's scatter goes element by
+        element: slices always). Lengths are the caller's."""
+        rows = sorted(self.row_of(rid) for rid in request_ids)
         n = kv[0].shape[1]
         self._ensure(len(self.ids), n + 1)
         self.traffic.moved_bytes += len(rows) * n * self._pos_bytes
-        a = rows[0]
-        put = None if rows == list(range(a, a + len(rows))) else mx.array(rows, dtype=mx.int32)
+        runs = _runs(rows)
+        put = mx.array(rows, dtype=mx.int32) if self.batched_moves and len(runs) > MAX_RUNS else None
         for i, src in enumerate(kv):
             buf = (self._keys if i < self.num_layers else self._values)[i % self.num_layers]
-            if put is None:
-                buf[a : a + len(rows), :, :n, :] = src[None]
-            else:
+            if put is not None:
                 buf[put, :, :n, :] = src[None]
+                continue
+            for a, b in runs:
+                buf[a:b, :, :n, :] = src[None]
 
     def remove_many(self, request_ids: Sequence[str]) -> None:
-        """Retire rows. With batched moves, every row that fills a hole moves in one gather + scatter."""
+        """Retire rows. Each region's holes are filled by its own rows from past its new end, so only those move:
+        with batched moves in one gather + scatter, on the CPU row by row."""
         gone = {rid for rid in request_ids if rid in self._row}
         if not gone:
             return
-        if not self.batched_moves:
-            for rid in dict.fromkeys(request_ids):  # in the caller's order: a set's order changes between processes
-                if rid in gone:
-                    self.remove(rid)
-            return
         keep_dec = [i for i in range(self.n_decode) if self.ids[i] not in gone]
         keep_pre = [i for i in range(self.n_decode, len(self.ids)) if self.ids[i] not in gone]
-        nd = len(keep_dec)
-        staying = {i for i in keep_dec if i < nd}
-        holes = [i for i in range(nd) if i not in staying]
-        moves = list(zip([i for i in keep_dec if i >= nd], holes))  # decode rows past the end fill its holes
-        moves += [(src, nd + j) for j, src in enumerate(keep_pre) if src != nd + j]  # prefill rows close up
+        nd, end = len(keep_dec), len(keep_dec) + len(keep_pre)
+        moves = _fill(keep_dec, 0, nd)  # decode rows past the region's new end fill its holes
+        moves += _fill(keep_pre, nd, end)  # so do the prefill rows (their order is the next step's ``arrange``'s)
         self._move_rows(moves)
-        del self.ids[nd + len(keep_pre) :]
-        del self.lengths[nd + len(keep_pre) :]
+        del self.ids[end:]
+        del self.lengths[end:]
         self._reindex()
         self.n_decode = nd
 
