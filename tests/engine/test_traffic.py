@@ -524,7 +524,6 @@ def test_admitted_rows_get_their_prefix_once_in_their_pass_place(tiny_loaded, ba
     about a third of every byte a run moved.) Rows here are admitted in one step, in an order that is not the passes'
     (those go longest first), all finish their prefill in it and decode together: no row moves at all, and what the
     steps copy is exactly each row's reused prefix."""
-    from mlxbatch.engine.request import Request
     from mlxbatch.engine.sched.prefix import CachedBlocks, RunningRow
     from mlxbatch.engine.sched.step import Admission
 
