@@ -92,6 +92,7 @@ class ModelRunner(StepCommit):
             if slots.shape_buckets:
                 slots.prefill_attention = PrefillAttention(self._split.body.heads, geometry.kv_heads,
                                                            geometry.head_dim, dtype)
+                slots.packed_prefill = True  # one prefill pass a step: the host's work per pass binds there
                 self._split.body.fuse()  # q/k/v and gate/up as one matmul each: fewer launches a layer
                 if slots.decode_attention is not None:  # decode passes of a recurring shape: no graph build
                     slots.compiled_decode = CompiledDecode()
@@ -187,14 +188,21 @@ class ModelRunner(StepCommit):
             # by committed length, and this step's writes are not committed yet
             reuse.admit(batch, self._store, out.admissions, [c.request.request_id for g in groups for c in g])
             start = batch.n_decode
-            for group in groups:
+            # the passes: each group its own, or every group in one packed pass (``kv.packed``: no score rows)
+            packed = batch.packed_prefill and self._mm is None \
+                and all(c.request.score_from is None for c in out.prefills)
+            passes = [([c for g in groups for c in g], [len(g) for g in groups])] if packed else \
+                [(g, None) for g in groups]
+            for group, sizes in passes:
                 for i, c in enumerate(group):
                     rid = c.request.request_id
                     assert batch.ids[start + i] == rid and batch.committed(rid) == c.start
                 last = [i for i, c in enumerate(group) if c.last and c.request.score_from is None]
                 tokens = [c.request.tokens(c.start, c.end) for c in group]
                 seqs = [RowInput(c.request, c.start, c.end - c.start) for c in group]
-                if any(c.request.score_from is not None for c in group):
+                if sizes is not None:
+                    chunk_logits = self._forward_packed(start, tokens, sizes, last)
+                elif any(c.request.score_from is not None for c in group):
                     chunk_logits = self._score(start, group, tokens, last, seqs, scored)
                 elif self._prune_last and self._mm is None and len(last) == len(group) \
                         and all(len(t) > 1 for t in tokens):
@@ -259,6 +267,12 @@ class ModelRunner(StepCommit):
         self.batch.forward(fn, start, [t[:-1] for t in tokens], full=True)
         self.traffic.launch("prefill", *self.batch.kv_arrays())
         return self._forward(start, [[t[-1]] for t in tokens], offsets=[c.end - 1 for c in group])
+
+    def _forward_packed(self, start: int, tokens: list[list[int]], sizes: list[int], rows: list[int]) -> mx.array:
+        """Last-position logits of rows ``rows`` of one packed prefill pass (``SlotBatch.forward_packed``)."""
+        fn, head = self._body_head(None)
+        out = self.batch.forward_packed(fn, start, tokens, sizes, rows)
+        return head(out) if head is not None else out
 
     def _body_head(self, seqs: list[RowInput] | None) -> tuple[Any, Any]:
         """The forward's body (tokens -> hidden, or logits when there is no head) and the LM head (or None)."""

@@ -22,6 +22,7 @@ class KVLayout(Protocol):
     traffic: Traffic  # what the layout copies and waits for (shared with the runner's step profile)
     n_decode: int
     batched_moves: bool  # rows move (and blocks are read) in one gather + scatter per buffer per step: the GPU path
+    packed_prefill: bool  # a step's prefill rows run as one packed pass (``forward_packed``): the CUDA path
     ids: list[str]  # request id per row, in row order (read only)
 
     def __contains__(self, request_id: str) -> bool: ...
@@ -70,6 +71,12 @@ class KVLayout(Protocol):
                 offsets: Sequence[int] | None = None) -> mx.array:
         """Run rows ``[start, start + len(tokens))`` over their new tokens (writing their KV); each row's last output,
         or every position's with ``full``."""
+        ...
+
+    def forward_packed(self, model: Any, start: int, tokens: Sequence[Sequence[int]], sizes: Sequence[int],
+                       rows: Sequence[int]) -> mx.array:
+        """Prefill rows ``[start, start + len(tokens))`` in one pass, their tokens end to end (attention in pass groups
+        of ``sizes`` rows); the last output of each row in ``rows``."""
         ...
 
     def advance(self, request_id: str, count: int) -> None:

@@ -1,9 +1,9 @@
 """Prefix reuse on the runner's side: the copies that the scheduler's admissions and stores ask for.
 
-Owns nothing but the execution (the decisions and the books are ``engine.sched.prefix``'s): new rows get the KV
-they start from (a running row's prefix, or cached blocks), all copies of a step batched (one gather and one scatter
-per buffer on a GPU, in slices of at most ``copies.MAX_COPY_BYTES``: a sync each); after a successful step, prompt
-blocks are written into the prefix store.
+Owns nothing but the execution (the decisions and the books are ``engine.sched.prefix``'s): new rows are placed
+where the step's prefill passes want them, then get the KV they start from (a running row's prefix, or cached blocks),
+all copies of a step batched (one gather and one scatter per buffer on a GPU, in slices of at most
+``copies.MAX_COPY_BYTES``: a sync each); after a successful step, prompt blocks are written into the prefix store.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
             batch.traffic.evaluate(batch.kv_arrays())  # one sync a slice, before the blocks may be rewritten
         for rid, c in cached:
             batch.advance(rid, c.num_tokens)  # the row holds its cached prefix now
+
 
 def store_blocks(batch: KVLayout, store: PrefixStore, stores: Sequence[BlockStore]) -> list[mx.array]:
     """Finished prompts' blocks into the prefix store, lazily, before any row moves again; returns the store's

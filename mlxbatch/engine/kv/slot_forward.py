@@ -14,7 +14,10 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from mlxbatch.engine.kv.packed import PackedPass, bucket
 from mlxbatch.engine.kv.prefill_attention import unfused
+
+__all__ = ["ForwardPass", "PackedPass", "SlotLayerCache", "bucket", "bucketed_pass", "plan_forward", "write_kv"]
 
 
 @dataclass(frozen=True)
@@ -52,15 +55,6 @@ class ForwardPass:
 
     def array_mask(self) -> mx.array:
         return (mx.arange(self.t_used)[None, None, :] <= self.q_pos[:, :, None])[:, None, :, :]
-
-
-def bucket(x: int) -> int:
-    """``x`` rounded up to one of four sizes per octave (1 .. 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...): at most
-    25% more."""
-    if x <= 8:
-        return x
-    step = 1 << ((x - 1).bit_length() - 3)
-    return -(-x // step) * step
 
 
 def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes: bool,
@@ -145,7 +139,7 @@ def write_kv(k_buf: mx.array, v_buf: mx.array, fp: ForwardPass, keys: mx.array, 
 class _Buffers(Protocol):  # what a layer view needs of the slot batch
     decode_attention: Any  # ``kv.decode_attention.DecodeAttention`` where the device runs it, else None
 
-    def current_pass(self) -> ForwardPass: ...
+    def current_pass(self) -> ForwardPass | PackedPass: ...
 
     def write_layer(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]: ...
 
@@ -166,6 +160,8 @@ class SlotLayerCache:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array | str | None:
         assert window_size is None, "sliding-window attention is not supported by slot caches"
         fp = self._owner.current_pass()
+        if isinstance(fp, PackedPass):  # one-token rows: attention regroups them itself (``attend``)
+            return None
         if return_array and not isinstance(fp.mask, mx.array):
             return fp.array_mask()
         return fp.mask
@@ -178,8 +174,13 @@ class SlotLayerCache:
         per-row kernel where the slot batch has one (CUDA) and it is worth it (``DecodeAttention.worth``), a prefill
         pass whose shape is new (CUDA: ``kv.prefill_attention``) through MLX's unfused ops, anything else through
         MLX's attention over the keys the pass reads, with its mask (what mlx-lm's attention does)."""
+        fp = self._owner.current_pass()
+        if isinstance(fp, PackedPass):  # a packed prefill pass (``kv.packed``): its own writes and attention
+            k_buf, v_buf = self._owner.layer_buffers(self._layer)
+            fp.write(k_buf, v_buf, keys, values)
+            return fp.attend(queries, k_buf, v_buf, scale)
         k, v = self.update_and_fetch(keys, values)
-        fp, kernel = self._owner.current_pass(), self._owner.decode_attention
+        kernel = self._owner.decode_attention
         rows = fp.stop - fp.start
         if kernel is not None and fp.width == 1 and fp.written == rows \
                 and kernel.worth(rows, keys.shape[1], fp.t_used):

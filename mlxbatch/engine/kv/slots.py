@@ -3,8 +3,9 @@
 Owns the KV buffers of every admitted sequence. Row ``i`` of every layer holds one sequence's keys and
 values at positions ``0..length-1``. A forward pass runs over a contiguous range of rows with ``T`` new
 tokens per row (``T`` = 1 for decode, a chunk for prefill, right-padded): each row writes at its own
-offset and a causal mask per row hides the rest (``kv.slot_forward``). Decoding rows sit first, prefilling rows
-after them, so both kinds of step read a contiguous slice. Admitting, promoting or retiring a sequence moves at most
+offset and a causal mask per row hides the rest (``kv.slot_forward``); on CUDA a step's prefill rows run as one
+packed pass instead (``forward_packed``, ``kv.packed``: their tokens end to end). Decoding rows sit first, prefilling
+rows after them, so both kinds of step read a contiguous slice. Admitting, promoting or retiring a sequence moves at most
 two rows (``kv.row_moves``); nothing copies the whole batch except buffer growth (amortised: rows double, positions
 grow by 256), unlike a left-padded dense cache that is rebuilt at every admission and finish.
 """
@@ -18,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxbatch.engine.kv import copies
+from mlxbatch.engine.kv.packed import PackedPass
 from mlxbatch.engine.kv.row_moves import RowMoves
 from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache, bucketed_pass, plan_forward, write_kv
 from mlxbatch.engine.outputs import Traffic
@@ -52,7 +54,7 @@ class SlotBatch(RowMoves):
         self._values: list[mx.array] = []
         self._rows_cap = 0
         self._pos_cap = 0
-        self._pass: ForwardPass | None = None  # the forward pass in progress
+        self._pass: ForwardPass | PackedPass | None = None  # the forward pass in progress
         self.layers = [SlotLayerCache(self, i) for i in range(num_layers)]
         # how rows move: on a GPU one gather + one scatter per buffer for all rows of a step (each op and each sync
         # costs a launch: per-row copies were ~a third of a GPU step); on the CPU per-row slice copies (memcpy),
@@ -63,6 +65,9 @@ class SlotBatch(RowMoves):
         self.shape_buckets = False
         self.decode_attention: Any = None  # fused per-row decode attention (``kv.decode_attention``, CUDA); the runner sets it
         self.prefill_attention: Any = None  # ``kv.prefill_attention.PrefillAttention`` (CUDA); the runner sets it
+        # a step's prefill rows as one packed pass (``forward_packed``, CUDA, where the host's work per pass binds);
+        # the runner sets it
+        self.packed_prefill = False
         # decode passes replayed from compiled graphs (``kv.compiled_decode.CompiledDecode``, CUDA); the runner sets it
         self.compiled_decode: Any = None
 
@@ -229,15 +234,15 @@ class SlotBatch(RowMoves):
                 return out
         if self.shape_buckets and T > 1:
             self._ensure(start + n, _round_up(max(o + T for o in offsets), POSITION_STEP))  # as an exact pass
-            self._pass = bucketed_pass(start, offsets, T, self._rows_cap - start, POSITION_STEP)
+            fp = bucketed_pass(start, offsets, T, self._rows_cap - start, POSITION_STEP)
         else:
             self._ensure(start + n, max(o + T for o in offsets))
-            self._pass = plan_forward(start, offsets, T, self.batched_moves)
-        fp = self._pass
+            fp = plan_forward(start, offsets, T, self.batched_moves)
         if T > 1 and self.prefill_attention is not None:  # CUDA: a new shape's attention unfused, no cuDNN build
             fused = self.prefill_attention.fused(fp.stop - fp.start, fp.width, fp.t_used, self._pos_cap, fp.mask)
-            self._pass = dataclasses.replace(fp, fused=fused)
-        rows, width = self._pass.stop - start, self._pass.width
+            fp = dataclasses.replace(fp, fused=fused)
+        self._pass = fp
+        rows, width = fp.stop - start, fp.width
         if isinstance(tokens, mx.array):
             assert (rows, width) == (n, 1)
             inputs = tokens
@@ -254,6 +259,21 @@ class SlotBatch(RowMoves):
             return out[:, 0, :]
         last = mx.array([len(t) - 1 for t in tokens], dtype=mx.int32)
         return mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :]
+
+    def forward_packed(self, model: Any, start: int, tokens: Sequence[Sequence[int]], sizes: Sequence[int],
+                       rows: Sequence[int]) -> mx.array:
+        """Prefill rows ``[start, start+len(tokens))`` over their new tokens in one packed pass (``kv.packed``: the
+        tokens end to end, attention in pass groups of ``sizes`` rows); returns the last output of each row in
+        ``rows`` (``[len(rows), dim]``). ``model`` must attend through the layer caches (``model.own_body``)."""
+        offsets = self.lengths[start : start + len(tokens)]
+        self._ensure(start + len(tokens), _round_up(max(o + len(t) for o, t in zip(offsets, tokens)), POSITION_STEP))
+        plan = PackedPass.plan(start, offsets, [len(t) for t in tokens], sizes, POSITION_STEP,
+                               self.prefill_attention, self._pos_cap)
+        self._pass = plan
+        flat = [t for row in tokens for t in row]
+        inputs = mx.array(flat + [0] * (plan.padded - plan.tokens), dtype=mx.int32)[:, None]
+        out = model(inputs, cache=self.layers)  # [padded, 1, dim]
+        return out[mx.array([plan.last[r] for r in rows], dtype=mx.int32), 0, :]
 
     def _compiled_decode(self, model: Any, tokens: Sequence[Sequence[int]] | mx.array, offsets: list[int]
                          ) -> mx.array | None:
@@ -274,12 +294,14 @@ class SlotBatch(RowMoves):
         self._keys, self._values, self._pass = keys, values, fp
         return old
 
-    def current_pass(self) -> ForwardPass:
+    def current_pass(self) -> ForwardPass | PackedPass:
         assert self._pass is not None, "layer caches are read during a forward pass only"
         return self._pass
 
     def write_layer(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return write_kv(self._keys[layer], self._values[layer], self.current_pass(), keys, values)
+        fp = self.current_pass()
+        assert isinstance(fp, ForwardPass), "a packed pass writes through ``SlotLayerCache.attend``"
+        return write_kv(self._keys[layer], self._values[layer], fp, keys, values)
 
     def layer_buffers(self, layer: int) -> tuple[mx.array, mx.array]:
         return self._keys[layer], self._values[layer]
