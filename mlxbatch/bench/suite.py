@@ -65,19 +65,20 @@ def suite_workload(b: Bench, name: str, rows: int) -> tuple[Table, dict]:
     b1_over = b1.mlx_peak - b1.mlx_base
     tab = Table(f"{name}: {w.rows} rows, {w.prompt_tokens} prompt tokens (floor {w.trie_floor}), {w.max_tokens} new",
                 ["path", "wall s", "x B1", "prefill s", "prefill tok", "prefill / floor", "decode s", "host s",
-                 "steps", "moved MB", "stored MB", "syncs", "mem x B1", "agree vs B1"])
+                 "steps", "moved MB", "of it row moves MB", "stored MB", "syncs", "mem x B1", "agree vs B1"])
     for path, run in res.items():
         same, tot = agreement(run.tokens, b1.tokens, w.max_tokens)
         row = [path, run.wall_s, ratio(b1.wall_s, run.wall_s)]
         if path == "B1":
             e = run.extra
             row += [e["prompt_s"], w.prompt_tokens, ratio(w.prompt_tokens, w.trie_floor), e["decode_s"],
-                    max(0.0, run.wall_s - e["prompt_s"] - e["decode_s"]), e["generation_steps"], None, None, None]
+                    max(0.0, run.wall_s - e["prompt_s"] - e["decode_s"]), e["generation_steps"], None, None, None,
+                    None]
         else:
             p = run.extra["profile"]
             row += [p["prefill_s"], p["prefill_tokens"], ratio(p["prefill_tokens"], w.trie_floor), p["decode_s"],
                     max(0.0, run.wall_s - p["prefill_s"] - p["decode_s"] - p["sampling_s"]), p["steps"],
-                    p["moved_bytes"] / MB, p["stored_bytes"] / MB, p["syncs"]]
+                    p["moved_bytes"] / MB, p.get("row_moved_bytes", 0) / MB, p["stored_bytes"] / MB, p["syncs"]]
         row += [ratio(run.mlx_peak - run.mlx_base, b1_over), f"{same}/{tot}"]
         tab.rows.append(row)
     cost = ratio(_prefill_cost(res["engine"]), _prefill_cost(res["engine-nocache"]))
