@@ -19,22 +19,33 @@ from functools import partial
 import mlxbatch  # noqa: F401  (first: it sets up MLX's BLAS on Linux CPUs)
 from mlxbatch.bench.cli import parse_script_args
 from mlxbatch.bench.harness import Bench, log
+from mlxbatch.engine.kv.packed import PackedPass
+from mlxbatch.engine.kv.slot_forward import ForwardPass
 from mlxbatch.engine.kv.slots import SlotBatch
 
 
 def count_passes() -> list[tuple[int, int, int]]:
-    """Record the (rows, tokens, keys) of every prefill pass (wraps ``SlotBatch.forward``; this script only)."""
+    """Record the (rows, tokens, keys) of every prefill pass (wraps ``SlotBatch.forward`` and ``forward_packed``; this
+    script only); a packed pass (CUDA) counts as its padded tokens over its rows, its widest group's keys."""
     seen: list[tuple[int, int, int]] = []
-    forward = SlotBatch.forward
+    forward, forward_packed = SlotBatch.forward, SlotBatch.forward_packed
 
     def recorded(self: SlotBatch, *a: object, **k: object) -> object:
         out = forward(self, *a, **k)
         fp = self._pass  # None after a compiled decode pass (``kv.compiled_decode``)
-        if fp is not None and fp.width > 1:
+        if isinstance(fp, ForwardPass) and fp.width > 1:
             seen.append((fp.stop - fp.start, fp.width, fp.t_used))
         return out
 
+    def recorded_packed(self: SlotBatch, *a: object, **k: object) -> object:
+        out = forward_packed(self, *a, **k)
+        fp = self._pass
+        assert isinstance(fp, PackedPass)
+        seen.append((fp.stop - fp.start, fp.padded, max(g.keys for g in fp.groups)))
+        return out
+
     SlotBatch.forward = recorded  # type: ignore[method-assign]
+    SlotBatch.forward_packed = recorded_packed  # type: ignore[method-assign]
     return seen
 
 

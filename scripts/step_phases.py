@@ -7,7 +7,7 @@ Wraps the runner's phases (prefix copy-ins, row moves, forwards by kind and shap
 with a device synchronisation before and after, and prints the seconds per phase; prefill forwards are split by
 whether their (rows, tokens, keys) shape was seen before in the run. The copy-ins are also split into their parts
 (indented: running rows' prefixes, the store's gather, the writes into the rows, which the first includes), each
-evaluated on its own.
+evaluated on its own. On CUDA a step's prefill rows run as one packed pass (``kv.packed``), listed by its groups.
 """
 
 # ruff: isort: skip_file
@@ -94,6 +94,19 @@ def forward(orig):
     return run
 
 
+def forward_packed(orig):
+    """``SlotBatch.forward_packed`` (CUDA: a step's prefill rows in one pass, ``kv.packed``), timed as a prefill
+    pass; its run tokens are its padded tokens (what its projections and MLP run)."""
+    def run(self, model, start, tokens, sizes, rows):
+        before = SECONDS["forward: prefill (packed)"]
+        out = timed("forward: prefill (packed)", orig)(self, model, start, tokens, sizes, rows)
+        fp = self.current_pass()
+        PASSES.append((fp.tokens, max(g.keys for g in fp.groups), SECONDS["forward: prefill (packed)"] - before,
+                       f"packed, {len(fp.groups)} groups" if len(fp.groups) < 4 else "packed, 4+ groups", fp.padded))
+        return out
+    return run
+
+
 def pass_sizes() -> None:
     """Prefill passes by the tokens they compute: small passes (a few rows admitted as slots free) cost more per
     token than large ones, whatever the cache saved."""
@@ -136,6 +149,7 @@ def main() -> None:
     for name in ("arrange", "promote_many", "remove_many", "shrink"):
         setattr(SlotBatch, name, timed(f"rows: {name}", getattr(SlotBatch, name)))
     SlotBatch.forward = forward(SlotBatch.forward)
+    SlotBatch.forward_packed = forward_packed(SlotBatch.forward_packed)
     path = resolve_model(a.model, Path("~/.cache/mlxbatch/bench").expanduser())
     for name in a.workload or ["label"]:
         w = wl.make(name, wl.Vocab(0, 1000), a.rows, seed=0)

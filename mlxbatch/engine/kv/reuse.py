@@ -3,7 +3,8 @@
 Owns nothing but the execution (the decisions and the books are ``engine.sched.prefix``'s): new rows are placed
 where the step's prefill passes want them, then get the KV they start from (a running row's prefix, or cached blocks),
 all copies of a step batched (one gather and one scatter per buffer on a GPU, in slices of at most
-``copies.MAX_COPY_BYTES``: a sync each); after a successful step, prompt blocks are written into the prefix store.
+``copies.MAX_COPY_BYTES``: a launch each, the next waiting for it); after a successful step, prompt blocks are written
+into the prefix store.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
     third of every byte a run moved). A prefix that many new rows share is read once and written into all of them at
     once (``write_prefix``: a wave of ~200 fewshot rows sharing one prefix is one broadcast write per buffer); the
     other copies are batched (one gather and one scatter per buffer on a GPU). The reads go in slices of at most
-    ``max_bytes`` (default ``copies.MAX_COPY_BYTES``, a sync each).
+    ``max_bytes`` (default ``copies.MAX_COPY_BYTES``, a launch each: the host goes on building the step while the
+    device copies, and the next launch waits for the copy).
     """
     live: list[tuple[str, str, int]] = []
     cached: list[tuple[str, CachedBlocks]] = []
@@ -82,7 +84,9 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
                 keys, values = store.gather([b for ids, _ in blocks for b in ids])
                 batch.write_blocks([(rid, j * B) for ids, rid in blocks for j in range(len(ids))], keys, values, B)
             del keys, values
-            batch.traffic.evaluate(batch.kv_arrays())  # one sync a slice, before the blocks may be rewritten
+            # launched, not waited for: the host plans and builds the step's passes while the device copies; the
+            # next launch waits for it (``Traffic``), so no slot or block is rewritten before the copy read it
+            batch.traffic.launch("prefill", *batch.kv_arrays())
         for rid, c in cached:
             batch.advance(rid, c.num_tokens)  # the row holds its cached prefix now
 
