@@ -2,7 +2,7 @@
 
     python3 scripts/kernel_profile.py --model 0.5b --runs label:2048:1,label:2048,decode:256
 
-Each run (``workload:rows[:max_tokens]``; ``decode:N`` is the decode table's N rows of 32-token prompts, 128 new) is
+Each run (``workload:rows[:max_tokens]``; ``decode:N``: N rows of 32-token prompts, 128 new, the decode table's shape) is
 an engine run (after a warm-up run of the same shape) under PyTorch's profiler, which records every kernel of the
 process through CUPTI, MLX's included (the GPU machine has torch; this project does not depend on it). Prints, per
 run: the wall, the kernels' summed time, the device's busy time (the union of the kernels' intervals) and its share
