@@ -1,6 +1,7 @@
-"""Where a decode step's host time goes, part by part, without a profiler's overhead (diagnostic, any device)
+"""Where a step's host time goes, part by part, without a profiler's overhead (diagnostic, any device)
 
     python3 scripts/host_step.py --model 0.5b --rows 256
+    python3 scripts/host_step.py --model 0.5b --workloads label:2048,label:2048:nocache   # the suite's workloads
 
 The decode table's run (``--rows`` prompts of ``--prompt-len`` tokens, ``--new`` tokens each, all rows decoding
 together) after a warm-up run, ``--reps`` times. The engine's parts are wrapped with timers that subtract the parts
@@ -10,6 +11,11 @@ drawn tokens into the requests, collecting outputs, finishing the step; "other" 
 Prints ms a step (medians over the runs), with the engine's compiled decode passes (``kv.compiled_decode``) off and
 on, interleaved in one engine (``--compiled off|on|both``; both by default), and whether both gave the same tokens.
 A cProfile of the same run counts Python calls at about twice their cost.
+
+``--workloads name:rows[:nocache],...``: the suite's workloads instead (``nocache``: the prefix cache off), each run
+twice in one engine (the second counts: its attention shapes were met), with the prefill's parts too: placing rows and
+copying prefixes in (``kv.reuse.admit``), building the prefill passes in Python, the cache stores, the row moves; MLX's
+encoding is split by the kind of launch (prefill, decode, draw). Prints ms per step and seconds per run.
 """
 
 # ruff: isort: skip_file
@@ -23,11 +29,13 @@ import time
 
 import mlxbatch  # noqa: F401  (first: it sets up MLX's BLAS on Linux CPUs)
 import mlxbatch.engine.commit as commit_mod
+import mlxbatch.engine.kv.reuse as reuse_mod
 from mlxbatch.bench.cli import parse_script_args
 from mlxbatch.bench.harness import Bench
 from mlxbatch.engine import Engine, EngineConfig
 from mlxbatch.engine.core import EngineCore
 from mlxbatch.engine.outputs import Traffic
+from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.runner import ModelRunner
 from mlxbatch.engine.sched.scheduler import Scheduler
 from mlxbatch.types import SamplingParams
@@ -36,7 +44,8 @@ SECONDS: collections.Counter = collections.Counter()
 _STACK: list[list[float]] = []  # [start, seconds of nested parts] of each part running
 
 
-def _timed(name: str, fn):
+def _timed(name, fn):
+    """``fn`` timed under ``name`` (a label, or a function of the call's arguments giving one)."""
     @functools.wraps(fn)
     def wrapper(*a, **k):
         _STACK.append([time.perf_counter(), 0.0])
@@ -45,7 +54,7 @@ def _timed(name: str, fn):
         finally:
             start, nested = _STACK.pop()
             total = time.perf_counter() - start
-            SECONDS[name] += total - nested
+            SECONDS[name if isinstance(name, str) else name(*a, **k)] += total - nested
             if _STACK:
                 _STACK[-1][1] += total
     return wrapper
@@ -67,11 +76,51 @@ PARTS = [  # (owner, attribute, label)
 ]
 
 
+PREFILL_PARTS = [  # the prefill's parts (``--workloads``)
+    (reuse_mod, "admit", "prefill: place rows, copy prefixes in (admit)"),
+    (ModelRunner, "_forward_packed", "prefill: build the packed pass (Python)"),
+    (reuse_mod, "store_blocks", "cache stores (Python)"),
+    (SlotBatch, "arrange", "row moves: arrange"),
+    (SlotBatch, "promote_many", "row moves: promote"),
+    (SlotBatch, "remove_many", "row moves: remove"),
+]
+
+
+def _launch_label(self, kind, *arrays):
+    return f"MLX encodes and launches: {kind}"
+
+
+def workloads(b: Bench, spec: str) -> None:
+    """The suite's workloads, each run twice in one engine; the second run's parts, ms a step and s a run."""
+    for item in spec.split(","):
+        name, rows, *cache = item.split(":")
+        w = b.workload(name, int(rows))
+        params = SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True)
+        cfg = EngineConfig(seed=0, max_num_seqs=b.concurrency, prefix_cache=not cache)
+        with Engine(b.loaded, cfg) as eng:
+            for _ in range(2):
+                SECONDS.clear()
+                steps0 = eng.stats()["profile"]["steps"]
+                t0 = time.perf_counter()
+                eng.generate(w.prompts, params)
+                wall = time.perf_counter() - t0
+            steps = eng.stats()["profile"]["steps"] - steps0
+        print(f"\n{item}: {steps} steps, wall {wall:.2f} s ({wall / steps * 1e3:.2f} ms a step); seconds a run, ms a step")
+        for label, sec in sorted(SECONDS.items(), key=lambda kv: -kv[1]):
+            print(f"  {label:50s} {sec:7.3f} s {sec / steps * 1e3:8.3f} ms")
+        print(f"  {'(untimed)':50s} {wall - sum(SECONDS.values()):7.3f} s", flush=True)
+
+
 def main() -> None:
-    mine, args = parse_script_args(sys.argv[1:], rows="256", prompt_len="32", new="128", reps="3", compiled="both")
-    for owner, attr, label in PARTS:
-        setattr(owner, attr, _timed(label, getattr(owner, attr)))
+    mine, args = parse_script_args(sys.argv[1:], rows="256", prompt_len="32", new="128", reps="3", compiled="both",
+                                   workloads="")
+    parts = PARTS + (PREFILL_PARTS if mine.workloads else [])
+    for owner, attr, label in parts:
+        setattr(owner, attr, _timed(_launch_label if mine.workloads and attr == "launch" else label,
+                                    getattr(owner, attr)))
     b = Bench(args)
+    if mine.workloads:
+        return workloads(b, mine.workloads)
     rows, plen, new = int(mine.rows), int(mine.prompt_len), int(mine.new)
     vocab = b.vocab
     prompts = [[vocab.low + (7 * i + 13 * j) % (vocab.high - vocab.low) for j in range(plen)] for i in range(rows)]
