@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.kv.prefill_attention import unfused
+from mlxbatch.engine.kv.prefill_attention import causal_mask, unfused
 
 TOKEN_STEP = 128  # a packed pass runs a multiple of this many tokens (the projections' GEMM shapes recur)
 
@@ -51,7 +51,8 @@ class AttentionGroup:
     q_index: mx.array  # [rows * width] the packed token behind each query slot (a padding slot: its row's last)
     out_rows: mx.array  # [tokens of the group] each token's row in the group (padding tokens of the pass: row 0)
     out_pos: mx.array  # [tokens of the group] and its query slot there (padding tokens: slot 0)
-    mask: mx.array | str | None  # "causal" when the group's rows start at one offset, else a bool array
+    mask: mx.array | str | None  # "causal" when the group's rows start at one offset (run unfused: that mask made
+    # once, ``[width, keys]``), else a bool array
     fused: bool = True  # MLX's fused attention, else ``prefill_attention.unfused`` (CUDA: a shape not seen enough)
 
 
@@ -118,6 +119,8 @@ class PackedPass:
                 q_pos = mx.array(list(offs), dtype=mx.int32)[:, None] + mx.arange(width, dtype=mx.int32)[None, :]
                 mask = (mx.arange(keys, dtype=mx.int32)[None, None, :] <= q_pos[:, :, None])[:, None, :, :]
             fused = policy.fused(size, width, keys, capacity, mask) if policy is not None else True
+            if not fused and isinstance(mask, str):  # unfused: the causal mask made once a pass, not once a layer
+                mask = causal_mask(width, keys)
             groups.append(AttentionGroup(start + r0, size, width, keys, q_index, mx.array(out_rows, dtype=mx.int32),
                                          mx.array(out_pos, dtype=mx.int32), mask, fused))
             r0 += size

@@ -22,31 +22,45 @@ from typing import Any
 import mlx.core as mx
 
 
+def causal_mask(queries: int, keys: int) -> mx.array:
+    """``[queries, keys]``, True where a query (the last ``queries`` keys, in order) may see a key."""
+    return mx.arange(keys - queries, keys)[:, None] >= mx.arange(keys)[None, :]
+
+
 def unfused(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
     """Attention as MLX computes it when no fused kernel applies (``mlx/fast.cpp``'s fallback): scores, mask,
     a float32-precise softmax, values. ``mask`` is None, ``"causal"`` (the queries are the last keys) or an
-    array (bool, or added to the scores). Queries ``[B, heads, T, D]``, keys and values ``[B, kv_heads, S, D]``."""
+    array (bool, or added to the scores). Queries ``[B, heads, T, D]``, keys and values ``[B, kv_heads, S, D]``.
+
+    The query heads of one KV head go as one matrix (``[rep * T, D]``), so each product is one strided batch over
+    (row, KV head). MLX's own fallback broadcasts the keys over the query heads instead (a batch dimension of stride
+    0): its CUDA matmul cannot fold that into one strided batch and runs it as a pointer-array batch, a kernel more
+    and a cuBLAS heuristic query for every new shape (measured on the H200: a packed pass's attention cost the host
+    about twice its encoding with new shapes). Scale and fill are Python numbers: no array made per call."""
     B, heads, T, D = queries.shape
     kv_heads, S = keys.shape[1], keys.shape[2]
     rep = heads // kv_heads
-    q = queries * mx.array(scale, dtype=queries.dtype)
+    q = queries * scale
     if rep > 1:
-        q = q.reshape(B, kv_heads, rep, T, D)
-        keys, values = keys[:, :, None], values[:, :, None]
-    scores = q @ keys.swapaxes(-1, -2)
+        q = q.reshape(B, kv_heads, rep * T, D)
+    scores = q @ keys.swapaxes(-1, -2)  # [B, kv_heads, rep * T, S]
     if isinstance(mask, str):
         assert mask == "causal", mask
-        mask = (mx.arange(S - T, S)[:, None] >= mx.arange(S)[None, :])
-    if mask is not None:
-        if rep > 1 and mask.ndim >= 3:
+        mask = causal_mask(T, S)
+    if rep > 1:
+        scores = scores.reshape(B, kv_heads, rep, T, S)
+        if mask is not None and mask.ndim >= 3:
             mask = mx.expand_dims(mask, -3) if mask.shape[-3] == 1 else mask.reshape(
                 *mask.shape[:-3], kv_heads, rep, *mask.shape[-2:])
+    if mask is not None:
         if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    out = mx.softmax(scores, axis=-1, precise=True) @ values
-    return out.reshape(B, heads, T, D) if rep > 1 else out
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    if rep > 1:
+        probs = probs.reshape(B, kv_heads, rep * T, S)
+    return (probs @ values).reshape(B, heads, T, D)
 
 
 _SEEN: Counter[tuple[Any, ...]] = Counter()  # passes per shape in this process (MLX's graph cache is per process)
