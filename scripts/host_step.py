@@ -94,6 +94,8 @@ def workloads(b: Bench, spec: str) -> None:
     """The suite's workloads, each run twice in one engine; the second run's parts, ms a step and s a run."""
     for item in spec.split(","):
         name, rows, *cache = item.split(":")
+        if cache not in ([], ["nocache"]):
+            raise SystemExit(f"--workloads: {item!r}: the third field may only be 'nocache'")
         w = b.workload(name, int(rows))
         params = SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True)
         cfg = EngineConfig(seed=0, max_num_seqs=b.concurrency, prefix_cache=not cache)
