@@ -41,7 +41,7 @@ def count_passes() -> list[tuple[int, int, int]]:
         out = forward_packed(self, *a, **k)
         fp = self._pass
         assert isinstance(fp, PackedPass)
-        seen.append((fp.stop - fp.start, fp.padded, max(g.keys for g in fp.groups)))
+        seen.append((fp.stop - fp.start, fp.padded, getattr(fp, "keys", 0) or max(g.keys for g in fp.groups)))
         return out
 
     SlotBatch.forward = recorded  # type: ignore[method-assign]

@@ -101,8 +101,9 @@ def forward_packed(orig):
         before = SECONDS["forward: prefill (packed)"]
         out = timed("forward: prefill (packed)", orig)(self, model, start, tokens, sizes, rows)
         fp = self.current_pass()
-        PASSES.append((fp.tokens, max(g.keys for g in fp.groups), SECONDS["forward: prefill (packed)"] - before,
-                       f"packed, {len(fp.groups)} groups" if len(fp.groups) < 4 else "packed, 4+ groups", fp.padded))
+        kind = ("packed, one kernel" if fp.kernel is not None else
+                f"packed, {len(fp.groups)} groups" if len(fp.groups) < 4 else "packed, 4+ groups")
+        PASSES.append((fp.tokens, fp.keys, SECONDS["forward: prefill (packed)"] - before, kind, fp.padded))
         return out
     return run
 

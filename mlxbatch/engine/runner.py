@@ -26,6 +26,7 @@ from mlxbatch.engine.kv.compiled_decode import CompiledDecode
 from mlxbatch.engine.kv.decode_attention import DecodeAttention
 from mlxbatch.engine.kv.fixed_forwards import FixedForwards
 from mlxbatch.engine.kv.invariant import InvariantSlots, check_rows, shapes_for, smallest_linear_out
+from mlxbatch.engine.kv.packed_attention import PackedAttention
 from mlxbatch.engine.kv.prefill_attention import PrefillAttention
 from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.kv.slots import SlotBatch
@@ -93,6 +94,9 @@ class ModelRunner(StepCommit):
                 slots.prefill_attention = PrefillAttention(self._split.body.heads, geometry.kv_heads,
                                                            geometry.head_dim, dtype)
                 slots.packed_prefill = True  # one prefill pass a step: the host's work per pass binds there
+                # its attention in one launch a layer, where the kernel runs and agrees with MLX's (else MLX's ops)
+                slots.packed_attention = PackedAttention.create(self._split.body.heads, geometry.kv_heads,
+                                                                geometry.head_dim, dtype)
                 self._split.body.fuse()  # q/k/v and gate/up as one matmul each: fewer launches a layer
                 if slots.decode_attention is not None:  # decode passes of a recurring shape: no graph build
                     slots.compiled_decode = CompiledDecode()
@@ -129,6 +133,8 @@ class ModelRunner(StepCommit):
     def stats(self) -> RunnerStats:
         policy = getattr(self.batch, "prefill_attention", None)  # CUDA: prefill passes run unfused (new shapes)
         unfused = {"prefill_unfused_passes": policy.unfused_passes} if policy is not None else {}
+        if getattr(self.batch, "packed_attention", None) is not None:  # CUDA: packed passes' attention, one kernel
+            unfused["prefill_attention_kernel"] = 1
         compiled = getattr(self.batch, "compiled_decode", None)  # CUDA: decode passes from compiled graphs
         if compiled is not None:
             unfused.update(decode_compiled_passes=compiled.passes, decode_traces=compiled.traces)

@@ -7,8 +7,10 @@ device busy a third of its prefill: 2.4 passes a step, 1.23x the tokens computed
 step's chunks are one forward over their tokens laid end to end (``[tokens, 1]``: the model's norms, projections and
 MLP see each token once, no padding, as a decode pass sees its rows), and only attention regroups them: each group's
 queries are gathered into ``[rows, heads, width, dim]`` (right-padded to the group's width, as before), attend to their
-rows' keys in the slot buffers, and are gathered back into token order. Each token writes its keys and values at its
-own (row, position) by one scatter a buffer. RoPE takes each token's position as its row's offset.
+rows' keys in the slot buffers, and are gathered back into token order. Where the device runs
+``kv.packed_attention`` (CUDA), there are no groups: one kernel a layer attends every token over its row's keys up to
+its own position, from a table of work units made once a pass. Each token writes its keys and values at its own (row,
+position) by one scatter a buffer. RoPE takes each token's position as its row's offset.
 
 ``PackedPass.plan`` makes the plan once a step; ``SlotLayerCache`` asks it to write and attend for each layer.
 """
@@ -21,6 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxbatch.engine.kv import packed_attention
 from mlxbatch.engine.kv.prefill_attention import causal_mask, unfused
 
 TOKEN_STEP = 128  # a packed pass runs a multiple of this many tokens (the projections' GEMM shapes recur)
@@ -70,16 +73,20 @@ class PackedPass:
     write_pos: mx.array  # [tokens, 1] and its position there
     groups: tuple[AttentionGroup, ...]  # their tokens are consecutive, in order (the last group's: the padding too)
     last: tuple[int, ...]  # each row's last token (its index among the packed tokens)
+    keys: int  # the longest row's keys (its end)
+    kernel: Any = None  # ``kv.packed_attention.PackedAttention``: attention in one launch a layer (then no groups)
+    units: mx.array | None = None  # [units, 5] the kernel's work units
     mask: None = None  # (mlx-lm's cache protocol: a pass of one-token rows asks for no mask)
     _index: dict[int, tuple[mx.array, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def plan(start: int, offsets: Sequence[int], lengths: Sequence[int], sizes: Sequence[int], kv_step: int,
-             policy: Any = None, capacity: int = 0) -> PackedPass:
+             policy: Any = None, capacity: int = 0, kernel: Any = None) -> PackedPass:
         """Rows ``start ..`` (``offsets``: their committed lengths; ``lengths``: their new tokens) in pass groups of
         ``sizes`` rows. A group's width is its longest row rounded up by ``bucket``; it reads keys up to its rows'
         end rounded up to ``kv_step`` through a mask, or causally when its rows start together (then its width stays
-        within that end). ``policy`` (``kv.prefill_attention.PrefillAttention``, CUDA) says which groups run fused."""
+        within that end). ``policy`` (``kv.prefill_attention.PrefillAttention``, CUDA) says which groups run fused.
+        With ``kernel`` (``kv.packed_attention.PackedAttention``) the pass has its work units instead of groups."""
         assert sum(sizes) == len(offsets) == len(lengths) and all(n > 0 for n in lengths)
         first = [0]
         for n in lengths:
@@ -91,7 +98,13 @@ class PackedPass:
         for r, (o, n) in enumerate(zip(offsets, lengths)):
             rows += [start + r] * n
             pos += range(o, o + n)
-        groups, r0 = [], 0
+        groups: list[AttentionGroup] = []
+        table = None
+        if kernel is not None:
+            table = mx.array(packed_attention.units(start, offsets, lengths, kernel.rep), dtype=mx.int32).reshape(
+                -1, packed_attention.FIELDS)
+            sizes = ()
+        r0 = 0
         for size in sizes:
             offs, lens = offsets[r0 : r0 + size], lengths[r0 : r0 + size]
             end = _round_up(max(o + n for o, n in zip(offs, lens)), kv_step)
@@ -127,7 +140,8 @@ class PackedPass:
         positions = mx.array(pos + [0] * (padded - n_tok), dtype=mx.int32)
         return PackedPass(start, start + len(offsets), n_tok, padded, positions,
                           mx.array(rows, dtype=mx.int32)[:, None], positions[:n_tok, None], tuple(groups),
-                          tuple(f - 1 for f in first[1:]))
+                          tuple(f - 1 for f in first[1:]), max(o + n for o, n in zip(offsets, lengths)), kernel,
+                          table)
 
     def _write_index(self, heads: int) -> tuple[mx.array, ...]:
         """The writes' index arrays (rows, heads, positions), each ``[tokens, heads]``, made once a pass."""
@@ -147,7 +161,9 @@ class PackedPass:
 
     def attend(self, queries: mx.array, k_buf: mx.array, v_buf: mx.array, scale: float) -> mx.array:
         """Every token's attention over its row's keys (``queries``: ``[padded, heads, 1, dim]``), group by group
-        over the slot buffers; returns ``[padded, heads, 1, dim]``."""
+        over the slot buffers (or in one launch: ``kernel``); returns ``[padded, heads, 1, dim]``."""
+        if self.kernel is not None:
+            return self.kernel(queries, k_buf, v_buf, self.units, scale)
         _, heads, _, dim = queries.shape
         outs = []
         for g in self.groups:  # a gather of the group's queries, its attention, a gather of its tokens' outputs

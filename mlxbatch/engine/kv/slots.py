@@ -65,6 +65,7 @@ class SlotBatch(RowMoves):
         self.shape_buckets = False
         self.decode_attention: Any = None  # fused per-row decode attention (``kv.decode_attention``, CUDA); the runner sets it
         self.prefill_attention: Any = None  # ``kv.prefill_attention.PrefillAttention`` (CUDA); the runner sets it
+        self.packed_attention: Any = None  # ``kv.packed_attention.PackedAttention`` (CUDA): packed passes' attention
         # a step's prefill rows as one packed pass (``forward_packed``, CUDA, where the host's work per pass binds);
         # the runner sets it
         self.packed_prefill = False
@@ -268,7 +269,7 @@ class SlotBatch(RowMoves):
         offsets = self.lengths[start : start + len(tokens)]
         self._ensure(start + len(tokens), _round_up(max(o + len(t) for o, t in zip(offsets, tokens)), POSITION_STEP))
         plan = PackedPass.plan(start, offsets, [len(t) for t in tokens], sizes, POSITION_STEP,
-                               self.prefill_attention, self._pos_cap)
+                               self.prefill_attention, self._pos_cap, self.packed_attention)
         self._pass = plan
         flat = [t for row in tokens for t in row]
         inputs = mx.array(flat + [0] * (plan.padded - plan.tokens), dtype=mx.int32)[:, None]

@@ -1,0 +1,130 @@
+"""A packed pass's attention in one launch a layer (``kv.packed_attention``, CUDA), its host side run on the CPU.
+
+The kernel itself runs only on CUDA, where ``PackedAttention.create`` checks it against ``reference`` before the engine
+uses it. Here: its unit table covers every (token, query head) once with the right row, tokens and offset;
+``reference`` is what the packed pass's grouped attention computes; and an engine whose packed passes go through a
+stand-in that reads only the unit table (no groups planned) gives the same tokens as the grouped passes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.kv import packed_attention as pa
+from mlxbatch.engine.kv.packed import PackedPass
+from mlxbatch.engine.kv.slots import POSITION_STEP
+from mlxbatch.types import SamplingParams
+
+
+@pytest.mark.parametrize("rep", [1, 2, 7])
+def test_units_cover_every_query_row_once(rep):
+    rng = random.Random(rep)
+    lengths = [rng.randint(1, 70) for _ in range(9)]
+    offsets = [rng.randint(0, 500) for _ in lengths]
+    table = pa.units(5, offsets, lengths, rep)
+    assert len(table) % pa.FIELDS == 0
+    first = [sum(lengths[:r]) for r in range(len(lengths))]
+    seen: list[tuple[int, int]] = []
+    for u in range(len(table) // pa.FIELDS):
+        row, tok0, n, m0, off = table[u * pa.FIELDS : (u + 1) * pa.FIELDS]
+        r = row - 5
+        assert (tok0, n, off) == (first[r], lengths[r], offsets[r]) and m0 % pa.UNIT == 0
+        seen += [(tok0 + m // rep, m % rep) for m in range(m0, min(m0 + pa.UNIT, n * rep))]
+    assert sorted(seen) == [(t, h) for t in range(sum(lengths)) for h in range(rep)]  # each exactly once
+    assert len(seen) == len(set(seen))
+
+
+def _buffers(rows: int, kv_heads: int, cap: int, dim: int):
+    k = mx.random.normal((rows, kv_heads, cap, dim), key=mx.random.key(1))
+    v = mx.random.normal((rows, kv_heads, cap, dim), key=mx.random.key(2))
+    return k, v
+
+
+def test_reference_is_what_the_grouped_pass_computes():
+    """``reference`` (what the GPU probe checks the kernel against) equals the packed pass's attention by groups, on
+    rows of different offsets and lengths, GQA, with padding tokens."""
+    offsets, lengths, sizes = [0, 37, 300, 5, 256, 130], [40, 1, 90, 3, 64, 17], [2, 3, 1]
+    heads, kv_heads, dim = 8, 2, 32
+    k, v = _buffers(9, kv_heads, 512, dim)
+    plan = PackedPass.plan(1, offsets, lengths, sizes, POSITION_STEP)
+    q = mx.random.normal((plan.padded, heads + kv_heads, 1, dim), key=mx.random.key(3))[:, :heads]
+    got = pa.reference(q, k, v, 1, offsets, lengths, dim ** -0.5)
+    want = plan.attend(q, k, v, dim ** -0.5)
+    n = plan.tokens
+    assert got.shape == want.shape == (plan.padded, heads, 1, dim)
+    assert mx.allclose(got[:n], want[:n], atol=1e-5).item()
+    assert mx.all(got[n:] == 0).item()
+
+
+class TableAttention:
+    """A stand-in for the CUDA kernel: the same call, computed through ``reference`` from the unit table alone."""
+
+    def __init__(self, heads: int, kv_heads: int) -> None:
+        self.rep = heads // kv_heads
+        self.calls = 0
+
+    def __call__(self, queries, k_buf, v_buf, units, scale):
+        self.calls += 1
+        rows: dict[int, tuple[int, int, int, list[int]]] = {}
+        for row, tok0, n, m0, off in units.tolist():
+            rows.setdefault(row, (tok0, n, off, []))[3].append(m0)
+        order = sorted(rows)
+        assert order == list(range(order[0], order[0] + len(order)))  # a pass's rows are consecutive slots
+        for row in order:
+            tok0, n, off, m0s = rows[row]
+            assert sorted(m0s) == list(range(0, n * self.rep, pa.UNIT))
+        assert [rows[r][0] for r in order] == [sum(rows[s][1] for s in order[:i]) for i in range(len(order))]
+        return pa.reference(queries, k_buf, v_buf, order[0], [rows[r][2] for r in order],
+                            [rows[r][1] for r in order], scale)
+
+
+def _run(tiny_loaded, prompts, kernel: bool):
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=32, max_num_batched_tokens=1024,
+                                           prefill_chunk_size=256))
+    b = eng.core.runner.batch
+    b.batched_moves, b.shape_buckets, b.packed_prefill = True, True, True  # CUDA's path
+    eng.core.runner._prune_last = False
+    stand_in = None
+    if kernel:
+        runner = eng.core.runner
+        stand_in = b.packed_attention = TableAttention(runner._split.body.heads, runner.geometry.kv_heads)
+    plans: list[PackedPass] = []
+    forward_packed = b.forward_packed
+
+    def recorded(*a, **k):
+        out = forward_packed(*a, **k)
+        plans.append(b._pass)
+        return out
+
+    b.forward_packed = recorded
+    outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    stats = eng.stats()["profile"]
+    eng.close()
+    return [o.completions[0].token_ids for o in outs], stats, plans, stand_in
+
+
+def test_an_engine_through_the_unit_table_gives_the_grouped_passes_tokens(tiny_loaded):
+    """Label-like rows (a shared prefix, items of many lengths) and long prompts in chunks: with the kernel's call
+    every packed pass plans no groups and attends once a layer, with the same greedy tokens and prefill tokens."""
+    rng = random.Random(5)
+    shared = [(7 * j) % 300 + 20 for j in range(120)]
+    prompts = [shared + [rng.randint(30, 900) for _ in range(rng.randint(3, 80))] for _ in range(60)]
+    prompts += [[rng.randint(30, 900) for _ in range(rng.randint(100, 600))] for _ in range(8)]
+    tok_a, stats_a, plans_a, _ = _run(tiny_loaded, prompts, False)
+    tok_b, stats_b, plans_b, stand_in = _run(tiny_loaded, prompts, True)
+    assert tok_a == tok_b
+    assert stats_a["prefill_tokens"] == stats_b["prefill_tokens"]
+    assert all(p.groups for p in plans_a) and not any(p.groups for p in plans_b)
+    assert all(p.units is not None and p.kernel is stand_in for p in plans_b)
+    layers = len(tiny_loaded.model.layers)
+    assert stand_in.calls == layers * len(plans_b)
+
+
+def test_create_declines_without_cuda():
+    assert pa.PackedAttention.create(8, 2, 64, mx.bfloat16) is None  # the CPU (and Metal) keep MLX's ops
+    assert not pa.PackedAttention.supports(8, 2, 96, mx.bfloat16)
+    assert not pa.PackedAttention.supports(8, 2, 64, mx.float32)
