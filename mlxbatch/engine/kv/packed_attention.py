@@ -7,10 +7,11 @@ shapes (rows, width, keys) are new at nearly every step, so the host spent more 
 H200) than the device spent running it (~13 ms). This kernel takes the pass as it is: one launch a layer, whatever
 the rows, their lengths or their offsets, no mask, no regrouping, no materialised scores.
 
-Work is cut into units of 16 query rows of one slot row and one KV head: a row's ``n`` new tokens times the ``R``
-query heads of a KV head (GQA: the heads share the keys) are ``n * R`` rows, 16 at a time. One warp runs a unit
-(flash attention: tiles of 64 keys, ``mma.sync`` m16n8k16 in bf16/fp16 with float32 accumulation, an online softmax in
-registers), up to the unit's last position. ``PackedAttention.units`` makes the unit table on the host, once a pass.
+Work is cut into units of 64 query rows of one slot row and one KV head: a row's ``n`` new tokens times the ``R``
+query heads of a KV head (GQA: the heads share the keys) are ``n * R`` rows, 64 at a time. A block of four warps runs
+a unit (flash attention: tiles of 64 keys and values staged in shared memory once for the four warps, 16 query rows a
+warp through ``mma.sync`` m16n8k16 in bf16/fp16 with float32 accumulation, an online softmax in registers), up to the
+unit's last position. ``units`` makes the unit table on the host, once a pass.
 
 ``PackedAttention.create()`` returns None where it cannot run (no CUDA, a head size or type it does not take) or
 where its output disagrees with ``reference`` (MLX's attention, token by token) on a ragged probe; the packed pass
@@ -26,8 +27,8 @@ import mlx.core as mx
 
 log = logging.getLogger(__name__)
 
-UNIT = 16  # query rows a unit (a warp's mma tile)
-_WARPS = 4  # units a block
+UNIT = 64  # query rows a unit: a block of four warps, 16 rows (an mma tile) each
+_WARPS = 4  # warps a block (a unit)
 FIELDS = 5  # a unit: slot row, its first packed token, its tokens in the pass, first query row, its offset
 
 _HEADER = """
@@ -63,35 +64,41 @@ __device__ __forceinline__ void mlxb_mma(float* c, const unsigned int* a, unsign
 """
 
 _SOURCE = """
-    constexpr int WARPS = 4;
+    constexpr int WARPS = 4;                // a block: 64 query rows of one slot row and KV head, 16 a warp
     constexpr int KT = 64;                  // keys a tile
     constexpr int NT = KT / 8;              // score tiles (8 keys) a key tile
     constexpr int KS = D / 16;              // k-steps over the head dims (scores)
     constexpr int DT = D / 8;               // output tiles (8 dims)
+    constexpr int PAD = D + 8;              // shared rows padded: fragment reads fall in distinct banks
+    constexpr int KPAD = KT + 8;
+    constexpr int VEC = 8;                  // elements a 16-byte load
+    __shared__ __align__(16) T ks_[KT][PAD];     // the tile's keys, [key][dim]
+    __shared__ __align__(16) T vt_[D][KPAD];     // its values transposed, [dim][key]
     const float NEG_INF = -__int_as_float(0x7f800000);
     T* tag = nullptr;                       // picks the mma and packing overloads by type
 
     const int HKV = kb_shape[1];
     const int H = HKV * R;
     const int U = units_shape[0];
-    const int n_units_blocks = (U + WARPS - 1) / WARPS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane >> 2, tg = lane & 3;
 
-    if ((int)blockIdx.x >= n_units_blocks * HKV) {  // the last block: the pass's padding tokens get zeros
+    if ((int)blockIdx.x >= U * HKV) {       // the last block: the pass's padding tokens get zeros
       const int first = units[(size_t)(U - 1) * 5 + 1] + units[(size_t)(U - 1) * 5 + 2];  // past the last row
       const int total = (q_shape[0] - first) * H * D;
       for (int e = threadIdx.x; e < total; e += blockDim.x) out[(size_t)first * H * D + e] = static_cast<T>(0.0f);
       return;
     }
     const int h = blockIdx.x % HKV;
-    const int u = (blockIdx.x / HKV) * WARPS + warp;
-    if (u >= U) return;
-    const int* un = units + (size_t)u * 5;
-    const int row = un[0], tok0 = un[1], n = un[2], m0 = un[3], off = un[4];
+    const int* un = units + (size_t)(blockIdx.x / HKV) * 5;
+    const int row = un[0], tok0 = un[1], n = un[2], off = un[4];
+    const int m0 = un[3] + 16 * warp;       // this warp's first query row
     const int rows_here = n * R;
+    const int kmax = off + (min(un[3] + 16 * WARPS, rows_here) - 1) / R;   // the block's last key (inclusive)
+    const bool active = m0 < rows_here;
+    const int kmax_w = active ? off + (min(m0 + 16, rows_here) - 1) / R : -1;  // this warp's
 
-    // this thread's two query rows of the unit (g and g + 8): their token, head and last key
+    // this thread's two query rows (g and g + 8): their token, head and last key
     int tok[2], head[2], last[2];
     bool valid[2];
     #pragma unroll
@@ -103,8 +110,6 @@ _SOURCE = """
       head[i] = h * R + (valid[i] ? m % R : 0);
       last[i] = valid[i] ? off + j : -1;
     }
-    const int m_top = min(m0 + 15, rows_here - 1);
-    const int kmax = off + m_top / R;      // the unit's last key (inclusive)
 
     // queries as A fragments (row-major 16 x 16 a k-step), read by their strides (a view of RoPE's output)
     unsigned int qa[KS][4];
@@ -138,17 +143,30 @@ _SOURCE = """
     float l_run[2] = {0.0f, 0.0f};
 
     for (int t0 = 0; t0 <= kmax; t0 += KT) {
+      __syncthreads();                      // the last tile's reads are done
+      for (int c = threadIdx.x; c < KT * D / VEC; c += WARPS * 32) {   // 16-byte loads, keys past the end as 0
+        const int key = c / (D / VEC), d0 = (c % (D / VEC)) * VEC;
+        uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+        if (t0 + key <= kmax) {
+          kv4 = *reinterpret_cast<const uint4*>(kp + (size_t)(t0 + key) * ks2 + d0);
+          vv4 = *reinterpret_cast<const uint4*>(vp + (size_t)(t0 + key) * vs2 + d0);
+        }
+        *reinterpret_cast<uint4*>(&ks_[key][d0]) = kv4;
+        const T* ve = reinterpret_cast<const T*>(&vv4);
+        #pragma unroll
+        for (int x = 0; x < VEC; ++x) vt_[d0 + x][key] = ve[x];
+      }
+      __syncthreads();
+      if (t0 > kmax_w) continue;            // (this warp's rows end before the tile: it only helps load)
       float s[NT][4];
       #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-        const int key = min(t0 + nt * 8 + g, kmax);   // B fragment column: key g of the tile (past the end: masked)
-        const T* kr = kp + (size_t)key * ks2;
         #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
-          const int c = ks * 16 + tg * 2;
-          const unsigned int b0 = *reinterpret_cast<const unsigned int*>(kr + c);
-          const unsigned int b1 = *reinterpret_cast<const unsigned int*>(kr + c + 8);
+          const T* kr = &ks_[nt * 8 + g][ks * 16 + tg * 2];   // B fragment: key g of the score tile
+          const unsigned int b0 = *reinterpret_cast<const unsigned int*>(kr);
+          const unsigned int b1 = *reinterpret_cast<const unsigned int*>(kr + 8);
           mlxb_mma(s[nt], qa[ks], b0, b1, tag);
         }
       }
@@ -196,16 +214,11 @@ _SOURCE = """
         pa[1] = mlxb_pack(s[2 * kk][2], s[2 * kk][3], tag);
         pa[2] = mlxb_pack(s[2 * kk + 1][0], s[2 * kk + 1][1], tag);
         pa[3] = mlxb_pack(s[2 * kk + 1][2], s[2 * kk + 1][3], tag);
-        const int k0 = t0 + kk * 16 + tg * 2;
-        const T zero = static_cast<T>(0.0f);
         #pragma unroll
         for (int d = 0; d < DT; ++d) {
-          const int dim = d * 8 + g;
-          const T v0 = k0 <= kmax ? vp[(size_t)k0 * vs2 + dim] : zero;
-          const T v1 = k0 + 1 <= kmax ? vp[(size_t)(k0 + 1) * vs2 + dim] : zero;
-          const T v2 = k0 + 8 <= kmax ? vp[(size_t)(k0 + 8) * vs2 + dim] : zero;
-          const T v3 = k0 + 9 <= kmax ? vp[(size_t)(k0 + 9) * vs2 + dim] : zero;
-          mlxb_mma(o[d], pa, mlxb_pair(v0, v1), mlxb_pair(v2, v3), tag);
+          const T* vr = &vt_[d * 8 + g][kk * 16 + tg * 2];     // B fragment: dim g, keys tg * 2 (+ 1, + 8, + 9)
+          mlxb_mma(o[d], pa, *reinterpret_cast<const unsigned int*>(vr),
+                   *reinterpret_cast<const unsigned int*>(vr + 8), tag);
         }
       }
     }
@@ -274,7 +287,7 @@ class PackedAttention:
         padded, heads, _, dim = queries.shape
         kv_heads = k_buf.shape[1]
         q = queries if queries.dtype == k_buf.dtype else queries.astype(k_buf.dtype)
-        blocks = -(-units.shape[0] // _WARPS) * kv_heads + 1  # and one for the padding tokens
+        blocks = units.shape[0] * kv_heads + 1  # and one for the padding tokens
         (out,) = self._kernel(scale)(  # type: ignore[operator]
             inputs=[q, k_buf, v_buf, units],
             template=[("T", k_buf.dtype), ("D", dim), ("R", heads // kv_heads)],
