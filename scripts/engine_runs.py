@@ -2,9 +2,11 @@
 
     python3 scripts/engine_runs.py --model 0.5b --tag main --runs label:2048,fewshot:2048,chat:1024
     python3 scripts/engine_runs.py --model 0.5b --tag after4 --prefill-after 4 --runs unique:1024,chat:1024
+    python3 scripts/engine_runs.py --model 0.5b --tag t8k --config max_num_batched_tokens=8192 --runs label:2048:nocache
 
-Each workload: a first run (cuDNN builds a graph for every new attention shape) and the same run again (the graphs
-are built). Prints wall, prefill seconds and tokens, decode seconds, the prefill passes and their distinct
+``--runs name:rows[:nocache]`` (``nocache``: the prefix cache off); ``--config k=v,...``: EngineConfig fields for
+every run. Each workload: a first run (cuDNN builds a graph for every new attention shape) and the same run again
+(the graphs are built). Prints wall, prefill seconds and tokens, decode seconds, the prefill passes and their distinct
 (rows, tokens, keys) shapes, and MLX's peak memory over the run's start (the suite's working memory). For two
 commits on one machine: copy each commit's ``mlxbatch`` to a folder and run this script once per folder with
 ``PYTHONPATH=<folder>``; compare the rows of one table, not machines.
@@ -64,9 +66,21 @@ def set_prefill_policy(after: str, max_scores: str) -> None:
     PrefillAttention.__init__ = varied  # type: ignore[method-assign]
 
 
+def engine_config(spec: str) -> dict[str, object]:
+    """``--config k=v,...``: EngineConfig fields for every run (integers, or true/false)."""
+    out: dict[str, object] = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        out[key] = {"true": True, "false": False}.get(value.lower(), None)
+        if out[key] is None:
+            out[key] = int(value)
+    return out
+
+
 def main() -> None:
     mine, args = parse_script_args(sys.argv[1:], tag="", runs="label:2048,fewshot:2048,chat:1024",
-                                   prefill_after="", prefill_max_scores="")
+                                   prefill_after="", prefill_max_scores="", config="")
+    extra = engine_config(mine.config)
     set_prefill_policy(mine.prefill_after, mine.prefill_max_scores)
     b = Bench(args)
     C = b.concurrency
@@ -75,13 +89,16 @@ def main() -> None:
     b.run_engine(warm, max_num_seqs=C)
     rows = []
     for item in mine.runs.split(","):
-        name, n = item.split(":")
+        name, n, *mode = item.split(":")
+        if mode not in ([], ["nocache"]):
+            raise SystemExit(f"--runs: {item!r}: the third field may only be 'nocache'")
         w = b.workload(name, int(n))
+        cfg = {**extra, "max_num_seqs": C, **({"prefix_cache": False} if mode else {})}
         for again in ("first", "again"):
             seen.clear()
-            run = b.measure({"engine": partial(b.run_engine, w, max_num_seqs=C)}, 1)["engine"].median  # memory probed
+            run = b.measure({"engine": partial(b.run_engine, w, **cfg)}, 1)["engine"].median  # memory probed
             p = run.extra["profile"]
-            rows.append((name, again, run.wall_s, p["prefill_s"], p["prefill_tokens"], p["decode_s"], len(seen),
+            rows.append((name + (" nocache" if mode else ""), again, run.wall_s, p["prefill_s"], p["prefill_tokens"], p["decode_s"], len(seen),
                          len(set(seen)), p.get("prefill_unfused_passes", "-"), (run.mlx_peak - run.mlx_base) / 2**30))
             log(f"{mine.tag} {rows[-1]}")
     print(f"\n{mine.tag}: concurrency {C}, mlxbatch from {mlxbatch.__file__}")
