@@ -18,7 +18,7 @@ class EngineConfig:
     """
 
     max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None  # None: by device (2048 on CPU and small Macs, 4096 on NVIDIA GPUs (8192 with the packed prefill kernel), up to 8192 on large Macs)
+    max_num_batched_tokens: int | None = None  # None: by device (2048 on CPU and small Macs, 4096 on NVIDIA GPUs, up to 8192 on large Macs)
     prefill_chunk_size: int = 512
     kv_memory_fraction: float | None = None  # None: 0.5 (0.3 on Macs with 16 GB or less)
     kv_budget_bytes: int | None = None

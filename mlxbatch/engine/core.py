@@ -19,7 +19,7 @@ from mlxbatch.engine.decoding.structured import GrammarCompiler
 from mlxbatch.engine.inputs import Prompt
 from mlxbatch.engine.intake import RequestGroup, RequestIntake
 from mlxbatch.engine.model.loader import LoadedModel
-from mlxbatch.engine.model.memory import PACKED_STEP_TOKENS, MemoryLimits, plan_memory
+from mlxbatch.engine.model.memory import MemoryLimits, plan_memory
 from mlxbatch.engine.model.worker import Worker
 from mlxbatch.engine.outputs import Launched
 from mlxbatch.engine.request import Request
@@ -53,8 +53,6 @@ class EngineCore(RequestIntake):
         self.runner = ModelRunner(loaded.model, geo, mem.prefix_blocks, BLOCK_SIZE, vlm=loaded.vlm,
                                   vision_cache_bytes=mem.vision_cache_bytes,
                                   batch_invariant=self.config.batch_invariant)
-        if self.config.max_num_batched_tokens is None and self.runner.packed_kernel:  # no attention scores made
-            mem = self.memory = dataclasses.replace(mem, step_tokens=max(mem.step_tokens, PACKED_STEP_TOKENS))
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, mem.step_tokens, self.config.prefill_chunk_size,
                             mem.slot_budget, self.runner.invariant_slice),

@@ -101,7 +101,6 @@ class ModelRunner(StepCommit):
                 if slots.decode_attention is not None:  # decode passes of a recurring shape: no graph build
                     slots.compiled_decode = CompiledDecode()
         self.batch: KVLayout = slots
-        self.packed_kernel = getattr(slots, "packed_attention", None) is not None  # (CUDA) packed attention: one kernel
         self._store = (PrefixStore(geometry.num_layers, geometry.kv_heads, geometry.head_dim, dtype,
                                    geometry.bytes_per_token, prefix_blocks, block_size, self.traffic)
                        if prefix_blocks > 0 else None)

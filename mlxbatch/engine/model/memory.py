@@ -91,20 +91,12 @@ def default_kv_fraction(kind: str, host_total: int) -> float:
     return 0.3 if kind == "metal" and host_total <= SMALL_MAC else 0.5
 
 
-# CUDA steps where the packed prefill attention kernel runs: on the H200 (0.5B shape, same machine) 8192-token steps
-# cut label's wall 23% and its cache-off run's 29% against 4096, fewshot's and chat's 5%, with peak memory 0.42-0.88x
-# mlx-lm's (docs/benchmarks.md)
-PACKED_STEP_TOKENS = 8192
-
-
 def default_step_tokens(kind: str, host_total: int) -> int:
     """Prefill tokens per step: a multi-second step on a base M-series chip stalls every decoding row (and the
     desktop). On CUDA 4096: a step's transient grows with its prefill tokens (activations, attention scores) and
     MLX's memory limit only slows it (``MemoryLimits.step_bound``), so 8192-token steps overshot the 2 GiB step
     bound to 4.1-4.4 GiB on the H200 (0.5B shape), above mlx-lm's own peak; 4096-token steps stayed near it
-    (docs/benchmarks.md), for ~10% of prefill time on workloads that admit rows in waves. Those transients were the
-    attention's scores: where a packed pass attends through ``kv.packed_attention`` (no scores materialised) the
-    engine takes ``PACKED_STEP_TOKENS`` instead (``EngineCore``)."""
+    (docs/benchmarks.md), for ~10% of prefill time on workloads that admit rows in waves."""
     if kind == "cpu":
         return 2048
     if kind == "metal":
