@@ -47,7 +47,9 @@ if [ -e .venv ] && ! "$PY" scripts/check_platform.py --venv .venv; then rm -rf .
 case "$backend" in
   metal) extra="dev,vlm,ray" ;;
   cuda13) extra="cuda13,dev,vlm,ray" ;;
-  *) extra="cpu,dev,vlm,ray" ;;
+  *) extra="cpu,dev,vlm,ray"
+     # a Linux x86-64 CPU machine (CI): NVRTC, to compile the engine's CUDA kernels in the tests
+     if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then extra="$extra,kernel-check"; fi ;;
 esac
 .venv/bin/python -m pip install -q -e ".[$extra]"
 echo "mlxbatch setup: done (backend: $backend). Try: .venv/bin/mlxbatch generate --model smollm2 'Name three colours.'"
