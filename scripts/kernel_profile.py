@@ -7,7 +7,8 @@ an engine run (after a warm-up run of the same shape) under PyTorch's profiler, 
 process through CUPTI, MLX's included (the GPU machine has torch; this project does not depend on it). Prints, per
 run: the wall, the kernels' summed time, the device's busy time (the union of the kernels' intervals) and its share
 of the wall, and the kernels that took the most time, by name. ``label:2048:1`` (one new token a row) is a run of
-prefill passes and little else.
+prefill passes and little else. Then the host's side: the CUDA runtime and driver calls the run made (CUPTI records
+them too: launches, allocations, copies, synchronisations), by name, with the host time each took, summed.
 """
 
 # ruff: isort: skip_file
@@ -38,10 +39,21 @@ def _workload(b: Bench, spec: str) -> wl.Workload:
     return wl.Workload(w.name, w.prompts, int(new[0]), w.meta) if new else w
 
 
-def _kernels(trace: Path) -> list[tuple[str, float, float]]:
-    """(name, start us, duration us) of every kernel in a Chrome trace."""
+def _events(trace: Path, cats: tuple[str, ...]) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every event of the categories ``cats`` in a Chrome trace."""
     events = json.loads(trace.read_text()).get("traceEvents", [])
-    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events if e.get("cat") == "kernel"]
+    return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events if e.get("cat") in cats]
+
+
+def _table(title: str, events: list[tuple[str, float, float]], total: float, top: int) -> None:
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for name, _, dur in events:
+        by[name][0] += 1
+        by[name][1] += dur / 1e6
+    print(f"| {title} | calls | s | share | us a call |")
+    print("|---|---|---|---|---|")
+    for name, (n, s) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"| {name[:90]} | {n:,} | {s:.3f} | {s / total:.1%} | {s / n * 1e6:.1f} |")
 
 
 def _busy(kernels: list[tuple[str, float, float]]) -> float:
@@ -82,20 +94,18 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "trace.json"
             prof.export_chrome_trace(str(path))
-            ks = _kernels(path)
+            ks = _events(path, ("kernel",))
+            api = _events(path, ("cuda_runtime", "cuda_driver"))
         busy, summed = _busy(ks) / 1e6, sum(k[2] for k in ks) / 1e6
-        by = collections.defaultdict(lambda: [0, 0.0])
-        for name, _, dur in ks:
-            by[name][0] += 1
-            by[name][1] += dur / 1e6
         log(f"{spec}: {len(ks)} kernels")
         print(f"\n### {spec}: {w.rows} rows, {w.max_tokens} new; wall {wall:.2f} s, prefill {stats['prefill_s']:.2f} s "
               f"({stats['prefill_tokens']:,} tokens), decode {stats['decode_s']:.2f} s, {stats['steps']} steps")
         print(f"kernels {len(ks):,}, summed {summed:.2f} s, device busy {busy:.2f} s = {busy / wall:.0%} of the wall\n")
-        print("| kernel | calls | s | share of busy | us a call |")
-        print("|---|---|---|---|---|")
-        for name, (n, s) in sorted(by.items(), key=lambda kv: -kv[1][1])[: int(mine.top)]:
-            print(f"| {name[:90]} | {n:,} | {s:.3f} | {s / busy:.1%} | {s / n * 1e6:.1f} |")
+        _table("kernel (share of busy)", ks, busy, int(mine.top))
+        api_s = sum(a[2] for a in api) / 1e6
+        print(f"\nCUDA runtime and driver calls: {len(api):,}, {api_s:.2f} s of host time = {api_s / wall:.0%} of the "
+              f"wall\n")
+        _table("call (share of the wall)", api, wall, int(mine.top))
 
 
 if __name__ == "__main__":

@@ -89,11 +89,13 @@ def test_packed_prefill_attention_compiles(arch, dtype, dim, rep):
     assert ".local" not in ptx
 
 
+@pytest.mark.parametrize("layout", [0, 1])  # short rows, long rows
 @pytest.mark.parametrize("dtype,dim,rep", [("bfloat16", 64, 7), ("float16", 128, 4), ("float32", 64, 1),
                                            ("bfloat16", 128, 16)])
-def test_decode_attention_compiles(dtype, dim, rep):
+def test_decode_attention_compiles(dtype, dim, rep, layout):
     lib, include = _nvrtc()
     src = _wrap("decode", ["q", "kb", "vb", "rows", "lengths"], "out", dtype, "", decode_attention._SOURCE,
-                {"D": dim, "R": rep})
+                {"D": dim, "R": rep, "L": layout})
     ptx = _compile(lib, include, src, "compute_80")
     assert ".entry" in ptx
+    assert ".local" not in ptx  # the per-head sums (``acc[R][VV]``) and a key's loaded values stay in registers

@@ -24,16 +24,26 @@ _THREADS = 256  # threads a block; also keys a tile (one key per thread while sc
 # has 132 SMs) or rows short enough (four tiles) for the sequential tiles not to matter.
 _MIN_BLOCKS = 128
 _SHORT_KEYS = 1024
+# Buffers holding more positions than this read values in the long-row layout (``L = 1``): on an H200 at 256 rows
+# of 14/2 x 64 heads it was 1.53x faster at ~1,000 keys a row and 1.65x at ~2,000, and 0.80x at ~128 (the partials'
+# sum costs more than the loads it overlaps), where the short-row layout (a dim a thread) stays
+_LONG_KEYS = 512
 
 _SOURCE = """
     constexpr int NT = 256;
     constexpr int TILE = 256;
-    constexpr int G = NT / D;                 // key groups while reading values (one value dim per thread)
     constexpr int NW = NT / 32;
     constexpr int VEC = 16 / sizeof(T);       // elements per 16-byte load
+    // values: a thread reads VV dims of a key at once, DV threads a key, KG keys at once. Long rows (L = 1): one
+    // vector load of 16 bytes (8 where 2-byte values and more than 8 heads would take too many registers), several
+    // keys' loads in flight; short rows (L = 0): a dim a thread, which sums the fewest partials at the end
+    constexpr int VV = L == 0 ? 1 : (sizeof(T) == 2 && R > 8) ? 4 : VEC;
+    constexpr int DV = D / VV;
+    constexpr int KG = NT / DV;
+    constexpr int RED = (VV == 1 ? KG : 1) * R * D;  // the partial sums: each key group's, or one summed set
     __shared__ float qs[R][D];
     __shared__ float sc[R][TILE];
-    __shared__ float part[G][R][D];
+    __shared__ float red[RED];
     __shared__ float m_s[R];
     __shared__ float l_s[R];
     __shared__ float corr_s[R];
@@ -54,12 +64,18 @@ _SOURCE = """
       const T* qe = q + (size_t)i * q_strides[0] + (size_t)(h * R + e / D) * q_strides[1] + (e % D) * q_strides[3];
       qs[e / D][e % D] = static_cast<float>(*qe) * SCALE;
     }
+    if constexpr (VV > 1) {
+      for (int e = tid; e < R * D; e += NT) red[e] = 0.0f;
+    }
     if (tid < R) { m_s[tid] = NEG_INF; l_s[tid] = 0.0f; }
-    const int d = tid % D;
-    const int g = tid / D;
-    float acc[R];
+    const int dv = tid % DV;                  // this thread's dims while reading values: [dv * VV, dv * VV + VV)
+    const int kg = tid / DV;                  // and its keys: kg, kg + KG, ... of a tile
+    float acc[R][VV];
     #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    for (int r = 0; r < R; ++r) {
+      #pragma unroll
+      for (int x = 0; x < VV; ++x) acc[r][x] = 0.0f;
+    }
     __syncthreads();
 
     for (int t0 = 0; t0 < len; t0 += TILE) {
@@ -107,25 +123,72 @@ _SOURCE = """
         }
       }
       __syncthreads();
-      // values: thread (d, g) adds keys g, g + G, ... of the tile at dim d
+      // values: thread (dv, kg) adds keys kg, kg + KG, ... of the tile at its VV dims, one vector load a key (the
+      // loads of several keys in flight at once: a load a key and a dim kept the block waiting on each in turn)
       #pragma unroll
-      for (int r = 0; r < R; ++r) acc[r] *= corr_s[r];
-      for (int j = g; j < n; j += G) {
-        const float vv = static_cast<float>(vp[(size_t)(t0 + j) * vb_strides[2] + d]);
+      for (int r = 0; r < R; ++r) {
         #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] += sc[r][j] * vv;
+        for (int x = 0; x < VV; ++x) acc[r][x] *= corr_s[r];
+      }
+      if constexpr (VV == 1) {
+        for (int j = kg; j < n; j += KG) {
+          const float vv = static_cast<float>(vp[(size_t)(t0 + j) * vb_strides[2] + dv]);
+          #pragma unroll
+          for (int r = 0; r < R; ++r) acc[r][0] += sc[r][j] * vv;
+        }
+      } else {
+        #pragma unroll 4
+        for (int j = kg; j < n; j += KG) {
+          alignas(16) T vb_[VV];
+          const T* src = vp + (size_t)(t0 + j) * vb_strides[2] + dv * VV;
+          if constexpr (VV * sizeof(T) == 16) {
+            *reinterpret_cast<uint4*>(vb_) = *reinterpret_cast<const uint4*>(src);
+          } else {
+            *reinterpret_cast<uint2*>(vb_) = *reinterpret_cast<const uint2*>(src);
+          }
+          #pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const float p = sc[r][j];
+            #pragma unroll
+            for (int x = 0; x < VV; ++x) acc[r][x] += p * static_cast<float>(vb_[x]);
+          }
+        }
       }
       __syncthreads();
     }
-    #pragma unroll
-    for (int r = 0; r < R; ++r) part[g][r][d] = acc[r];
-    __syncthreads();
-    for (int e = tid; e < R * D; e += NT) {
-      const int r = e / D, dd = e % D;
-      float o = 0.0f;
+    // the key groups' sums
+    if constexpr (VV == 1) {  // each group's partials in shared memory, then summed by output element
       #pragma unroll
-      for (int gg = 0; gg < G; ++gg) o += part[gg][r][dd];
-      out[((size_t)i * HKV * R + (size_t)h * R) * D + e] = static_cast<T>(o / l_s[r]);
+      for (int r = 0; r < R; ++r) red[(kg * R + r) * D + dv] = acc[r][0];
+      __syncthreads();
+      for (int e = tid; e < R * D; e += NT) {
+        const int r = e / D, dd = e % D;
+        float o = 0.0f;
+        #pragma unroll
+        for (int gg = 0; gg < KG; ++gg) o += red[(gg * R + r) * D + dd];
+        out[((size_t)i * HKV * R + (size_t)h * R) * D + e] = static_cast<T>(o / l_s[r]);
+      }
+    } else {  // the lanes of a warp that hold the same dims, then the warps, into one set in shared memory
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        #pragma unroll
+        for (int x = 0; x < VV; ++x) {
+          #pragma unroll
+          for (int o = DV; o < 32; o *= 2) acc[r][x] += __shfl_xor_sync(0xffffffff, acc[r][x], o);
+        }
+      }
+      if ((tid % 32) < DV) {
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+          #pragma unroll
+          for (int x = 0; x < VV; ++x) atomicAdd(&red[r * D + dv * VV + x], acc[r][x]);
+        }
+      }
+      __syncthreads();
+      for (int e = tid; e < R * D; e += NT) {
+        const int r = e / D;
+        out[((size_t)i * HKV * R + (size_t)h * R) * D + e] = static_cast<T>(red[e] / l_s[r]);
+      }
     }
 """
 
@@ -169,7 +232,7 @@ class DecodeAttention:
         q = queries if queries.dtype == k_buf.dtype else queries.astype(k_buf.dtype)
         (out,) = self._kernel(scale)(  # type: ignore[operator]
             inputs=[q, k_buf, v_buf, rows.astype(mx.int32), lengths.astype(mx.int32)],
-            template=[("T", k_buf.dtype), ("D", dim), ("R", heads // kv_heads)],
+            template=[("T", k_buf.dtype), ("D", dim), ("R", heads // kv_heads), ("L", int(k_buf.shape[2] > _LONG_KEYS))],
             grid=(_THREADS * n * kv_heads, 1, 1),
             threadgroup=(_THREADS, 1, 1),
             output_shapes=[(n, heads, 1, dim)],
@@ -186,7 +249,8 @@ class DecodeAttention:
             return None
         try:
             kernel = cls()
-            err = probe_error(kernel, heads, kv_heads, head_dim, dtype)
+            err = max(probe_error(kernel, heads, kv_heads, head_dim, dtype, capacity=c) for c in (640, 256))  # both
+            # layouts: long rows' buffers and short rows' ones
         except Exception as exc:  # no compiler, a driver that refuses it: MLX's attention stays
             log.warning("decode attention kernel unavailable (%s); using MLX's masked attention", exc)
             return None
@@ -208,7 +272,8 @@ def reference(queries: mx.array, k_buf: mx.array, v_buf: mx.array, rows: mx.arra
 def probe_error(kernel: DecodeAttention, heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype,
                 n: int = 6, capacity: int = 640) -> float:
     """Largest difference between the kernel and ``reference`` on random rows of ragged lengths (1 to more than
-    two tiles), read from non-contiguous slot rows of a larger buffer, the queries a strided view."""
+    two tiles, up to ``capacity``: over ``_LONG_KEYS``, the long-row layout), read from non-contiguous slot rows of a
+    larger buffer, the queries a strided view."""
     key = mx.random.key(7)
     kq, kk, kv = mx.random.split(key, 3)
     # the queries as the engine passes them: the first heads of RoPE's output over query and key heads (a view)
@@ -216,7 +281,7 @@ def probe_error(kernel: DecodeAttention, heads: int, kv_heads: int, head_dim: in
     kb = mx.random.normal((2 * n, kv_heads, capacity, head_dim), key=kk).astype(dtype)
     vb = mx.random.normal((2 * n, kv_heads, capacity, head_dim), key=kv).astype(dtype)
     rows = mx.array([2 * i + (i % 2) for i in range(n)], dtype=mx.int32)
-    lengths = mx.array([1, 31, 256, 257, 600, capacity][:n], dtype=mx.int32)
+    lengths = mx.array([min(x, capacity) for x in (1, 31, 256, 257, 600, capacity)][:n], dtype=mx.int32)
     scale = head_dim ** -0.5
     got = kernel(q, kb, vb, rows, lengths, scale).astype(mx.float32)
     want = reference(q, kb, vb, rows, lengths, scale).astype(mx.float32)

@@ -53,22 +53,28 @@ def block_hashes(tokens: Sequence[int], block_size: int = BLOCK_SIZE,
     by_block: dict[int, list[tuple[int, str]]] = {}
     for pos, content in sorted(media):
         by_block.setdefault(pos // block_size, []).append((pos, content))
+    n = len(tokens) // block_size
+    packed = array("q", tokens[: n * block_size])
+    if sys.byteorder == "big":
+        packed.byteswap()  # hash little-endian bytes everywhere
+    raw = memoryview(packed).cast("B")  # the tokens' bytes, once (a block's are a slice: no copy)
+    step = 8 * block_size
+    blake2b = hashlib.blake2b
     out: list[int] = []
-    prev = _ROOT_HASH
-    for i in range(len(tokens) // block_size):
-        packed = array("q", tokens[i * block_size:(i + 1) * block_size])
-        if sys.byteorder == "big":
-            packed.byteswap()  # hash little-endian bytes everywhere
-        h = hashlib.blake2b(digest_size=8)
-        h.update(prev.to_bytes(8, "little"))
-        h.update(packed.tobytes())  # fixed length (block_size ids), so media bytes cannot alias tokens
-        for pos, content in by_block.get(i, ()):
-            data = content.encode()
-            h.update(pos.to_bytes(8, "little"))
-            h.update(len(data).to_bytes(8, "little"))
-            h.update(data)
-        prev = int.from_bytes(h.digest(), "little")
-        out.append(prev)
+    prev = _ROOT_HASH.to_bytes(8, "little")  # a hash's 8 little-endian bytes are its digest
+    for i in range(n):
+        if i in by_block:
+            h = blake2b(prev, digest_size=8)
+            h.update(raw[i * step : (i + 1) * step])  # fixed length (block_size ids): media bytes cannot alias tokens
+            for pos, content in by_block[i]:
+                data = content.encode()
+                h.update(pos.to_bytes(8, "little"))
+                h.update(len(data).to_bytes(8, "little"))
+                h.update(data)
+            prev = h.digest()
+        else:
+            prev = blake2b(prev + raw[i * step : (i + 1) * step], digest_size=8).digest()
+        out.append(int.from_bytes(prev, "little"))
     return out
 
 
@@ -217,16 +223,18 @@ class BlockPool:
     def match(self, hashes: Sequence[int]) -> list[int]:
         """Block ids of the longest cached prefix of the hash chain ``hashes``; marks them used (not retained)."""
         ids: list[int] = []
+        index, blocks, evictable = self._index, self._blocks, self._evictable
         for h in hashes:
-            bid = self._index.get(h)
+            bid = index.get(h)
             if bid is None:
                 break
             ids.append(bid)
         self._clock += 1
+        clock = self._clock
         for bid in reversed(ids):  # head most recently used, so the tail is evicted first
-            self._blocks[bid].last_used = self._clock
-            if bid in self._evictable:
-                self._evictable.move_to_end(bid)
+            blocks[bid].last_used = clock
+            if bid in evictable:
+                evictable.move_to_end(bid)
         self._queries += 1
         self._hits += len(ids)
         return ids

@@ -70,6 +70,10 @@ class PrefixIndex(PrefixKeeping):
         self._prompts: dict[tuple[int, int, tuple[int, ...]], Request] = {}
         self._prompt_keys: dict[str, tuple[int, int, tuple[int, ...]]] = {}
         self._partials_seen: dict[str, tuple[int, int]] = {}  # request id -> (hash, tokens) of the partial it matched
+        # the partial blocks stored after each full block (its hash; None: the prompt's start), by their tokens: a
+        # lookup hashes only the lengths stored there (a superset of those cached: ``_note_partial`` prunes it)
+        self._partial_lengths: dict[int | None, dict[int, set[int]]] = {}
+        self._partials_noted = 0
         self._waiters: list[tuple[Request, int]] = []  # waiting this step (in_progress), with the block they wait for
         # sequences that waited (in_progress) and are not admitted yet -> their reusable whole blocks' hashes: the
         # plan's eviction (``_drop_after``) spares these, since such a sequence is admitted after rows the plan put
@@ -133,10 +137,12 @@ class PrefixIndex(PrefixKeeping):
         if to_the_end and len(ids) == limit // B < len(chain) and self.pool.has(chain[len(ids)]):
             ids += self.pool.match([chain[len(ids)]])  # the prompt ends in this block: its last token is computed
             n = limit
-        elif n < limit:
-            for r in range(min(B - 1, (len(tokens) if to_the_end else limit) - n), 0, -1):
+        elif n < limit and prev in self._partial_lengths:
+            stored = self._partial_lengths[prev]
+            most = min(B - 1, (len(tokens) if to_the_end else limit) - n)
+            for r in sorted((r for r in stored if r <= most), reverse=True):
                 h = partial_hash(prev, tokens[n : n + r])
-                if self.pool.has(h):
+                if h in stored[r] and self.pool.has(h):
                     ids += self.pool.match([h])
                     self._partials_seen[rid] = (h, n + r)
                     n = min(n + r, limit)
@@ -156,20 +162,26 @@ class PrefixIndex(PrefixKeeping):
             return None
         limit = len(tokens) - 1 if request.score_from is None else request.score_from - 1
         best: RunningRow | None = None
+        k = max(at_least, self.block_size - 1)
+        if k >= limit:
+            return None
+        live = (RequestStatus.PREFILLING, RequestStatus.DECODING)
         for src in self._recent:
-            if src.media or src.status not in (RequestStatus.PREFILLING, RequestStatus.DECODING):
+            # to be taken, ``src`` must share token k (and all before it): one comparison rejects most rows
+            # before the whole prefix is compared (rows of one job share their instruction, not what follows it)
+            ids = src.prompt_token_ids
+            if len(ids) <= k or ids[k] != tokens[k] or ids[0] != tokens[0] or src.num_computed_tokens <= k:
+                continue
+            if src.status not in live or src.media:
                 continue
             if self._admitted_at.get(src.request_id, self._step) >= self._step:
                 continue  # admitted this step: its row is not filled before this step's copies
-            # to be taken, ``src`` must share token k (and all before it): one comparison rejects most rows
-            # before the whole prefix is compared (rows of one job share their instruction, not what follows it)
-            k = max(best.num_tokens if best else at_least, self.block_size - 1)
-            ids = src.prompt_token_ids
-            if k >= limit or src.num_computed_tokens <= k or len(ids) <= k or ids[k] != tokens[k] or ids[0] != tokens[0]:
-                continue
             n = min(common_prefix_len(tokens, ids), src.num_computed_tokens, limit)
             if n > k:
                 best = RunningRow(src.request_id, n)
+                k = n
+                if k >= limit:
+                    break
         return best
 
     def twin(self, request: Request, prefilling: set[str]) -> Request | None:
@@ -245,6 +257,27 @@ class PrefixIndex(PrefixKeeping):
             del self._prompts[key]
 
     # -- helpers --------------------------------------------------------------------------------------
+    def _note_partial(self, prev: int | None, length: int, h: int) -> None:
+        """A partial block of ``length`` tokens after the full block ``prev`` is stored under ``h`` (``_cached``
+        looks for partials among these)."""
+        self._partial_lengths.setdefault(prev, {}).setdefault(length, set()).add(h)
+        self._partials_noted += 1
+
+    def _prune_partials(self) -> None:
+        """Forget the partials the pool no longer holds, once there are more than a few times the pool's blocks (at
+        a step's start: every partial noted before is cached by now, or evicted, or its step failed)."""
+        if self._partials_noted <= max(1024, 2 * self.pool.num_blocks):
+            return
+        has = self.pool.has
+        pruned: dict[int | None, dict[int, set[int]]] = {}
+        for prev, by_length in self._partial_lengths.items():
+            for length, hashes in by_length.items():
+                held = {h for h in hashes if has(h)}
+                if held:
+                    pruned.setdefault(prev, {})[length] = held
+        self._partial_lengths = pruned
+        self._partials_noted = sum(len(hs) for by_length in pruned.values() for hs in by_length.values())
+
     def _chain(self, request: Request) -> list[int]:
         B = self.block_size
         chain = self._chains.get(request.request_id)
@@ -264,10 +297,13 @@ class PrefixIndex(PrefixKeeping):
         return min(n, keep)
 
     def _done_computing(self, rid: str) -> None:
-        hashes = self._computing.pop(rid, None)
-        if hashes:
-            self._computing_count.subtract(hashes)
-            self._computing_count += collections.Counter()  # drop zero counts
+        counts = self._computing_count
+        for h in self._computing.pop(rid, None) or ():
+            left = counts[h] - 1
+            if left > 0:
+                counts[h] = left
+            else:
+                del counts[h]  # no zero counts: an empty counter says nobody computes anything
 
     def stats(self) -> dict[str, int]:
         st = self.pool.stats

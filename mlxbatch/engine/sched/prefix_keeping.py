@@ -36,7 +36,7 @@ class BlockStore:
 class PrefixKeeping:
     """A base of ``PrefixIndex``: plans, commits and evicts on its books (``block_size``, ``pool``, ``_held``,
     ``_computing``, ``_waiters``, ``_pending``, ``_planned``, ``_fork_points``, ``_partials_seen``,
-    ``plan_evictions``); calls its ``_chain``, ``_stored_tokens`` and ``_done_computing``."""
+    ``plan_evictions``); calls its ``_chain``, ``_stored_tokens``, ``_done_computing``, ``_note_partial`` and ``_prune_partials``."""
 
     def plan_stores(self, finishing: Sequence[Request]) -> tuple[BlockStore, ...]:
         """Cache blocks for the prompts whose prefill ends this step (registered by ``commit`` if it succeeds).
@@ -46,6 +46,7 @@ class PrefixKeeping:
         for held in self._held:
             self.pool.release(list(held.block_ids))
         self._held = []
+        self._prune_partials()
         stores = []
         planned: set[int] = set()
         for r in finishing:
@@ -122,6 +123,7 @@ class PrefixKeeping:
         except NoFreeBlocks:
             return None
         planned.add(h)
+        self._note_partial(chain[k - 1] if k else None, point - k * B, h)
         return BlockStore(r.request_id, k, (bid,), (h,))
 
     def commit(self, stores: Sequence[BlockStore], finished_prefills: Sequence[Request]) -> None:
