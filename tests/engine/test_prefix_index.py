@@ -366,9 +366,8 @@ def test_partial_books_keep_what_the_pool_holds_and_stay_bounded():
     the books of stored partials forget evicted ones once they outgrow the pool, and a partial found before the
     pruning is found after it."""
     ix = PrefixIndex(8, B)  # a small pool: the partials of most rows below are evicted by later stores
-    shared = [5, 6, 7, 8, 9, 10]  # a block and a half: every row keeps a partial block at 6 tokens
-    for i in range(1100):
-        a = req(f"a{i}", [100 + i, 1, 2, 3] + shared[:2] + [i % 7, 4], cache_tokens=6)
+    for i in range(1100):  # each row its own first block, then a partial block of 2 tokens kept (cache_tokens 6)
+        a = req(f"a{i}", [100 + i, 1, 2, 3, 5, 6, i % 7, 4], cache_tokens=6)
         ix.begin_step()
         admit(ix, a)
         finish_prefill(ix, a)
@@ -377,7 +376,7 @@ def test_partial_books_keep_what_the_pool_holds_and_stay_bounded():
     assert noted <= 1024 + 1 and noted == ix._partials_noted
     held = {h for by_len in ix._partial_lengths.values() for hs in by_len.values() for h in hs if ix.pool.has(h)}
     assert held  # the most recent partials are still cached and still noted
-    last = req("z", [100 + 1099, 1, 2, 3] + shared[:2] + [9, 9, 9], cache_tokens=0)
+    last = req("z", [100 + 1099, 1, 2, 3, 5, 6, 9, 9, 9], cache_tokens=0)
     ix.begin_step()
     src = admit(ix, last)
     assert isinstance(src, CachedBlocks) and src.num_tokens == 6, src  # the last row's partial, to the token
