@@ -33,8 +33,8 @@ class FullBuffers:
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
 
-def _tokens(loaded, compiled: CompiledDecode | None, kernel: FullBuffers | None, overlap: bool = False
-            ) -> list[list[int]]:
+def _tokens(loaded, compiled: CompiledDecode | None, kernel: FullBuffers | None, overlap: bool = False,
+            stay: bool = False) -> list[list[int]]:
     # rows of different lengths, more rows than slots (rows finish and join: decode shapes come and go)
     prompts = [[(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([5, 40, 17, 90, 33, 61, 8, 120] * 3)]
     params = [SamplingParams(temperature=0, max_tokens=8 + 3 * (i % 5), ignore_eos=True) for i in range(len(prompts))]
@@ -43,6 +43,7 @@ def _tokens(loaded, compiled: CompiledDecode | None, kernel: FullBuffers | None,
         batch = eng.core.runner.batch
         assert batch.compiled_decode is None  # CPU: passes are built (the engine compiles them on CUDA)
         batch.compiled_decode, batch.decode_attention = compiled, kernel
+        batch.rows_stay = stay  # (CUDA: rows stay in their slots, so decode rows are scattered over them)
         outs = eng.generate(prompts, params)
         if compiled is not None:
             stats = eng.stats()["profile"]
@@ -51,20 +52,23 @@ def _tokens(loaded, compiled: CompiledDecode | None, kernel: FullBuffers | None,
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["steps one at a time", "overlapped steps"])
-@pytest.mark.parametrize("kernel", [False, True], ids=["masked attention", "kernel call path"])
+@pytest.mark.parametrize("kernel", [False, True, "stay"], ids=["masked attention", "kernel call path",
+                                                              "kernel call path, rows stay in their slots"])
 def test_compiled_passes_give_the_built_passes_tokens(tiny_loaded, kernel, overlap):
     """Overlapped, a decode pass is fed the step before's draw while it is still on the device (a lazy input)."""
     built = _tokens(tiny_loaded, None, FullBuffers() if kernel else None, overlap)
     compiled, stand_in = CompiledDecode(), FullBuffers() if kernel else None
-    got = _tokens(tiny_loaded, compiled, stand_in, overlap)
+    got = _tokens(tiny_loaded, compiled, stand_in, overlap, stay=kernel == "stay")
     assert got == built
     assert compiled.traces >= 1 and compiled.passes > 2 * compiled.traces  # shapes recur: replays, not traces
     if stand_in is not None:  # traced once per shape: the kernel is called in traces and built passes only
         assert stand_in.calls > 0
 
 
-def _batch(model, lengths: list[int]) -> SlotBatch:
+def _batch(model, lengths: list[int], stay: bool = False) -> SlotBatch:
+    """Rows ``r0 ..`` of these lengths, decoding; with ``stay``, rows stay in their slots and run in reverse order."""
     batch = SlotBatch(len(model.layers))
+    batch.rows_stay = stay
     attn = model.layers[0].self_attn
     batch.allocate(attn.n_kv_heads, model.args.hidden_size // model.args.num_attention_heads, mx.float32)
     for i, n in enumerate(lengths):
@@ -72,31 +76,37 @@ def _batch(model, lengths: list[int]) -> SlotBatch:
         if n:
             batch.forward(model, i, [[(3 * i + j) % 200 + 5 for j in range(n)]])
             batch.advance(f"r{i}", n)
+    if stay:
+        batch.arrange(list(reversed(batch.ids)))
     batch.n_decode = len(lengths)
     return batch
 
 
-def test_each_replay_writes_at_its_own_rows_offsets(tiny_loaded):
+@pytest.mark.parametrize("stay", [False, True], ids=["row i in slot i", "rows stay in their slots"])
+def test_each_replay_writes_at_its_own_rows_offsets(tiny_loaded, stay):
     """Same shape, new offsets every step: a replay must not write where the trace's step wrote."""
     model = tiny_loaded.model
     lengths = [3, 11, 6, 20]
-    built, comp = _batch(model, lengths), _batch(model, lengths)
+    built, comp = _batch(model, lengths), _batch(model, lengths, stay)
     comp.compiled_decode = cd = CompiledDecode()
     for step in range(5):
         tokens = [[17 + step + r] for r in range(len(lengths))]
-        want, got = built.forward(model, 0, tokens), comp.forward(model, 0, tokens)
+        # each sequence gets the same token in both (the compiled batch's rows may be in another order)
+        want = built.forward(model, 0, [tokens[comp.row_of(rid)] for rid in built.ids])
+        got = comp.forward(model, 0, tokens)
         mx.eval(want, got, *built.kv_arrays(), *comp.kv_arrays())
-        assert mx.allclose(want, got, atol=1e-5).item()
+        order = mx.array([built.row_of(rid) for rid in comp.ids])
+        assert mx.allclose(want[order], got, atol=1e-5).item()
         for rid in built.ids:
             built.advance(rid, 1)
             comp.advance(rid, 1)
         for (kb, vb), (kc, vc) in zip(built.row_view("r0"), comp.row_view("r0")):
             assert mx.allclose(kb, kc, atol=1e-6).item() and mx.allclose(vb, vc, atol=1e-6).item()
         for rid in built.ids:  # every row's keys, its new one included, and nothing written past it
-            row, n = built.row_of(rid), built.lengths[built.row_of(rid)]
+            row, n, slot = built.row_of(rid), built.committed(rid), comp.slot_of(rid)
             for kb, kc in zip(built.kv_arrays(), comp.kv_arrays()):
-                assert mx.allclose(kb[row, :, :n], kc[row, :, :n], atol=1e-6).item()
-                assert not mx.any(kc[row, :, n:]).item()  # positions past the row's length were never written
+                assert mx.allclose(kb[row, :, :n], kc[slot, :, :n], atol=1e-6).item()
+                assert not mx.any(kc[slot, :, n:]).item()  # positions past the row's length were never written
     assert cd.traces == 1 and cd.passes == 4  # the first pass was built, the second traced, then replays
 
 

@@ -7,6 +7,7 @@ import random
 import mlx.core as mx
 import pytest
 
+from mlxbatch.engine.kv.packed import is_run
 from mlxbatch.engine.kv.slots import SlotBatch
 
 
@@ -19,12 +20,15 @@ def _reference_last_logits(model, ids):
     return model(mx.array([ids]))[0, -1]
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["per-row moves", "batched moves (GPU path)"])
+@pytest.mark.parametrize("mode", ["per-row", "batched", "stay"],
+                         ids=["per-row moves", "batched moves (GPU path)", "rows stay in their slots (CUDA path)"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_operations_match_single_sequence_forward(model, seed, batched):
+def test_random_operations_match_single_sequence_forward(model, seed, mode):
     rng = random.Random(seed)
     batch = SlotBatch(len(model.layers))
-    batch.batched_moves = batched
+    batch.batched_moves = batched = mode != "per-row"
+    batch.rows_stay = mode == "stay"
+    scattered = 0  # passes over rows whose slots are not one run (rows stay: their writes scatter, reads gather)
     k = model.layers[0].self_attn
     batch.allocate(k.n_kv_heads, model.args.hidden_size // model.args.num_attention_heads, mx.float32)
     seqs: dict[str, list[int]] = {}  # tokens whose KV is committed
@@ -50,6 +54,7 @@ def test_random_operations_match_single_sequence_forward(model, seed, batched):
                 pending.pop(rid, None)
             batch.check_integrity()
         dec = batch.ids[: batch.n_decode]
+        scattered += bool(dec) and not is_run([batch.slot_of(r) for r in dec])
         if dec:
             new = [rng.randrange(3, 900) for _ in dec]
             logits = batch.forward(model, 0, [[t] for t in new])
@@ -85,6 +90,45 @@ def test_random_operations_match_single_sequence_forward(model, seed, batched):
         batch.check_integrity()
         for rid in batch.ids:
             assert batch.committed(rid) == len(seqs[rid])
+    if mode == "stay":  # no KV moved, and passes ran over scattered slots
+        assert batch.traffic.row_moved_bytes == 0 and scattered > 0
+    else:
+        assert batch.traffic.row_moved_bytes > 0 or not batched
+
+
+def test_rows_that_stay_keep_their_slots_and_kv_through_retirements_and_a_shrink(model):
+    """Where rows stay (CUDA), a retired row's slot goes to the next admitted row (the lowest free first), the others
+    never move, and a shrink first moves the rows held past the smaller capacity into free slots below it."""
+    batch = SlotBatch(len(model.layers))
+    batch.batched_moves = batch.rows_stay = True
+    batch.allocate(model.layers[0].self_attn.n_kv_heads,
+                   model.args.hidden_size // model.args.num_attention_heads, mx.float32)
+    prompts = {f"r{i}": [(11 * i + j) % 400 + 3 for j in range(5 + i % 7)] for i in range(40)}
+    for rid in prompts:
+        batch.add(rid)
+    batch.forward(model, 0, list(prompts.values()))
+    for rid, p in prompts.items():
+        batch.advance(rid, len(p))
+    batch.promote_many(list(prompts))
+    assert [batch.slot_of(r) for r in prompts] == list(range(40))
+    kept = ["r3", "r17", "r36", "r39"]  # three of them past the 8 slots the shrink leaves
+    batch.remove_many([r for r in prompts if r not in kept])
+    assert [batch.slot_of(r) for r in kept] == [3, 17, 36, 39] and batch.traffic.row_moved_bytes == 0
+    batch.add("new")  # the lowest free slot
+    assert batch.slot_of("new") == 0 and batch.row_of("new") == 4
+    batch.remove_many(["new"])
+    before = {r: [mx.array(x) for kv in batch.row_view(r) for x in kv] for r in kept}
+    mx.eval(before)
+    batch.shrink()
+    batch.check_integrity()
+    assert batch.kv_arrays()[0].shape[0] == 8 and batch.slot_of("r3") == 3
+    assert sorted(batch.slot_of(r) for r in kept) == [0, 1, 2, 3]
+    assert batch.traffic.row_moved_bytes == 3 * max(len(prompts[r]) for r in kept[1:]) * batch.position_bytes
+    for r in kept:  # each row's KV where its slot now is, and each still decodes what a lone sequence would
+        assert all(mx.array_equal(x, y).item() for x, y in zip(before[r], [x for kv in batch.row_view(r) for x in kv]))
+    logits = batch.forward(model, 0, [[9]] * len(kept))
+    for i, r in enumerate(kept):
+        assert mx.allclose(logits[i], _reference_last_logits(model, prompts[r] + [9]), atol=1e-4).item(), r
 
 
 def test_extract_returns_the_rows_own_kv(model):

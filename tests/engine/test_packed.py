@@ -98,10 +98,11 @@ def test_a_packed_pass_gives_each_row_what_its_own_pass_gives(tiny_loaded):
     assert all(mx.array_equal(x, k[9]).item() for x, k in zip(outside, packed.kv_arrays()))
 
 
-def _run(tiny_loaded, prompts, packed: bool, **cfg) -> tuple[list, dict, list[int]]:
+def _run(tiny_loaded, prompts, packed: bool, stay: bool = False, **cfg) -> tuple[list, dict, list[int]]:
     eng = Engine(tiny_loaded, EngineConfig(warm_up=False, **cfg))
     b = eng.core.runner.batch
     b.batched_moves, b.shape_buckets, b.packed_prefill = True, True, packed  # CUDA's path
+    b.rows_stay = stay  # (and CUDA's rows stay in their slots)
     eng.core.runner._prune_last = False  # (a CPU's prefill runs its last layer for the last tokens only)
     passes: list[int] = []  # the step of each prefill pass
     forward, forward_packed = b.forward, b.forward_packed
@@ -147,3 +148,10 @@ def test_packed_engine_gives_the_same_tokens_in_one_pass_a_step(tiny_loaded, sha
     assert stats_a["prefill_tokens"] == stats_b["prefill_tokens"]
     assert len(passes_b) == len(set(passes_b)), "a packed step ran more than one prefill pass"
     assert len(passes_b) < len(passes_a), (len(passes_b), len(passes_a))
+    # rows that stay in their slots (CUDA): the same tokens and prefill, and no KV moved from row to row
+    tok_c, stats_c, passes_c = _run(tiny_loaded, prompts, True, stay=True, **cfg)
+    assert tok_c == tok_a and stats_c["prefill_tokens"] == stats_a["prefill_tokens"] and passes_c == passes_b
+    # what still moves is a shrink's (rows held past the smaller capacity, as the run drains); the copy-ins are the same
+    assert stats_c["row_moved_bytes"] * 4 < stats_b["row_moved_bytes"] or stats_c["row_moved_bytes"] == 0
+    copy_ins = stats_b["moved_bytes"] - stats_b["row_moved_bytes"]
+    assert stats_c["moved_bytes"] - stats_c["row_moved_bytes"] == copy_ins and (copy_ins > 0 or shape == "long prompts")

@@ -35,11 +35,12 @@ def _allocated(fn) -> int:
     return mx.get_peak_memory() - before
 
 
-def _batch(batched: bool, rows_cap: int, pos_cap: int, running: int) -> SlotBatch:
+def _batch(batched: bool, rows_cap: int, pos_cap: int, running: int, stay: bool = False) -> SlotBatch:
     """A slot batch grown to the given capacity, with ``running`` decoding rows of 300 positions each and a source
-    row ``src`` of 200 committed positions."""
+    row ``src`` of 200 committed positions (``stay``: rows stay in their slots, the CUDA path)."""
     b = SlotBatch(L, Traffic())
     b.batched_moves = batched
+    b.rows_stay = stay
     b.allocate(H, D, mx.float32)
     b._ensure(rows_cap, pos_cap)
     for i in range(running):
@@ -87,12 +88,14 @@ def _operations(b: SlotBatch) -> dict[str, tuple[Traffic, int]]:
     return out
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["per-row moves (CPU)", "batched moves (GPU path)"])
-def test_row_operations_scale_with_what_moves(batched):
-    small = _operations(_batch(batched, rows_cap=8, pos_cap=512, running=0))
+@pytest.mark.parametrize("mode", ["per-row", "batched", "stay"],
+                         ids=["per-row moves (CPU)", "batched moves", "rows stay in their slots (CUDA path)"])
+def test_row_operations_scale_with_what_moves(mode):
+    batched, stay = mode != "per-row", mode == "stay"
+    small = _operations(_batch(batched, rows_cap=8, pos_cap=512, running=0, stay=stay))
     # 16x the rows, 4x the positions: a copy that scales with capacity allocates 64x more
-    large = _operations(_batch(batched, rows_cap=128, pos_cap=2048, running=0))
-    crowded = _operations(_batch(batched, rows_cap=128, pos_cap=2048, running=100))
+    large = _operations(_batch(batched, rows_cap=128, pos_cap=2048, running=0, stay=stay))
+    crowded = _operations(_batch(batched, rows_cap=128, pos_cap=2048, running=100, stay=stay))
     capacity_bytes = 128 * 2048 * POS_BYTES
     for name, (traffic, alloc) in small.items():
         assert alloc <= 2 * traffic.moved_bytes + SLACK, (name, alloc, traffic.moved_bytes)
@@ -109,8 +112,12 @@ def test_row_operations_scale_with_what_moves(batched):
     assert small["copy_prefixes"][0].syncs == 1
     assert moved["write_prefix"] == 2 * 96 * POS_BYTES
     assert moved["add"] == 0
-    if batched:  # rows finishing their prefill together join the decode rows in one gather + scatter
+    if stay:  # rows that stay in their slots change places in the books only: no copy, no sync
+        for name in ("arrange", "promote", "promote_many", "remove_many"):
+            assert (moved[name], small[name][0].syncs) == (0, 0), name
+    elif batched:  # rows finishing their prefill together join the decode rows in one gather + scatter
         assert small["promote_many"][0].syncs == 1
+        assert moved["promote_many"] > 0 and moved["remove_many"] > 0
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["per-row moves (CPU)", "batched moves (GPU path)"])

@@ -6,7 +6,7 @@ waited on nothing). Steps of one shape build the same graph: traced once, a pass
 the graph in C++.
 
 What must never be baked into a trace is anything that changes from step to step with the same shapes. So a compiled
-pass is planned from arrays only (``decode_pass``): the rows' offsets are an input, and everything per row (RoPE
+pass is planned from arrays only (``decode_pass``): the rows' offsets and slots are inputs, and everything per row (RoPE
 offsets, where each row's new key goes, how many keys it reads) is computed from them inside the graph. Its writes go
 through one scatter per buffer (never a slice at a Python offset), and its keys are read to the buffers' capacity
 (through ``kv.decode_attention`` on CUDA, which reads each row's own keys; elsewhere through an array mask). What does
@@ -41,19 +41,20 @@ class _Slots(Protocol):  # what a compiled pass needs of the slot batch
              ) -> tuple[list[mx.array], list[mx.array]]: ...
 
 
-def decode_pass(offsets: mx.array, capacity: int) -> ForwardPass:
-    """The plan of a decode pass over rows ``0 .. n`` (``offsets``: each row's position, ``[n]`` int32) from arrays
-    only: writes by one scatter, keys read up to ``capacity`` through an array mask (or a per-row kernel)."""
+def decode_pass(offsets: mx.array, rows: mx.array, capacity: int) -> ForwardPass:
+    """The plan of a decode pass over the slot rows ``rows`` (``offsets``: each row's position; both ``[n]`` int32)
+    from arrays only: writes by one scatter, keys read up to ``capacity`` through an array mask (or a per-row
+    kernel)."""
     n = offsets.shape[0]
     q_pos = offsets[:, None]  # [n, 1]
-    rows = mx.arange(n, dtype=mx.int32)
     index = (rows[:, None, None], q_pos[:, None, :])
     mask = (mx.arange(capacity)[None, None, :] <= q_pos[:, :, None])[:, None, :, :]  # [n, 1, 1, capacity]
-    return ForwardPass(0, n, (), 1, capacity, offsets, q_pos, mask, "scatter", index, n, rows, offsets + 1)
+    return ForwardPass(0, n, (), 1, capacity, offsets, q_pos, mask, "scatter", index, n, rows, offsets + 1,
+                       gather=rows)
 
 
 class CompiledDecode:
-    """``run(slots, model, tokens, offsets)``: a decode pass's last hidden states (``[n, dim]``) from a compiled
+    """``run(slots, model, tokens, offsets, rows, keys, values)``: a decode pass's last hidden states (``[n, dim]``) from a compiled
     graph, or None when this shape is not compiled (yet); the caller then builds the pass as usual."""
 
     def __init__(self, after: int = 2, keep: int = 32) -> None:
@@ -71,7 +72,7 @@ class CompiledDecode:
         kernel = slots.decode_attention
         return not self.broken and (kernel is None or kernel.worth(rows, kv_heads, capacity))
 
-    def run(self, slots: _Slots, model: Any, tokens: mx.array, offsets: list[int],
+    def run(self, slots: _Slots, model: Any, tokens: mx.array, offsets: list[int], rows: mx.array,
             keys: list[mx.array], values: list[mx.array]) -> mx.array | None:
         shape = (len(offsets), *keys[0].shape)
         fn = self._fns.get(shape)
@@ -88,7 +89,7 @@ class CompiledDecode:
             self._fns.move_to_end(shape)
         off = mx.array(offsets, dtype=mx.int32)
         try:
-            outs = fn(tokens, off, *keys, *values)
+            outs = fn(tokens, off, rows, *keys, *values)
         except Exception as exc:  # a primitive MLX cannot trace: this engine builds its passes as before
             log.warning("compiled decode passes unavailable (%s); building each pass", exc)
             self.broken = True
@@ -103,8 +104,8 @@ class CompiledDecode:
     def _compile(slots: _Slots, model: Any) -> Callable[..., list[mx.array]]:
         L = slots.num_layers
 
-        def decode(tokens: mx.array, offsets: mx.array, *buffers: mx.array) -> list[mx.array]:
-            fp = decode_pass(offsets, buffers[0].shape[2])
+        def decode(tokens: mx.array, offsets: mx.array, rows: mx.array, *buffers: mx.array) -> list[mx.array]:
+            fp = decode_pass(offsets, rows, buffers[0].shape[2])
             saved = slots.swap(list(buffers[:L]), list(buffers[L:]), fp)
             try:
                 out = model(tokens, cache=slots.layers)[:, 0, :]

@@ -26,6 +26,11 @@ import mlx.core as mx
 from mlxbatch.engine.kv import packed_attention
 from mlxbatch.engine.kv.prefill_attention import causal_mask, unfused
 
+
+def is_run(slots: Sequence[int]) -> bool:
+    """Whether these slots are consecutive, in order (a pass over them reads and writes slices)."""
+    return all(s == slots[0] + i for i, s in enumerate(slots))
+
 TOKEN_STEP = 128  # a packed pass runs a multiple of this many tokens (the projections' GEMM shapes recur)
 
 
@@ -44,8 +49,8 @@ def bucket(x: int) -> int:
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """One pass group's attention: slot rows ``[start, start + rows)``, ``width`` query slots a row (right-padded),
-    reading ``keys`` key positions."""
+    """One pass group's attention: slot rows ``[start, start + rows)`` (or the slots in ``gather``), ``width`` query
+    slots a row (right-padded), reading ``keys`` key positions."""
 
     start: int
     rows: int
@@ -57,12 +62,13 @@ class AttentionGroup:
     mask: mx.array | str | None  # "causal" when the group's rows start at one offset (run unfused: that mask made
     # once, ``[width, keys]``), else a bool array
     fused: bool = True  # MLX's fused attention, else ``prefill_attention.unfused`` (CUDA: a shape not seen enough)
+    gather: mx.array | None = None  # [rows] the rows' slots where they are not one run (``SlotBatch.rows_stay``)
 
 
 @dataclass(frozen=True)
 class PackedPass:
-    """The plan of one packed prefill pass over slot rows ``[start, stop)``: ``tokens`` real tokens (row by row, in
-    order) padded to ``padded``."""
+    """The plan of one packed prefill pass over slot rows ``[start, stop)`` (or the slots given to ``plan``: then
+    ``start``/``stop`` count the rows): ``tokens`` real tokens (row by row, in order) padded to ``padded``."""
 
     start: int
     stop: int
@@ -81,27 +87,33 @@ class PackedPass:
 
     @staticmethod
     def plan(start: int, offsets: Sequence[int], lengths: Sequence[int], sizes: Sequence[int], kv_step: int,
-             policy: Any = None, capacity: int = 0, kernel: Any = None) -> PackedPass:
+             policy: Any = None, capacity: int = 0, kernel: Any = None, slots: Sequence[int] | None = None
+             ) -> PackedPass:
         """Rows ``start ..`` (``offsets``: their committed lengths; ``lengths``: their new tokens) in pass groups of
         ``sizes`` rows. A group's width is its longest row rounded up by ``bucket``; it reads keys up to its rows'
         end rounded up to ``kv_step`` through a mask, or causally when its rows start together (then its width stays
         within that end). ``policy`` (``kv.prefill_attention.PrefillAttention``, CUDA) says which groups run fused.
-        With ``kernel`` (``kv.packed_attention.PackedAttention``) the pass has its work units instead of groups."""
+        With ``kernel`` (``kv.packed_attention.PackedAttention``) the pass has its work units instead of groups.
+        ``slots``: each row's slot in the buffers where they are not rows ``start ..`` (``SlotBatch.rows_stay``)."""
         assert sum(sizes) == len(offsets) == len(lengths) and all(n > 0 for n in lengths)
         first = [0]
         for n in lengths:
             first.append(first[-1] + n)
         n_tok = first[-1]
         padded = _round_up(n_tok, TOKEN_STEP)
+        if slots is None:
+            slots = range(start, start + len(offsets))
+        else:
+            start = 0
         rows: list[int] = []
         pos: list[int] = []
-        for r, (o, n) in enumerate(zip(offsets, lengths)):
-            rows += [start + r] * n
+        for slot, o, n in zip(slots, offsets, lengths):
+            rows += [slot] * n
             pos += range(o, o + n)
         groups: list[AttentionGroup] = []
         table = None
         if kernel is not None:
-            table = mx.array(packed_attention.units(start, offsets, lengths, kernel.rep), dtype=mx.int32).reshape(
+            table = mx.array(packed_attention.units(slots, offsets, lengths, kernel.rep), dtype=mx.int32).reshape(
                 -1, packed_attention.FIELDS)
             sizes = ()
         r0 = 0
@@ -134,8 +146,10 @@ class PackedPass:
             fused = policy.fused(size, width, keys, capacity, mask) if policy is not None else True
             if not fused and isinstance(mask, str):  # unfused: the causal mask made once a pass, not once a layer
                 mask = causal_mask(width, keys)
-            groups.append(AttentionGroup(start + r0, size, width, keys, q_index, mx.array(out_rows, dtype=mx.int32),
-                                         mx.array(out_pos, dtype=mx.int32), mask, fused))
+            run = slots[r0 : r0 + size]
+            gather = None if is_run(run) else mx.array(list(run), dtype=mx.int32)
+            groups.append(AttentionGroup(run[0], size, width, keys, q_index, mx.array(out_rows, dtype=mx.int32),
+                                         mx.array(out_pos, dtype=mx.int32), mask, fused, gather))
             r0 += size
         positions = mx.array(pos + [0] * (padded - n_tok), dtype=mx.int32)
         return PackedPass(start, start + len(offsets), n_tok, padded, positions,
@@ -168,8 +182,11 @@ class PackedPass:
         outs = []
         for g in self.groups:  # a gather of the group's queries, its attention, a gather of its tokens' outputs
             qg = queries[g.q_index].reshape(g.rows, g.width, heads, dim).transpose(0, 2, 1, 3)
-            k = k_buf[g.start : g.start + g.rows, :, : g.keys, :]
-            v = v_buf[g.start : g.start + g.rows, :, : g.keys, :]
+            if g.gather is not None:
+                k, v = k_buf[g.gather, :, : g.keys, :], v_buf[g.gather, :, : g.keys, :]
+            else:
+                k = k_buf[g.start : g.start + g.rows, :, : g.keys, :]
+                v = v_buf[g.start : g.start + g.rows, :, : g.keys, :]
             if g.fused:
                 o = mx.fast.scaled_dot_product_attention(qg, k, v, scale=scale, mask=g.mask)
             else:

@@ -242,14 +242,16 @@ _SOURCE = """
 """
 
 
-def units(start: int, offsets: Sequence[int], lengths: Sequence[int], rep: int) -> list[int]:
-    """The unit table of a packed pass over slot rows ``start ..`` (``offsets``: their committed lengths; ``lengths``:
-    their new tokens, laid end to end in row order), flat, ``FIELDS`` ints a unit."""
+def units(start: int | Sequence[int], offsets: Sequence[int], lengths: Sequence[int], rep: int) -> list[int]:
+    """The unit table of a packed pass over slot rows ``start ..`` (or each row's slot: ``start`` a sequence;
+    ``offsets``: their committed lengths; ``lengths``: their new tokens, laid end to end in row order), flat,
+    ``FIELDS`` ints a unit."""
+    slots = range(start, start + len(offsets)) if isinstance(start, int) else start
     table: list[int] = []
     first = 0
-    for r, (off, n) in enumerate(zip(offsets, lengths)):
+    for slot, off, n in zip(slots, offsets, lengths):
         for m0 in range(0, n * rep, UNIT):
-            table += (start + r, first, n, m0, off)
+            table += (slot, first, n, m0, off)
         first += n
     return table
 

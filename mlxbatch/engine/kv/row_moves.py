@@ -1,13 +1,15 @@
 """Row moves of the slot batch: promoting, arranging and retiring rows, and copying prefixes from row to row.
 
-Owns how rows change places in the slot buffers (``kv.slots``) and keep their books in step. Promoting, arranging or
-retiring one sequence moves at most two rows; with batched moves (a GPU) all the rows a call moves go at once, in one
-gather, one sync and one scatter per buffer; on the CPU row by row (slice copies). A running row's prefix is copied
-into a new row the same way (``copy_prefixes``).
+Owns how rows change places in the batch's order (``kv.slots``) and keep their books in step. Where a row's place is
+its slot, promoting, arranging or retiring one sequence moves at most two rows' KV; with batched moves (a GPU) all the
+rows a call moves go at once, in one gather, one sync and one scatter per buffer; on the CPU row by row (slice copies).
+Where rows stay in their slots (``rows_stay``, CUDA), the same calls change the books only (the order and each row's
+slot). A running row's prefix is copied into a new row's slot by a gather and a scatter (``copy_prefixes``).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -39,8 +41,8 @@ def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
 
 class RowMoves:
     """A base of ``SlotBatch``: moves its rows in its buffers (``_keys``, ``_values``) and books (``ids``,
-    ``lengths``, ``n_decode``, ``_row``), counted in its ``traffic``; calls its ``row_of``, ``_reindex`` and
-    ``_ensure``."""
+    ``lengths``, ``n_decode``, ``_row``; where ``rows_stay``, ``_slot`` and ``_free_slots``), counted in its
+    ``traffic``; calls its ``row_of``, ``slot_of``, ``_reindex`` and ``_ensure``."""
 
     def _row_copies(self, row: int, n: int) -> list[mx.array]:
         """Evaluated copies of one row's first ``n`` positions, every layer's keys then values, in one sync.
@@ -72,6 +74,9 @@ class RowMoves:
     def _swap(self, a: int, b: int) -> None:
         if a == b:
             return
+        if self.rows_stay:
+            self._move_rows([(a, b), (b, a)])
+            return
         na, nb = self.lengths[a], self.lengths[b]  # a row without KV (just admitted) moves by its books alone
         ra = self._row_copies(a, na) if na else None
         rb = self._row_copies(b, nb) if nb else None
@@ -96,7 +101,7 @@ class RowMoves:
         With batched moves all of them move at once: one gather, one sync and one scatter per buffer (a swap per
         row costs two syncs each, which is a GPU pipeline drain apiece: ~16 a step when 8 rows a step finish).
         """
-        if not self.batched_moves:
+        if not self.batched_moves and not self.rows_stay:
             for rid in request_ids:
                 self.promote(rid)
             return
@@ -117,7 +122,7 @@ class RowMoves:
         place with one scatter per buffer (a swap per row would cost a device sync each: ~200 a step on a GPU).
         """
         assert all(self.row_of(rid) >= self.n_decode for rid in request_ids)
-        if not self.batched_moves:
+        if not self.batched_moves and not self.rows_stay:
             for j, rid in enumerate(request_ids):
                 self._swap(self.row_of(rid), self.n_decode + j)
             return
@@ -129,13 +134,17 @@ class RowMoves:
 
     def _move_rows(self, moves: Sequence[tuple[int, int]]) -> None:
         """Rows ``src -> dst`` at once (a permutation of the rows involved), KV and books; a row without KV (just
-        admitted, its prefix not copied in yet) moves by its books alone."""
+        admitted, its prefix not copied in yet) moves by its books alone, and so does every row where rows stay."""
         if not moves:
             return
-        ids, lengths = list(self.ids), list(self.lengths)
+        ids, lengths, slots = list(self.ids), list(self.lengths), list(self._slot)
         for s, d in moves:
             self.ids[d], self.lengths[d] = ids[s], lengths[s]
             self._row[ids[s]] = d
+            if self.rows_stay:
+                self._slot[d] = slots[s]
+        if self.rows_stay:
+            return
         held = [(s, d) for s, d in moves if lengths[s]]
         if not held:
             return
@@ -189,16 +198,16 @@ class RowMoves:
             self._ensure(len(self.ids), max(k for _, k in groups) + 1)
             wide = {key: dsts for key, dsts in groups.items() if len(dsts) >= self.broadcast_rows}
             rest = [(d, s, k) for (s, k), dsts in groups.items() if (s, k) not in wide for d in dsts]
-            reads = [[mx.contiguous(buf[self.row_of(s), :, :k, :]) for buf in (*self._keys, *self._values)]
+            reads = [[mx.contiguous(buf[self.slot_of(s), :, :k, :]) for buf in (*self._keys, *self._values)]
                      for s, k in wide]
             n = max((k for _, _, k in rest), default=0)
-            take = mx.array([self.row_of(s) for _, s, _ in rest], dtype=mx.int32)
+            take = mx.array([self.slot_of(s) for _, s, _ in rest], dtype=mx.int32)
             gathered = [mx.take(buf[:, :, :n, :], take, axis=0) for buf in (*self._keys, *self._values)] if rest else []
             self.traffic.evaluate(reads, gathered)  # nothing lazy may reference the buffers while they are written
             for dsts, kv in zip(wide.values(), reads):
                 self.write_prefix(dsts, kv)
             if rest:
-                self._put_rows([self.row_of(d) for d, _, _ in rest], n, gathered)
+                self._put_rows([self.slot_of(d) for d, _, _ in rest], n, gathered)
         for d, _, k in copies:
             self.lengths[self.row_of(d)] = k
 
@@ -208,7 +217,7 @@ class RowMoves:
         run of neighbouring rows (the runner keeps a step's rows that share a prefix neighbours in each pass); rows
         in more than ``MAX_RUNS`` runs take one scatter per buffer instead on a GPU (a CPU's scatter goes element by
         element: slices always). Lengths are the caller's."""
-        rows = sorted(self.row_of(rid) for rid in request_ids)
+        rows = sorted(self.slot_of(rid) for rid in request_ids)
         n = kv[0].shape[1]
         self._ensure(len(self.ids), n + 1)
         self.traffic.moved_bytes += len(rows) * n * self._pos_bytes
@@ -228,6 +237,17 @@ class RowMoves:
         gone = {rid for rid in request_ids if rid in self._row}
         if not gone:
             return
+        if self.rows_stay:  # the others keep their order and slots; the retired rows' slots are free
+            keep = [i for i, rid in enumerate(self.ids) if rid not in gone]
+            for i, rid in enumerate(self.ids):
+                if rid in gone:
+                    heapq.heappush(self._free_slots, self._slot[i])
+            self.n_decode = sum(1 for i in keep if i < self.n_decode)
+            self.ids[:] = [self.ids[i] for i in keep]
+            self.lengths[:] = [self.lengths[i] for i in keep]
+            self._slot[:] = [self._slot[i] for i in keep]
+            self._reindex()
+            return
         keep_dec = [i for i in range(self.n_decode) if self.ids[i] not in gone]
         keep_pre = [i for i in range(self.n_decode, len(self.ids)) if self.ids[i] not in gone]
         nd, end = len(keep_dec), len(keep_dec) + len(keep_pre)
@@ -240,7 +260,10 @@ class RowMoves:
         self.n_decode = nd
 
     def remove(self, request_id: str) -> None:
-        """Retire a row; the region's last row fills the hole (at most two rows copied)."""
+        """Retire a row; the region's last row fills the hole (at most two rows copied; none where rows stay)."""
+        if self.rows_stay:
+            self.remove_many([request_id])
+            return
         row = self._row.pop(request_id)
         if row < self.n_decode:
             last_dec = self.n_decode - 1

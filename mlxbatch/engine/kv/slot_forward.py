@@ -14,10 +14,11 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from mlxbatch.engine.kv.packed import PackedPass, bucket
+from mlxbatch.engine.kv.packed import PackedPass, bucket, is_run
 from mlxbatch.engine.kv.prefill_attention import unfused
 
-__all__ = ["ForwardPass", "PackedPass", "SlotLayerCache", "bucket", "bucketed_pass", "plan_forward", "write_kv"]
+__all__ = ["ForwardPass", "PackedPass", "SlotLayerCache", "bucket", "bucketed_pass", "is_run", "plan_forward",
+           "write_kv"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class ForwardPass:
     rows: mx.array  # [rows] the pass's slot rows (lazy: built only if a fused decode attention reads it)
     key_lengths: mx.array  # [rows] keys each row's last query sees: offset + T (lazy, as ``rows``)
     fused: bool = True  # a prefill pass: MLX's fused attention, else ``prefill_attention.unfused`` (CUDA, new shapes)
+    gather: mx.array | None = None  # [rows] the rows' slots where they are not one run (``SlotBatch.rows_stay``):
+    # then ``start``/``stop`` only count the rows, writes scatter and reads gather
     _scatter: dict[int, tuple[mx.array, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def scatter_index(self, heads: int) -> tuple[mx.array, ...]:
@@ -58,27 +61,40 @@ class ForwardPass:
 
 
 def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes: bool,
-                 kv_width: int | None = None, written: int | None = None) -> ForwardPass:
-    """The plan of one forward pass over rows ``start .. start + len(offsets)``. ``kv_width``: the queries read
-    exactly that many key positions, always through an array mask (batch-invariant passes, ``kv.invariant``: the
-    attention's shapes then depend on the rows' own lengths only; bucketed passes, ``bucketed_pass``: a few shapes
-    recur). ``written``: only the first that many rows write their KV (the others pad the pass's rows)."""
+                 kv_width: int | None = None, written: int | None = None,
+                 slots: Sequence[int] | None = None) -> ForwardPass:
+    """The plan of one forward pass over rows ``start .. start + len(offsets)``, or over the rows at ``slots`` (one
+    a row: ``SlotBatch.rows_stay``). ``kv_width``: the queries read exactly that many key positions, always through
+    an array mask (batch-invariant passes, ``kv.invariant``: the attention's shapes then depend on the rows' own
+    lengths only; bucketed passes, ``bucketed_pass``: a few shapes recur). ``written``: only the first that many rows
+    write their KV (the others pad the pass's rows)."""
     n, T = len(offsets), width
     w = n if written is None else written
+    gather = None
+    if slots is not None:
+        assert len(slots) == n
+        if is_run(slots):  # one run of slots: slices, as rows ``start ..``
+            start = slots[0]
+        else:  # writes by one scatter, reads by a gather (the fallbacks: a CUDA pass runs the engine's kernels)
+            start, gather = 0, mx.array(list(slots), dtype=mx.int32)
     off = mx.array(list(offsets), dtype=mx.int32)
     q_pos = off[:, None] + mx.arange(T)[None, :]  # [n, T]
     aligned = len(set(offsets[:w])) == 1  # the rows that write start together
     same_end = aligned and len(set(offsets)) == 1  # and so do the padding rows: every query is among the last T keys
     t_used = kv_width if kv_width is not None else max(o + T for o in offsets)
-    if aligned:
+    if gather is not None:
+        mode = "scatter"
+    elif aligned:
         mode = "slice"  # one contiguous block: a slice update, far cheaper than a scatter
     elif T > 1 and not batched_writes:
         mode = "rows"  # prefill chunks at different offsets: one block per row (CPU: memcpy)
     else:  # GPU prefill at different offsets (one scatter per buffer instead of a launch per row), or decode
         mode = "scatter"
-    index = (mx.arange(start, start + w)[:, None, None], q_pos[:w, None, :]) if mode == "scatter" else None
-    rows, key_lengths = mx.arange(start, start + n, dtype=mx.int32), off + T
-    fp = ForwardPass(start, start + n, tuple(offsets), T, t_used, off, q_pos, None, mode, index, w, rows, key_lengths)
+    rows = gather if gather is not None else mx.arange(start, start + n, dtype=mx.int32)
+    index = ((rows if w == n else rows[:w])[:, None, None], q_pos[:w, None, :]) if mode == "scatter" else None
+    key_lengths = off + T
+    fp = ForwardPass(start, start + n, tuple(offsets), T, t_used, off, q_pos, None, mode, index, w, rows, key_lengths,
+                     gather=gather)
     if kv_width is not None or not same_end:
         mask: mx.array | str | None = fp.array_mask()
     else:  # all rows end together: the queries are the last T keys, which SDPA's fused causal mode handles
@@ -87,10 +103,12 @@ def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes:
     # batch-invariant passes keep one RoPE path whatever the batch)
     rope: mx.array | int = offsets[0] if same_end and kv_width is None else off
     return ForwardPass(start, start + n, tuple(offsets), T, t_used, rope, q_pos, mask, mode, index, w, rows,
-                       key_lengths)
+                       key_lengths, gather=gather)
 
 
-def bucketed_pass(start: int, offsets: Sequence[int], width: int, row_room: int, kv_step: int) -> ForwardPass:
+
+def bucketed_pass(start: int, offsets: Sequence[int], width: int, row_room: int, kv_step: int,
+                  slots: Sequence[int] | None = None) -> ForwardPass:
     """A prefill pass padded to a recurring shape (GPU, batched writes): rows and tokens rounded up by ``bucket``
     (rows at most ``row_room``: the slots past ``start``; tokens at most what keeps every row's end within the exact
     pass's end rounded up to ``kv_step``), keys to a multiple of ``kv_step``.
@@ -100,18 +118,23 @@ def bucketed_pass(start: int, offsets: Sequence[int], width: int, row_room: int,
     paid a build at every step. Padding rows read whatever their slots hold and write nothing; their outputs are
     dropped. Rows that all start at one offset keep the causal mode (measured on the H200: a mask instead made chat's
     prefill 1.6x slower once its graphs were built); others read keys through an array mask, so their shape does
-    not depend on where the rows start."""
+    not depend on where the rows start. With ``slots`` (each row's), padding rows read the slots after the last row's
+    (``row_room``: the buffers' rows), wrapping round."""
     n = len(offsets)
     rows = max(n, min(bucket(n), row_room))
+    if slots is not None:
+        slots = list(slots) + [(slots[-1] + 1 + j) % row_room for j in range(rows - n)]
     # padding never needs more positions than the exact pass (its end rounded up to ``kv_step``): the slots'
     # positions stay what admission charged for
     end = -(-max(o + width for o in offsets) // kv_step) * kv_step
     T = min(bucket(width), end - max(offsets))
     padded = list(offsets) + [offsets[0]] * (rows - n)
-    if len(set(offsets)) == 1:  # the causal mode (keys = offset + T): cheaper in cuDNN than a mask, and the offset
-        return plan_forward(start, padded, T, True, written=n)  # recurs (0, a shared prefix, a chunk boundary)
+    # the causal mode (keys = offset + T): cheaper in cuDNN than a mask, and the offset recurs (0, a shared prefix, a
+    # chunk boundary)
+    if len(set(offsets)) == 1:
+        return plan_forward(start, padded, T, True, written=n, slots=slots)
     kv = -(-max(o + T for o in offsets) // kv_step) * kv_step
-    return plan_forward(start, padded, T, True, kv_width=kv, written=n)
+    return plan_forward(start, padded, T, True, kv_width=kv, written=n, slots=slots)
 
 
 def write_kv(k_buf: mx.array, v_buf: mx.array, fp: ForwardPass, keys: mx.array, values: mx.array
@@ -133,6 +156,8 @@ def write_kv(k_buf: mx.array, v_buf: mx.array, fp: ForwardPass, keys: mx.array, 
         k_buf[rows, heads, pos] = keys
         v_buf[rows, heads, pos] = values
     t = fp.t_used
+    if fp.gather is not None:
+        return k_buf[fp.gather, :, :t, :], v_buf[fp.gather, :, :t, :]
     return k_buf[a:b, :, :t, :], v_buf[a:b, :, :t, :]
 
 

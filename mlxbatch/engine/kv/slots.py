@@ -4,15 +4,19 @@ Owns the KV buffers of every admitted sequence. Row ``i`` of every layer holds o
 values at positions ``0..length-1``. A forward pass runs over a contiguous range of rows with ``T`` new
 tokens per row (``T`` = 1 for decode, a chunk for prefill, right-padded): each row writes at its own
 offset and a causal mask per row hides the rest (``kv.slot_forward``); on CUDA a step's prefill rows run as one
-packed pass instead (``forward_packed``, ``kv.packed``: their tokens end to end). Decoding rows sit first, prefilling
-rows after them, so both kinds of step read a contiguous slice. Admitting, promoting or retiring a sequence moves at most
-two rows (``kv.row_moves``); nothing copies the whole batch except buffer growth (amortised: rows double, positions
-grow by 256), unlike a left-padded dense cache that is rebuilt at every admission and finish.
+packed pass instead (``forward_packed``, ``kv.packed``: their tokens end to end). Decoding rows come first in the batch's
+order, prefilling rows after them. Where rows move (the CPU), a row's place in that order is its slot, so both kinds of
+step read a contiguous slice, and admitting, promoting or retiring a sequence moves at most two rows
+(``kv.row_moves``). Where they stay (``rows_stay``: CUDA, whose passes read and write each row's own slot through the
+engine's kernels), the order is a book entry: a row's KV never moves from the slot it was admitted to, and a retired
+row's slot goes to the next admitted one. Nothing copies the whole batch except buffer growth (amortised: rows double,
+positions grow by 256), unlike a left-padded dense cache that is rebuilt at every admission and finish.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +44,8 @@ def row_capacity(rows: int) -> int:
 
 
 class SlotBatch(RowMoves):
-    """KV for every admitted sequence; rows ``[0, n_decode)`` decode, rows ``[n_decode, n)`` prefill."""
+    """KV for every admitted sequence; rows ``[0, n_decode)`` decode, rows ``[n_decode, n)`` prefill (rows of the
+    batch's order: where ``rows_stay``, row ``i``'s KV is in slot ``slot_of(ids[i])``, else in slot ``i``)."""
 
     def __init__(self, num_layers: int, traffic: Traffic | None = None) -> None:
         self.num_layers = num_layers
@@ -49,6 +54,9 @@ class SlotBatch(RowMoves):
         self.ids: list[str] = []  # request id per row (read only outside: moves keep ``_row`` in step)
         self._row: dict[str, int] = {}  # request id -> its row
         self.lengths: list[int] = []  # KV positions filled per row
+        self._slot: list[int] = []  # where ``rows_stay``: each row's slot in the buffers (else row i is slot i)
+        self._free_slots: list[int] = []  # where ``rows_stay``: slots below ``_span`` no row holds (a heap)
+        self._span = 0  # where ``rows_stay``: slots handed out (the highest used + 1, or more)
         self.n_decode = 0
         self._keys: list[mx.array] = []
         self._values: list[mx.array] = []
@@ -60,6 +68,9 @@ class SlotBatch(RowMoves):
         # costs a launch: per-row copies were ~a third of a GPU step); on the CPU per-row slice copies (memcpy),
         # since CPU scatters go element by element
         self.batched_moves = mx.default_device() == mx.gpu
+        # rows stay in their slots (CUDA, where every pass reads and writes rows by slot; the runner sets it before
+        # any row is added): promoting, arranging and retiring rows changes books only, no KV moves
+        self.rows_stay = False
         # prefill passes padded to recurring shapes (``slot_forward.bucketed_pass``): on CUDA, where each new attention
         # shape costs a cuDNN graph build; the runner sets it
         self.shape_buckets = False
@@ -71,6 +82,8 @@ class SlotBatch(RowMoves):
         self.packed_prefill = False
         # decode passes replayed from compiled graphs (``kv.compiled_decode.CompiledDecode``, CUDA); the runner sets it
         self.compiled_decode: Any = None
+        self._decode_key: tuple[int, ...] | int | None = None  # ``_decode_slots``' last rows, and their array
+        self._decode_rows: mx.array | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -79,7 +92,17 @@ class SlotBatch(RowMoves):
         return request_id in self._row
 
     def row_of(self, request_id: str) -> int:
+        """The sequence's row in the batch's order."""
         return self._row[request_id]
+
+    def slot_of(self, request_id: str) -> int:
+        """The sequence's slot in the buffers."""
+        row = self._row[request_id]
+        return self._slot[row] if self.rows_stay else row
+
+    def slots(self, start: int, stop: int) -> list[int] | None:
+        """The slots of rows ``[start, stop)`` where rows stay, else None (they are slots ``start ..``)."""
+        return self._slot[start:stop] if self.rows_stay else None
 
     def _reindex(self) -> None:
         self._row = {rid: i for i, rid in enumerate(self.ids)}
@@ -118,6 +141,7 @@ class SlotBatch(RowMoves):
     def _ensure(self, rows: int, positions: int) -> None:
         # rows grow to the capacity ``cost_positions`` charges (a power of two), however many join at once: 220 rows
         # admitted together then grow to 256, not to 220 and then 440
+        rows = max(rows, self._span)
         new_rows = self._rows_cap if rows <= self._rows_cap else row_capacity(rows)
         new_pos = self._pos_cap if positions <= self._pos_cap else _round_up(positions, POSITION_STEP)
         if (new_rows, new_pos) == (self._rows_cap, self._pos_cap):
@@ -143,22 +167,48 @@ class SlotBatch(RowMoves):
         if need_rows * 4 > self._rows_cap and need_pos * 2 > self._pos_cap:
             return
         rows, pos = min(self._rows_cap, row_capacity(2 * need_rows)), min(self._pos_cap, need_pos)
+        if self.rows_stay:
+            self._compact(rows)
         copies.replace_each((self._keys, self._values), lambda old: mx.contiguous(old[:rows, :, :pos, :]), self.traffic)
         self.traffic.grown_bytes += self.nbytes
         self.traffic.resizes += 1
         self._rows_cap, self._pos_cap = rows, pos
 
+    def _compact(self, rows: int) -> None:
+        """Rows held in slots ``rows ..`` move to free slots below it (before the buffers shrink to ``rows``)."""
+        used = set(self._slot)
+        high = [i for i, s in enumerate(self._slot) if s >= rows]
+        low = [s for s in range(rows) if s not in used][: len(high)]
+        if high:
+            n = max(self.lengths[i] for i in high)
+            if n:
+                self._copy_rows([self._slot[i] for i in high], low, n)
+                self.traffic.row_moved_bytes += len(high) * n * self._pos_bytes
+            for i, s in zip(high, low):
+                self._slot[i] = s
+        used = set(self._slot)
+        self._span = max(used, default=-1) + 1
+        self._free_slots = [s for s in range(self._span) if s not in used]  # sorted: a heap
+
     # -- rows ----------------------------------------------------------------------------------
     def add(self, request_id: str, kv: Sequence[tuple[mx.array, mx.array]] = (), length: int = 0) -> None:
-        """Admit a sequence as a prefilling row, optionally starting from ``length`` positions of ``kv``."""
+        """Admit a sequence as a prefilling row (the last in the order), optionally starting from ``length`` positions
+        of ``kv``. Where rows stay, it takes the lowest free slot."""
         assert request_id not in self._row and self._keys, "allocate() first; ids are unique"
-        row = len(self.ids)
-        self._ensure(row + 1, length + 1)
+        assert self.rows_stay or not self._slot, "rows_stay is set before any row is added"
+        slot = len(self.ids)
+        if self.rows_stay:
+            if self._free_slots:
+                slot = heapq.heappop(self._free_slots)
+            else:
+                slot, self._span = self._span, self._span + 1
+            self._slot.append(slot)
+        self._ensure(slot + 1, length + 1)
         if kv:
             self.traffic.moved_bytes += length * self._pos_bytes
         for i, (k, v) in enumerate(kv):
-            self._keys[i][row, :, :length, :] = k[0, :, :length, :]
-            self._values[i][row, :, :length, :] = v[0, :, :length, :]
+            self._keys[i][slot, :, :length, :] = k[0, :, :length, :]
+            self._values[i][slot, :, :length, :] = v[0, :, :length, :]
         self._row[request_id] = len(self.ids)
         self.ids.append(request_id)
         self.lengths.append(length)
@@ -187,7 +237,7 @@ class SlotBatch(RowMoves):
     def _block_index(self, blocks: Sequence[tuple[str, int]], block_size: int) -> tuple[mx.array, mx.array, mx.array]:
         """Index arrays (rows ``[n,1,1]``, heads ``[1,H,1]``, positions ``[n,1,B]``) of blocks given as (row id,
         first position): ``buf[rows, heads, pos]`` is ``[n, H, B, D]``."""
-        rows = mx.array([self.row_of(rid) for rid, _ in blocks], dtype=mx.int32)[:, None, None]
+        rows = mx.array([self.slot_of(rid) for rid, _ in blocks], dtype=mx.int32)[:, None, None]
         starts = mx.array([p for _, p in blocks], dtype=mx.int32)
         pos = (starts[:, None] + mx.arange(block_size, dtype=mx.int32)[None, :])[:, None, :]
         heads = mx.arange(self._keys[0].shape[1], dtype=mx.int32)[None, :, None]
@@ -195,18 +245,16 @@ class SlotBatch(RowMoves):
 
     def extract(self, request_id: str) -> list[tuple[mx.array, mx.array]]:
         """A copy of one row's KV, per layer ``[1, H, length, D]``."""
-        row = self.row_of(request_id)
-        n = self.lengths[row]
-        copies = self._row_copies(row, n)
+        n = self.lengths[self.row_of(request_id)]
+        copies = self._row_copies(self.slot_of(request_id), n)
         layers = len(self._keys)
         return [(copies[i][None], copies[layers + i][None]) for i in range(layers)]
 
     def row_view(self, request_id: str) -> list[tuple[mx.array, mx.array]]:
         """Lazy slices of one row's KV, per layer ``[1, H, length, D]``: evaluate them before the next forward
         (a pending slice keeps the buffer referenced, so the forward's in-place write would copy it whole)."""
-        row = self.row_of(request_id)
-        n = self.lengths[row]
-        return [(k[row : row + 1, :, :n, :], v[row : row + 1, :, :n, :]) for k, v in zip(self._keys, self._values)]
+        n, s = self.lengths[self.row_of(request_id)], self.slot_of(request_id)
+        return [(k[s : s + 1, :, :n, :], v[s : s + 1, :, :n, :]) for k, v in zip(self._keys, self._values)]
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]] | mx.array, full: bool = False,
@@ -235,15 +283,16 @@ class SlotBatch(RowMoves):
                 return out
         if self.shape_buckets and T > 1:
             self._ensure(start + n, _round_up(max(o + T for o in offsets), POSITION_STEP))  # as an exact pass
-            fp = bucketed_pass(start, offsets, T, self._rows_cap - start, POSITION_STEP)
+            room = self._rows_cap if self.rows_stay else self._rows_cap - start  # padding rows' slots (read only)
+            fp = bucketed_pass(start, offsets, T, room, POSITION_STEP, self.slots(start, start + n))
         else:
             self._ensure(start + n, max(o + T for o in offsets))
-            fp = plan_forward(start, offsets, T, self.batched_moves)
+            fp = plan_forward(start, offsets, T, self.batched_moves, slots=self.slots(start, start + n))
         if T > 1 and self.prefill_attention is not None:  # CUDA: a new shape's attention unfused, no cuDNN build
             fused = self.prefill_attention.fused(fp.stop - fp.start, fp.width, fp.t_used, self._pos_cap, fp.mask)
             fp = dataclasses.replace(fp, fused=fused)
         self._pass = fp
-        rows, width = fp.stop - start, fp.width
+        rows, width = fp.stop - fp.start, fp.width
         if isinstance(tokens, mx.array):
             assert (rows, width) == (n, 1)
             inputs = tokens
@@ -269,7 +318,8 @@ class SlotBatch(RowMoves):
         offsets = self.lengths[start : start + len(tokens)]
         self._ensure(start + len(tokens), _round_up(max(o + len(t) for o, t in zip(offsets, tokens)), POSITION_STEP))
         plan = PackedPass.plan(start, offsets, [len(t) for t in tokens], sizes, POSITION_STEP,
-                               self.prefill_attention, self._pos_cap, self.packed_attention)
+                               self.prefill_attention, self._pos_cap, self.packed_attention,
+                               self.slots(start, start + len(tokens)))
         self._pass = plan
         flat = [t for row in tokens for t in row]
         inputs = mx.array(flat + [0] * (plan.padded - plan.tokens), dtype=mx.int32)[:, None]
@@ -284,7 +334,17 @@ class SlotBatch(RowMoves):
         if not self.compiled_decode.accepts(self, n, self._keys[0].shape[1], self._pos_cap):
             return None
         inputs = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.int32)
-        return self.compiled_decode.run(self, model, inputs.astype(mx.int32), offsets, self._keys, self._values)
+        return self.compiled_decode.run(self, model, inputs.astype(mx.int32), offsets, self._decode_slots(n),
+                                        self._keys, self._values)
+
+    def _decode_slots(self, n: int) -> mx.array:
+        """The slots of rows ``0 .. n`` as an array, made again only when they changed."""
+        key = tuple(self._slot[:n]) if self.rows_stay else n
+        if self._decode_key != key:
+            self._decode_key = key
+            self._decode_rows = mx.array(list(key), dtype=mx.int32) if self.rows_stay else mx.arange(n, dtype=mx.int32)
+        assert self._decode_rows is not None
+        return self._decode_rows
 
     def swap(self, keys: list[mx.array], values: list[mx.array], fp: ForwardPass | None
              ) -> tuple[list[mx.array], list[mx.array]]:
@@ -312,6 +372,10 @@ class SlotBatch(RowMoves):
         assert self._row == {rid: i for i, rid in enumerate(self.ids)}, "row index out of step with the rows"
         assert len(self.lengths) == len(self.ids) and 0 <= self.n_decode <= len(self.ids)
         assert all(0 <= n <= self._pos_cap for n in self.lengths) and len(self.ids) <= max(self._rows_cap, 0)
+        if self.rows_stay:
+            assert len(self._slot) == len(self.ids) and len(set(self._slot)) == len(self._slot), "slots held twice"
+            assert sorted(self._slot + self._free_slots) == list(range(self._span)), "slots lost or made up"
+            assert self._span <= self._rows_cap
 
     def committed(self, request_id: str) -> int:
         return self.lengths[self.row_of(request_id)]
