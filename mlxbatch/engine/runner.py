@@ -94,7 +94,7 @@ class ModelRunner(StepCommit):
                 slots.prefill_attention = PrefillAttention(self._split.body.heads, geometry.kv_heads,
                                                            geometry.head_dim, dtype)
                 slots.packed_prefill = True  # one prefill pass a step: the host's work per pass binds there
-                slots.rows_stay = True  # every pass reads and writes rows by slot: promotions and retirements move no KV
+                slots.rows_stay = True  # passes read and write rows by slot: promoting and retiring rows moves no KV
                 # its attention in one launch a layer, where the kernel runs and agrees with MLX's (else MLX's ops)
                 slots.packed_attention = PackedAttention.create(self._split.body.heads, geometry.kv_heads,
                                                                 geometry.head_dim, dtype)

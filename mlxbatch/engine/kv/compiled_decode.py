@@ -6,9 +6,9 @@ waited on nothing). Steps of one shape build the same graph: traced once, a pass
 the graph in C++.
 
 What must never be baked into a trace is anything that changes from step to step with the same shapes. So a compiled
-pass is planned from arrays only (``decode_pass``): the rows' offsets and slots are inputs, and everything per row (RoPE
-offsets, where each row's new key goes, how many keys it reads) is computed from them inside the graph. Its writes go
-through one scatter per buffer (never a slice at a Python offset), and its keys are read to the buffers' capacity
+pass is planned from arrays only (``decode_pass``): the rows' offsets and slots are inputs, and everything per row
+(RoPE offsets, where each row's new key goes, how many keys it reads) is computed from them inside the graph. Its writes
+go through one scatter per buffer (never a slice at a Python offset), and its keys are read to the buffers' capacity
 (through ``kv.decode_attention`` on CUDA, which reads each row's own keys; elsewhere through an array mask). What does
 vary with shape (rows, buffer capacity) keys the trace. The KV buffers are inputs and the written buffers outputs,
 which the slot batch takes in place of the old ones: nothing else holds the old ones, so MLX still writes them in
@@ -54,8 +54,9 @@ def decode_pass(offsets: mx.array, rows: mx.array, capacity: int) -> ForwardPass
 
 
 class CompiledDecode:
-    """``run(slots, model, tokens, offsets, rows, keys, values)``: a decode pass's last hidden states (``[n, dim]``) from a compiled
-    graph, or None when this shape is not compiled (yet); the caller then builds the pass as usual."""
+    """``run(slots, model, tokens, offsets, rows, keys, values)``: a decode pass's last hidden states (``[n, dim]``)
+    from a compiled graph, or None when this shape is not compiled (yet); the caller then builds the pass as usual.
+    ``rows``: the rows' slots (``[n]`` int32)."""
 
     def __init__(self, after: int = 2, keep: int = 32) -> None:
         self.after = after  # the sighting of a shape that compiles it

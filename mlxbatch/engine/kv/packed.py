@@ -26,11 +26,6 @@ import mlx.core as mx
 from mlxbatch.engine.kv import packed_attention
 from mlxbatch.engine.kv.prefill_attention import causal_mask, unfused
 
-
-def is_run(slots: Sequence[int]) -> bool:
-    """Whether these slots are consecutive, in order (a pass over them reads and writes slices)."""
-    return all(s == slots[0] + i for i, s in enumerate(slots))
-
 TOKEN_STEP = 128  # a packed pass runs a multiple of this many tokens (the projections' GEMM shapes recur)
 
 
@@ -45,6 +40,11 @@ def bucket(x: int) -> int:
         return x
     step = 1 << ((x - 1).bit_length() - 3)
     return -(-x // step) * step
+
+
+def is_run(slots: Sequence[int]) -> bool:
+    """Whether these slots are consecutive, in order (a pass over them reads and writes slices)."""
+    return all(s == slots[0] + i for i, s in enumerate(slots))
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes:
         assert len(slots) == n
         if is_run(slots):  # one run of slots: slices, as rows ``start ..``
             start = slots[0]
-        else:  # writes by one scatter, reads by a gather (the fallbacks: a CUDA pass runs the engine's kernels)
+        else:  # writes by one scatter; where MLX's attention reads the keys (not the engine's kernels), a gather
             start, gather = 0, mx.array(list(slots), dtype=mx.int32)
     off = mx.array(list(offsets), dtype=mx.int32)
     q_pos = off[:, None] + mx.arange(T)[None, :]  # [n, T]

@@ -1,16 +1,17 @@
 """The running batch's KV: fixed slots, one row per sequence, each with its own length.
 
-Owns the KV buffers of every admitted sequence. Row ``i`` of every layer holds one sequence's keys and
-values at positions ``0..length-1``. A forward pass runs over a contiguous range of rows with ``T`` new
-tokens per row (``T`` = 1 for decode, a chunk for prefill, right-padded): each row writes at its own
-offset and a causal mask per row hides the rest (``kv.slot_forward``); on CUDA a step's prefill rows run as one
-packed pass instead (``forward_packed``, ``kv.packed``: their tokens end to end). Decoding rows come first in the batch's
-order, prefilling rows after them. Where rows move (the CPU), a row's place in that order is its slot, so both kinds of
-step read a contiguous slice, and admitting, promoting or retiring a sequence moves at most two rows
-(``kv.row_moves``). Where they stay (``rows_stay``: CUDA, whose passes read and write each row's own slot through the
-engine's kernels), the order is a book entry: a row's KV never moves from the slot it was admitted to, and a retired
-row's slot goes to the next admitted one. Nothing copies the whole batch except buffer growth (amortised: rows double,
-positions grow by 256), unlike a left-padded dense cache that is rebuilt at every admission and finish.
+Owns the KV buffers of every admitted sequence. A slot of every layer holds one sequence's keys and values at
+positions ``0..length-1``. A forward pass runs over a range of rows with ``T`` new tokens per row (``T`` = 1 for
+decode, a chunk for prefill, right-padded): each row writes at its own offset and a causal mask per row hides the rest
+(``kv.slot_forward``); on CUDA a step's prefill rows run as one packed pass instead (``forward_packed``, ``kv.packed``:
+their tokens end to end). Decoding rows come first in the batch's order, prefilling rows after them.
+- **Rows move** (the CPU): row ``i`` is slot ``i``, so both kinds of step read a contiguous slice of the buffers, and
+  admitting, promoting or retiring a sequence moves at most two rows' KV (``kv.row_moves``).
+- **Rows stay** (``rows_stay``: CUDA, whose passes read and write each row's own slot through the engine's kernels):
+  the order is a book entry. A row's KV never moves from the slot it was admitted to, a retired row's slot goes to
+  the next admitted one (the lowest free first), and only a shrink moves the rows held past its smaller capacity.
+Nothing copies the whole batch except buffer growth (amortised: rows double, positions grow by 256), unlike a
+left-padded dense cache that is rebuilt at every admission and finish.
 """
 
 from __future__ import annotations

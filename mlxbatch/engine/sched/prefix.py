@@ -71,7 +71,7 @@ class PrefixIndex(PrefixKeeping):
         self._prompt_keys: dict[str, tuple[int, int, tuple[int, ...]]] = {}
         self._partials_seen: dict[str, tuple[int, int]] = {}  # request id -> (hash, tokens) of the partial it matched
         # the partial blocks stored after each full block (its hash; None: the prompt's start), by their tokens: a
-        # lookup hashes only the lengths stored there (a superset of those cached: ``_note_partial`` prunes it)
+        # lookup hashes only the lengths stored there (a superset of those cached: ``_prune_partials`` prunes it)
         self._partial_lengths: dict[int | None, dict[int, set[int]]] = {}
         self._partials_noted = 0
         self._waiters: list[tuple[Request, int]] = []  # waiting this step (in_progress), with the block they wait for
