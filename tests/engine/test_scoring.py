@@ -27,9 +27,16 @@ def direct(loaded, context: str, cont: str) -> tuple[list[float], list[bool]]:
             [int(mx.argmax(logits[p]).item()) == ids[k] for k, p in enumerate(rows)])
 
 
-@pytest.mark.parametrize("cfg", [dict(), dict(prefix_cache=False), dict(prefill_chunk_size=5, max_num_seqs=2)])
+@pytest.mark.parametrize("cfg", [dict(), dict(prefix_cache=False), dict(prefill_chunk_size=5, max_num_seqs=2),
+                                 dict(cuda_path=True), dict(cuda_path=True, prefill_chunk_size=5, max_num_seqs=2)])
 def test_scores_equal_a_full_forward(tiny_loaded, cfg):
+    cfg = dict(cfg)
+    cuda_path = cfg.pop("cuda_path", False)
     eng = Engine(tiny_loaded, EngineConfig(warm_up=False, **cfg))
+    if cuda_path:  # CUDA's flags: bucketed passes, packed prefill, rows staying in their slots (score rows run
+        b = eng.core.runner.batch  # bucketed passes over their slots beside packed generation rows)
+        b.batched_moves = b.shape_buckets = b.packed_prefill = b.rows_stay = True
+        eng.core.runner._prune_last = False
     # scoring rows share the batch with generation rows
     gen = eng.core.add_request("Hello there", SamplingParams(temperature=0, max_tokens=6))
     outs = eng.score(ITEMS)

@@ -94,6 +94,14 @@ def test_bucketed_engine_gives_the_same_tokens_with_far_fewer_attention_shapes(t
         shapes[buckets] = seen
     assert outputs[True] == outputs[False]
     assert prefill[True] == prefill[False]
+    monkeypatch.setattr(SlotBatch, "forward", orig)
+    with Engine(tiny_loaded, cfg) as eng:  # and rows staying in their slots (CUDA): bucketed passes over scattered slots
+        b = eng.core.runner.batch
+        b.batched_moves = b.shape_buckets = b.rows_stay = True
+        eng.core.runner._prune_last = False
+        outs = eng.generate(prompts, params)
+        assert eng.stats()["profile"]["prefill_tokens"] == prefill[False]
+    assert [list(o.completions[0].token_ids) for o in outs] == outputs[False]
     exact, bucketed = {s[:4] for s in shapes[False]}, {s[:4] for s in shapes[True]}
     assert len(shapes[False]) >= 20 and len(exact) >= 0.8 * len(shapes[False])  # exact shapes: nearly all new
     assert len(bucketed) <= 0.75 * len(exact), (len(bucketed), len(exact))
