@@ -245,7 +245,10 @@ class ModelRunner(StepCommit):
             return [[r.last_token] for r in rows]
         pos = last.index
         assert all(r.request_id in pos for r in rows), "a decoding row was not drawn in the step before"
-        return last.drawn.chosen[mx.array([pos[r.request_id] for r in rows], dtype=mx.int32)][:, None]
+        at = [pos[r.request_id] for r in rows]
+        if at == list(range(len(at))):  # the last draw's first rows, in order (most steps): a view, no gather
+            return last.drawn.chosen[: len(at), None]
+        return last.drawn.chosen[mx.array(at, dtype=mx.int32)][:, None]
 
     def _launch_fixed(self, out: SchedulerOutput) -> Launched:
         """The step in batch-invariant mode: fixed-shape forwards, then the shared draw and commit."""

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
-from mlxbatch.engine.kv.packed import TOKEN_STEP, PackedPass
+from mlxbatch.engine.kv.packed import TOKEN_STEP, PackedPass, host_arrays
 from mlxbatch.engine.kv.slots import POSITION_STEP, SlotBatch
 from mlxbatch.engine.outputs import Traffic
 from mlxbatch.types import SamplingParams
@@ -155,3 +155,12 @@ def test_packed_engine_gives_the_same_tokens_in_one_pass_a_step(tiny_loaded, sha
     assert stats_c["row_moved_bytes"] * 4 < stats_b["row_moved_bytes"] or stats_c["row_moved_bytes"] == 0
     copy_ins = stats_b["moved_bytes"] - stats_b["row_moved_bytes"]
     assert stats_c["moved_bytes"] - stats_c["row_moved_bytes"] == copy_ins and (copy_ins > 0 or shape == "long prompts")
+
+
+def test_host_arrays_are_views_of_one_array_in_order():
+    """A pass's host-made index lists become int32 arrays of their own lengths and values (views of one array made
+    from host data: on CUDA one unified-memory buffer a pass, ``kv.packed.host_arrays``), empty lists included."""
+    parts = [[5, 6, 7], [], [1], list(range(40))]
+    got = host_arrays(*parts)
+    assert [a.tolist() for a in got] == parts
+    assert all(a.dtype == mx.int32 and a.shape == (len(p),) for a, p in zip(got, parts))

@@ -73,9 +73,10 @@ class CompiledDecode:
         kernel = slots.decode_attention
         return not self.broken and (kernel is None or kernel.worth(rows, kv_heads, capacity))
 
-    def run(self, slots: _Slots, model: Any, tokens: mx.array, offsets: list[int], rows: mx.array,
+    def run(self, slots: _Slots, model: Any, tokens: mx.array, offsets: mx.array, rows: mx.array,
             keys: list[mx.array], values: list[mx.array]) -> mx.array | None:
-        shape = (len(offsets), *keys[0].shape)
+        """``tokens`` ``[n, 1]``, ``offsets`` and ``rows`` ``[n]``, int32."""
+        shape = (offsets.shape[0], *keys[0].shape)
         fn = self._fns.get(shape)
         if fn is None:
             seen = self._seen[shape] = self._seen.get(shape, 0) + 1
@@ -88,9 +89,8 @@ class CompiledDecode:
                 self._fns.popitem(last=False)  # its trace goes with it
         else:
             self._fns.move_to_end(shape)
-        off = mx.array(offsets, dtype=mx.int32)
         try:
-            outs = fn(tokens, off, rows, *keys, *values)
+            outs = fn(tokens, offsets, rows, *keys, *values)
         except Exception as exc:  # a primitive MLX cannot trace: this engine builds its passes as before
             log.warning("compiled decode passes unavailable (%s); building each pass", exc)
             self.broken = True

@@ -42,6 +42,18 @@ def bucket(x: int) -> int:
     return -(-x // step) * step
 
 
+def host_arrays(*parts: Sequence[int]) -> list[mx.array]:
+    """Lists of ints as int32 views of one array made from host data. On CUDA such an array is a unified-memory
+    buffer, which MLX's allocator later frees with a synchronous ``cudaFree`` (a wait for the whole device) when it
+    trims its cache: one buffer a pass, not one a list (docs/benchmarks.md)."""
+    whole = mx.array([x for p in parts for x in p], dtype=mx.int32)
+    out, at = [], 0
+    for p in parts:
+        out.append(whole[at : at + len(p)])
+        at += len(p)
+    return out
+
+
 def is_run(slots: Sequence[int]) -> bool:
     """Whether these slots are consecutive, in order (a pass over them reads and writes slices)."""
     return all(s == slots[0] + i for i, s in enumerate(slots))
@@ -111,10 +123,9 @@ class PackedPass:
             rows += [slot] * n
             pos += range(o, o + n)
         groups: list[AttentionGroup] = []
-        table = None
+        flat_units: list[int] = []
         if kernel is not None:
-            table = mx.array(packed_attention.units(slots, offsets, lengths, kernel.rep), dtype=mx.int32).reshape(
-                -1, packed_attention.FIELDS)
+            flat_units = packed_attention.units(slots, offsets, lengths, kernel.rep)
             sizes = ()
         r0 = 0
         for size in sizes:
@@ -151,11 +162,11 @@ class PackedPass:
             groups.append(AttentionGroup(run[0], size, width, keys, q_index, mx.array(out_rows, dtype=mx.int32),
                                          mx.array(out_pos, dtype=mx.int32), mask, fused, gather))
             r0 += size
-        positions = mx.array(pos + [0] * (padded - n_tok), dtype=mx.int32)
-        return PackedPass(start, start + len(offsets), n_tok, padded, positions,
-                          mx.array(rows, dtype=mx.int32)[:, None], positions[:n_tok, None], tuple(groups),
-                          tuple(f - 1 for f in first[1:]), max(o + n for o, n in zip(offsets, lengths)), kernel,
-                          table)
+        positions, write_rows, table = host_arrays(pos + [0] * (padded - n_tok), rows, flat_units)
+        return PackedPass(start, start + len(offsets), n_tok, padded, positions, write_rows[:, None],
+                          positions[:n_tok, None], tuple(groups), tuple(f - 1 for f in first[1:]),
+                          max(o + n for o, n in zip(offsets, lengths)), kernel,
+                          table.reshape(-1, packed_attention.FIELDS) if kernel is not None else None)
 
     def _write_index(self, heads: int) -> tuple[mx.array, ...]:
         """The writes' index arrays (rows, heads, positions), each ``[tokens, heads]``, made once a pass."""

@@ -4,7 +4,8 @@ Owns the KV buffers of every admitted sequence. A slot of every layer holds one 
 positions ``0..length-1``. A forward pass runs over a range of rows with ``T`` new tokens per row (``T`` = 1 for
 decode, a chunk for prefill, right-padded): each row writes at its own offset and a causal mask per row hides the rest
 (``kv.slot_forward``); on CUDA a step's prefill rows run as one packed pass instead (``forward_packed``, ``kv.packed``:
-their tokens end to end). Decoding rows come first in the batch's order, prefilling rows after them.
+their tokens end to end). The passes are its base ``SlotPasses`` (``kv.slot_passes``), the row moves its base
+``RowMoves`` (``kv.row_moves``). Decoding rows come first in the batch's order, prefilling rows after them.
 - **Rows move** (the CPU): row ``i`` is slot ``i``, so both kinds of step read a contiguous slice of the buffers, and
   admitting, promoting or retiring a sequence moves at most two rows' KV (``kv.row_moves``).
 - **Rows stay** (``rows_stay``: CUDA, whose passes read and write each row's own slot through the engine's kernels):
@@ -16,7 +17,6 @@ left-padded dense cache that is rebuilt at every admission and finish.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from collections.abc import Sequence
 from typing import Any
@@ -26,14 +26,9 @@ import mlx.core as mx
 from mlxbatch.engine.kv import copies
 from mlxbatch.engine.kv.packed import PackedPass
 from mlxbatch.engine.kv.row_moves import RowMoves
-from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache, bucketed_pass, plan_forward, write_kv
+from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache
+from mlxbatch.engine.kv.slot_passes import POSITION_STEP, SlotPasses, _round_up
 from mlxbatch.engine.outputs import Traffic
-
-POSITION_STEP = 256
-
-
-def _round_up(n: int, step: int) -> int:
-    return ((n + step - 1) // step) * step
 
 
 def row_capacity(rows: int) -> int:
@@ -44,7 +39,7 @@ def row_capacity(rows: int) -> int:
     return cap
 
 
-class SlotBatch(RowMoves):
+class SlotBatch(RowMoves, SlotPasses):
     """KV for every admitted sequence; rows ``[0, n_decode)`` decode, rows ``[n_decode, n)`` prefill (rows of the
     batch's order: where ``rows_stay``, row ``i``'s KV is in slot ``slot_of(ids[i])``, else in slot ``i``)."""
 
@@ -256,117 +251,6 @@ class SlotBatch(RowMoves):
         (a pending slice keeps the buffer referenced, so the forward's in-place write would copy it whole)."""
         n, s = self.lengths[self.row_of(request_id)], self.slot_of(request_id)
         return [(k[s : s + 1, :, :n, :], v[s : s + 1, :, :n, :]) for k, v in zip(self._keys, self._values)]
-
-    # -- forward -------------------------------------------------------------------------------
-    def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]] | mx.array, full: bool = False,
-                offsets: Sequence[int] | None = None) -> mx.array:
-        """Run rows ``[start, start+len(tokens))`` over their new tokens; returns each row's last output
-        (``[rows, dim]``), or every position's (``[rows, T, dim]``) with ``full``.
-
-        ``model`` maps ``(inputs, cache=...)`` to per-position outputs (logits, or hidden states when the
-        caller applies the LM head itself to the last positions only).
-
-        Rows with fewer tokens than the longest are right-padded; padding writes land past the row's
-        length, where later tokens overwrite them, and no real query can see them (causal mask). ``tokens`` may be
-        an array ``[rows, 1]`` (a decode pass fed the ids the step before drew, still on the device).
-        """
-        if isinstance(tokens, mx.array):
-            assert tokens.ndim == 2 and tokens.shape[1] == 1, "an array of tokens feeds a decode pass"
-        n = len(tokens)
-        T = 1 if isinstance(tokens, mx.array) else max(len(t) for t in tokens)
-        # where each row's new tokens start: its committed length, unless an earlier forward of the same step
-        # (not committed yet) already wrote some
-        explicit = offsets is not None
-        offsets = list(offsets) if offsets is not None else self.lengths[start : start + n]
-        if T == 1 and start == 0 and not explicit and not full and self.compiled_decode is not None:
-            out = self._compiled_decode(model, tokens, offsets)
-            if out is not None:
-                return out
-        if self.shape_buckets and T > 1:
-            self._ensure(start + n, _round_up(max(o + T for o in offsets), POSITION_STEP))  # as an exact pass
-            room = self._rows_cap if self.rows_stay else self._rows_cap - start  # padding rows' slots (read only)
-            fp = bucketed_pass(start, offsets, T, room, POSITION_STEP, self.slots(start, start + n))
-        else:
-            self._ensure(start + n, max(o + T for o in offsets))
-            fp = plan_forward(start, offsets, T, self.batched_moves, slots=self.slots(start, start + n))
-        if T > 1 and self.prefill_attention is not None:  # CUDA: a new shape's attention unfused, no cuDNN build
-            fused = self.prefill_attention.fused(fp.stop - fp.start, fp.width, fp.t_used, self._pos_cap, fp.mask)
-            fp = dataclasses.replace(fp, fused=fused)
-        self._pass = fp
-        rows, width = fp.stop - fp.start, fp.width
-        if isinstance(tokens, mx.array):
-            assert (rows, width) == (n, 1)
-            inputs = tokens
-        else:
-            pad = tokens if rows == n and width == 1 else \
-                [list(t) + [0] * (width - len(t)) for t in tokens] + [[0] * width] * (rows - n)
-            inputs = mx.array(pad, dtype=mx.int32)
-        out = model(inputs, cache=self.layers)
-        if rows > n:
-            out = out[:n]
-        if full:
-            return out[:, :T] if width > T else out
-        if T == 1:
-            return out[:, 0, :]
-        last = mx.array([len(t) - 1 for t in tokens], dtype=mx.int32)
-        return mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :]
-
-    def forward_packed(self, model: Any, start: int, tokens: Sequence[Sequence[int]], sizes: Sequence[int],
-                       rows: Sequence[int]) -> mx.array:
-        """Prefill rows ``[start, start+len(tokens))`` over their new tokens in one packed pass (``kv.packed``: the
-        tokens end to end, attention in pass groups of ``sizes`` rows); returns the last output of each row in
-        ``rows`` (``[len(rows), dim]``). ``model`` must attend through the layer caches (``model.own_body``)."""
-        offsets = self.lengths[start : start + len(tokens)]
-        self._ensure(start + len(tokens), _round_up(max(o + len(t) for o, t in zip(offsets, tokens)), POSITION_STEP))
-        plan = PackedPass.plan(start, offsets, [len(t) for t in tokens], sizes, POSITION_STEP,
-                               self.prefill_attention, self._pos_cap, self.packed_attention,
-                               self.slots(start, start + len(tokens)))
-        self._pass = plan
-        flat = [t for row in tokens for t in row]
-        inputs = mx.array(flat + [0] * (plan.padded - plan.tokens), dtype=mx.int32)[:, None]
-        out = model(inputs, cache=self.layers)  # [padded, 1, dim]
-        return out[mx.array([plan.last[r] for r in rows], dtype=mx.int32), 0, :]
-
-    def _compiled_decode(self, model: Any, tokens: Sequence[Sequence[int]] | mx.array, offsets: list[int]
-                         ) -> mx.array | None:
-        """A decode pass over rows ``0 .. len(offsets)`` from a compiled graph, if its shape is compiled."""
-        n = len(offsets)
-        self._ensure(n, max(offsets) + 1)
-        if not self.compiled_decode.accepts(self, n, self._keys[0].shape[1], self._pos_cap):
-            return None
-        inputs = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.int32)
-        return self.compiled_decode.run(self, model, inputs.astype(mx.int32), offsets, self._decode_slots(n),
-                                        self._keys, self._values)
-
-    def _decode_slots(self, n: int) -> mx.array:
-        """The slots of rows ``0 .. n`` as an array, made again only when they changed."""
-        key = tuple(self._slot[:n]) if self.rows_stay else n
-        if self._decode_key != key:
-            self._decode_key = key
-            self._decode_rows = mx.array(list(key), dtype=mx.int32) if self.rows_stay else mx.arange(n, dtype=mx.int32)
-        assert self._decode_rows is not None
-        return self._decode_rows
-
-    def swap(self, keys: list[mx.array], values: list[mx.array], fp: ForwardPass | None
-             ) -> tuple[list[mx.array], list[mx.array]]:
-        """Put ``keys``/``values`` in place of the buffers and ``fp`` as the pass in progress; returns the buffers
-        they replace (``kv.compiled_decode``: a trace runs the layer caches over its own buffers, and the written
-        buffers a compiled pass returns replace the old ones)."""
-        old = self._keys, self._values
-        self._keys, self._values, self._pass = keys, values, fp
-        return old
-
-    def current_pass(self) -> ForwardPass | PackedPass:
-        assert self._pass is not None, "layer caches are read during a forward pass only"
-        return self._pass
-
-    def write_layer(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        fp = self.current_pass()
-        assert isinstance(fp, ForwardPass), "a packed pass writes through ``SlotLayerCache.attend``"
-        return write_kv(self._keys[layer], self._values[layer], fp, keys, values)
-
-    def layer_buffers(self, layer: int) -> tuple[mx.array, mx.array]:
-        return self._keys[layer], self._values[layer]
 
     def check_integrity(self) -> None:
         """Assert the row books agree (tests call it after every operation)."""

@@ -1,0 +1,143 @@
+"""The slot batch's forward passes: a pass over rows of the batch, a step's prefill rows as one packed pass, and
+decode passes replayed from compiled graphs.
+
+A base of ``SlotBatch`` (``kv.slots``), which owns the buffers and books these read: the pass plans its rows' writes
+and reads (``kv.slot_forward``, ``kv.packed``), sets it as the pass in progress, and calls the model with the layer
+caches (``SlotLayerCache``), which ask it for the pass and the buffers of their layer. Calls the batch's
+``_ensure`` (room for the pass), ``slots`` and ``slot_of``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from mlxbatch.engine.kv.packed import PackedPass, host_arrays
+from mlxbatch.engine.kv.slot_forward import ForwardPass, bucketed_pass, plan_forward, write_kv
+
+POSITION_STEP = 256  # buffers' positions grow by this much, and bucketed passes read keys in multiples of it
+
+
+def _round_up(n: int, step: int) -> int:
+    return ((n + step - 1) // step) * step
+
+
+class SlotPasses:
+    """A base of ``SlotBatch``: its forward passes, and the hooks its layer caches call during one."""
+
+    def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]] | mx.array, full: bool = False,
+                offsets: Sequence[int] | None = None) -> mx.array:
+        """Run rows ``[start, start+len(tokens))`` over their new tokens; returns each row's last output
+        (``[rows, dim]``), or every position's (``[rows, T, dim]``) with ``full``.
+
+        ``model`` maps ``(inputs, cache=...)`` to per-position outputs (logits, or hidden states when the
+        caller applies the LM head itself to the last positions only).
+
+        Rows with fewer tokens than the longest are right-padded; padding writes land past the row's
+        length, where later tokens overwrite them, and no real query can see them (causal mask). ``tokens`` may be
+        an array ``[rows, 1]`` (a decode pass fed the ids the step before drew, still on the device).
+        """
+        if isinstance(tokens, mx.array):
+            assert tokens.ndim == 2 and tokens.shape[1] == 1, "an array of tokens feeds a decode pass"
+        n = len(tokens)
+        T = 1 if isinstance(tokens, mx.array) else max(len(t) for t in tokens)
+        # where each row's new tokens start: its committed length, unless an earlier forward of the same step
+        # (not committed yet) already wrote some
+        explicit = offsets is not None
+        offsets = list(offsets) if offsets is not None else self.lengths[start : start + n]
+        if T == 1 and start == 0 and not explicit and not full and self.compiled_decode is not None:
+            out = self._compiled_decode(model, tokens, offsets)
+            if out is not None:
+                return out
+        if self.shape_buckets and T > 1:
+            self._ensure(start + n, _round_up(max(o + T for o in offsets), POSITION_STEP))  # as an exact pass
+            room = self._rows_cap if self.rows_stay else self._rows_cap - start  # padding rows' slots (read only)
+            fp = bucketed_pass(start, offsets, T, room, POSITION_STEP, self.slots(start, start + n))
+        else:
+            self._ensure(start + n, max(o + T for o in offsets))
+            fp = plan_forward(start, offsets, T, self.batched_moves, slots=self.slots(start, start + n))
+        if T > 1 and self.prefill_attention is not None:  # CUDA: a new shape's attention unfused, no cuDNN build
+            fused = self.prefill_attention.fused(fp.stop - fp.start, fp.width, fp.t_used, self._pos_cap, fp.mask)
+            fp = dataclasses.replace(fp, fused=fused)
+        self._pass = fp
+        rows, width = fp.stop - fp.start, fp.width
+        if isinstance(tokens, mx.array):
+            assert (rows, width) == (n, 1)
+            inputs = tokens
+        else:
+            pad = tokens if rows == n and width == 1 else \
+                [list(t) + [0] * (width - len(t)) for t in tokens] + [[0] * width] * (rows - n)
+            inputs = mx.array(pad, dtype=mx.int32)
+        out = model(inputs, cache=self.layers)
+        if rows > n:
+            out = out[:n]
+        if full:
+            return out[:, :T] if width > T else out
+        if T == 1:
+            return out[:, 0, :]
+        last = mx.array([len(t) - 1 for t in tokens], dtype=mx.int32)
+        return mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :]
+
+    def forward_packed(self, model: Any, start: int, tokens: Sequence[Sequence[int]], sizes: Sequence[int],
+                       rows: Sequence[int]) -> mx.array:
+        """Prefill rows ``[start, start+len(tokens))`` over their new tokens in one packed pass (``kv.packed``: the
+        tokens end to end, attention in pass groups of ``sizes`` rows); returns the last output of each row in
+        ``rows`` (``[len(rows), dim]``). ``model`` must attend through the layer caches (``model.own_body``)."""
+        offsets = self.lengths[start : start + len(tokens)]
+        self._ensure(start + len(tokens), _round_up(max(o + len(t) for o, t in zip(offsets, tokens)), POSITION_STEP))
+        plan = PackedPass.plan(start, offsets, [len(t) for t in tokens], sizes, POSITION_STEP,
+                               self.prefill_attention, self._pos_cap, self.packed_attention,
+                               self.slots(start, start + len(tokens)))
+        self._pass = plan
+        flat = [t for row in tokens for t in row]
+        inputs, last = host_arrays(flat + [0] * (plan.padded - plan.tokens), [plan.last[r] for r in rows])
+        out = model(inputs[:, None], cache=self.layers)  # [padded, 1, dim]
+        return out[last, 0, :]
+
+    def _compiled_decode(self, model: Any, tokens: Sequence[Sequence[int]] | mx.array, offsets: list[int]
+                         ) -> mx.array | None:
+        """A decode pass over rows ``0 .. len(offsets)`` from a compiled graph, if its shape is compiled."""
+        n = len(offsets)
+        self._ensure(n, max(offsets) + 1)
+        if not self.compiled_decode.accepts(self, n, self._keys[0].shape[1], self._pos_cap):
+            return None
+        if isinstance(tokens, mx.array):
+            inputs, off = tokens.astype(mx.int32), host_arrays(offsets)[0]
+        else:  # the tokens and offsets in one host-made array (``kv.packed.host_arrays``)
+            ids, off = host_arrays([t for row in tokens for t in row], offsets)
+            inputs = ids[:, None]
+        return self.compiled_decode.run(self, model, inputs, off, self._decode_slots(n), self._keys, self._values)
+
+    def _decode_slots(self, n: int) -> mx.array:
+        """The slots of rows ``0 .. n`` as an array, made again only when they changed."""
+        key = tuple(self._slot[:n]) if self.rows_stay else n
+        if self._decode_key != key:
+            self._decode_key = key
+            self._decode_rows = mx.array(list(key), dtype=mx.int32) if self.rows_stay else mx.arange(n, dtype=mx.int32)
+        assert self._decode_rows is not None
+        return self._decode_rows
+
+    def swap(self, keys: list[mx.array], values: list[mx.array], fp: ForwardPass | None
+             ) -> tuple[list[mx.array], list[mx.array]]:
+        """Put ``keys``/``values`` in place of the buffers and ``fp`` as the pass in progress; returns the buffers
+        they replace (``kv.compiled_decode``: a trace runs the layer caches over its own buffers, and the written
+        buffers a compiled pass returns replace the old ones)."""
+        old = self._keys, self._values
+        self._keys, self._values, self._pass = keys, values, fp
+        return old
+
+    def current_pass(self) -> ForwardPass | PackedPass:
+        assert self._pass is not None, "layer caches are read during a forward pass only"
+        return self._pass
+
+    def write_layer(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        fp = self.current_pass()
+        assert isinstance(fp, ForwardPass), "a packed pass writes through ``SlotLayerCache.attend``"
+        return write_kv(self._keys[layer], self._values[layer], fp, keys, values)
+
+    def layer_buffers(self, layer: int) -> tuple[mx.array, mx.array]:
+        return self._keys[layer], self._values[layer]
+
