@@ -571,3 +571,21 @@ def test_admitted_rows_get_their_prefix_once_in_their_pass_place(tiny_loaded, ba
     assert t.row_moved_bytes == 0
     assert t.moved_bytes == 12 * len(shared) * eng.core.runner.batch.position_bytes
     eng.close()
+
+
+def test_a_prefix_gathered_in_a_rows_layout_is_its_blocks_in_order():
+    """``PrefixStore.gather_prefix``: one gather a buffer straight into a row's layout ``[H, blocks * B, D]``, the
+    same values as the blocks gathered and laid end to end (what a wide copy-in writes into its rows)."""
+    layers, H, B, D = 2, 3, 4, 5
+    store = PrefixStore(layers, H, D, mx.float32, 2 * layers * H * D * 4, 16, B)
+    ids = list(range(10))
+    keys = [mx.random.normal((len(ids), H, B, D), key=mx.random.key(i)) for i in range(layers)]
+    values = [mx.random.normal((len(ids), H, B, D), key=mx.random.key(10 + i)) for i in range(layers)]
+    store.write_blocks(ids, keys, values)
+    mx.eval(store.pending())
+    chosen = [7, 2, 9, 2]
+    got = store.gather_prefix(chosen)
+    k, v = store.gather(chosen)
+    want = [x.transpose(1, 0, 2, 3).reshape(H, len(chosen) * B, D) for x in (*k, *v)]
+    assert len(got) == 2 * layers
+    assert all(g.shape == (H, len(chosen) * B, D) and mx.array_equal(g, w).item() for g, w in zip(got, want))

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from mlxbatch.engine.kv import copies
+from mlxbatch.engine.kv.packed import host_arrays
 from mlxbatch.engine.outputs import Traffic
 
 
@@ -57,6 +58,15 @@ class PrefixStore:
         """These blocks, in order, per layer ``[blocks, H, block_size, D]`` (one gather per layer, lazy)."""
         idx = mx.array(list(block_ids), dtype=mx.int32)
         return [k[idx] for k in self._keys], [v[idx] for v in self._values]
+
+    def gather_prefix(self, block_ids: Sequence[int]) -> list[mx.array]:
+        """These blocks as one prefix in a row's layout, every layer's keys then values, each ``[H, blocks *
+        block_size, D]`` (lazy): one gather per buffer (``gather`` then a transpose to a row's layout costs a copy per
+        buffer more: 48 kernels a copy-in on the 0.5B shape)."""
+        B, n = self.block_size, len(block_ids)
+        blk, pos = host_arrays([b for b in block_ids for _ in range(B)], list(range(B)) * n)
+        heads = mx.arange(self._shape[0], dtype=mx.int32)[:, None]
+        return [buf[blk[None, :], heads, pos[None, :]] for buf in (*self._keys, *self._values)]
 
     def write(self, row_kv: Sequence[tuple[mx.array, mx.array]], first_block: int, block_ids: Sequence[int]) -> None:
         """Copy blocks ``first_block ..`` of a row (per layer ``[1, H, length, D]``, lazy views) into ``block_ids`` (the

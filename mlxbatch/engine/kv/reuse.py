@@ -76,14 +76,12 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
         for part in copies.slices(wide + rest, lambda g: len(g[0]) * B * pos, max_bytes):
             blocks = [(ids, rids[0]) for ids, rids in part if len(rids) < batch.broadcast_rows]
             for block_ids, rids in part:
-                if len(rids) >= batch.broadcast_rows:  # per layer [blocks, H, B, D] -> one row's [H, blocks * B, D]
-                    keys, values = store.gather(block_ids)
-                    batch.write_prefix(rids, [x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])
-                                              for x in (*keys, *values)])
+                if len(rids) >= batch.broadcast_rows:  # gathered in a row's layout: [H, blocks * B, D] a buffer
+                    batch.write_prefix(rids, store.gather_prefix(block_ids))
             if blocks:
                 keys, values = store.gather([b for ids, _ in blocks for b in ids])
                 batch.write_blocks([(rid, j * B) for ids, rid in blocks for j in range(len(ids))], keys, values, B)
-            del keys, values
+                del keys, values
             # launched, not waited for: the host plans and builds the step's passes while the device copies; the
             # next launch waits for it (``Traffic``), so no slot or block is rewritten before the copy read it
             batch.traffic.launch("prefill", *batch.kv_arrays())
