@@ -304,3 +304,18 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_pool_random_operations = PoolMachine.TestCase
+
+
+def test_hashes_from_known_leading_blocks_equal_hashing_it_all():
+    """``block_hashes(..., known=...)`` takes the first blocks' hashes as given (a prompt sharing them with one hashed
+    before) and hashes only the rest: the same chain as hashing everything, media after the known blocks included."""
+    shared = list(range(100, 180))  # 5 blocks of 16
+    a = shared + [1] * 37
+    b = shared[:70] + [2] * 50  # shares 4 whole blocks with ``a``, then differs mid-block
+    chain_a = block_hashes(a, 16)
+    for k in range(0, 5):
+        assert block_hashes(b, 16, known=chain_a[:k]) == block_hashes(b, 16)
+    media = [(90, "img")]
+    assert block_hashes(b, 16, media, known=chain_a[:4]) == block_hashes(b, 16, media)
+    assert block_hashes(b, 16, known=chain_a[:4]) != block_hashes(b, 16, media)
+    assert block_hashes(b[:40], 16, known=chain_a[:4]) == block_hashes(b[:40], 16)  # more known than blocks: cut

@@ -88,13 +88,16 @@ def test_the_running_row_search_compares_whole_prefixes_only_with_rows_that_can_
 
     calls = []
     full = prefix_mod.common_prefix_len
-    monkeypatch.setattr(prefix_mod, "common_prefix_len", lambda a, b: calls.append(1) or full(a, b))
+    monkeypatch.setattr(prefix_mod, "common_prefix_len", lambda a, b: calls.append(b) or full(a, b))
     ix = PrefixIndex(64, B)
     others = [req(f"r{i}", [1, 2, 3, 100 + i, 5, 6, 7, 8, 9]) for i in range(10)]  # 3 tokens shared: under a block
     a = req("a", list(range(1, 20)))
     _running(ix, [*others, a])
+    calls.clear()
     assert admit(ix, req("c", list(range(1, 15)) + [77])) == RunningRow("a", 14)
-    assert len(calls) == 1  # only "a" was compared in full
+    # only "a" was compared in full (besides the block hashes' comparison with the last prompt hashed: "a" too)
+    assert calls[-1] == a.prompt_token_ids
+    assert not [ids for ids in calls if any(ids == o.prompt_token_ids for o in others)]
 
 
 def test_the_running_row_search_finds_what_comparing_every_row_finds():
@@ -380,3 +383,19 @@ def test_partial_books_keep_what_the_pool_holds_and_stay_bounded():
     ix.begin_step()
     src = admit(ix, last)
     assert isinstance(src, CachedBlocks) and src.num_tokens == 6, src  # the last row's partial, to the token
+
+
+def test_prompts_sharing_blocks_with_the_last_hashed_get_the_chain_hashing_all_of_them_gives():
+    """Hashes taken from the last prompt hashed (the blocks both share) leave every sequence's chain as hashing its
+    own tokens gives, whatever it shares: a cached block is matched exactly when the prompts agree up to its end."""
+    from mlxbatch.engine.sched.blocks import block_hashes
+
+    ix = PrefixIndex(64, B)
+    shared = list(range(1, 14))  # 3 whole blocks and a token
+    prompts = [shared + [20, 21, 22, 23, 24], shared + [30, 31, 32], shared[:6] + [40] * 9, list(range(50, 62)),
+               shared + [20, 21, 22, 23, 25, 26]]
+    for i, tokens in enumerate(prompts):
+        ix.begin_step()
+        r = req(f"r{i}", tokens)
+        admit(ix, r)
+        assert ix._chain(r) == block_hashes(tokens, B)

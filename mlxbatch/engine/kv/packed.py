@@ -29,7 +29,8 @@ from mlxbatch.engine.kv.prefill_attention import causal_mask, unfused
 TOKEN_STEP = 128  # a packed pass runs a multiple of this many tokens (the projections' GEMM shapes recur)
 
 
-def _round_up(n: int, step: int) -> int:
+def round_up(n: int, step: int) -> int:
+    """``n`` rounded up to a multiple of ``step``."""
     return -(-n // step) * step
 
 
@@ -112,7 +113,7 @@ class PackedPass:
         for n in lengths:
             first.append(first[-1] + n)
         n_tok = first[-1]
-        padded = _round_up(n_tok, TOKEN_STEP)
+        padded = round_up(n_tok, TOKEN_STEP)
         if slots is None:
             slots = range(start, start + len(offsets))
         else:
@@ -130,7 +131,7 @@ class PackedPass:
         r0 = 0
         for size in sizes:
             offs, lens = offsets[r0 : r0 + size], lengths[r0 : r0 + size]
-            end = _round_up(max(o + n for o, n in zip(offs, lens)), kv_step)
+            end = round_up(max(o + n for o, n in zip(offs, lens)), kv_step)
             width = bucket(max(lens))
             if len(set(offs)) == 1:  # causal: the keys end with the queries (within the rows' positions)
                 width = min(width, end - offs[0])

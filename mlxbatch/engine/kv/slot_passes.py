@@ -15,14 +15,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.kv.packed import PackedPass, host_arrays
+from mlxbatch.engine.kv.packed import PackedPass, host_arrays, round_up
 from mlxbatch.engine.kv.slot_forward import ForwardPass, bucketed_pass, plan_forward, write_kv
 
 POSITION_STEP = 256  # buffers' positions grow by this much, and bucketed passes read keys in multiples of it
-
-
-def _round_up(n: int, step: int) -> int:
-    return ((n + step - 1) // step) * step
 
 
 class SlotPasses:
@@ -53,7 +49,7 @@ class SlotPasses:
             if out is not None:
                 return out
         if self.shape_buckets and T > 1:
-            self._ensure(start + n, _round_up(max(o + T for o in offsets), POSITION_STEP))  # as an exact pass
+            self._ensure(start + n, round_up(max(o + T for o in offsets), POSITION_STEP))  # as an exact pass
             room = self._rows_cap if self.rows_stay else self._rows_cap - start  # padding rows' slots (read only)
             fp = bucketed_pass(start, offsets, T, room, POSITION_STEP, self.slots(start, start + n))
         else:
@@ -87,7 +83,7 @@ class SlotPasses:
         tokens end to end, attention in pass groups of ``sizes`` rows); returns the last output of each row in
         ``rows`` (``[len(rows), dim]``). ``model`` must attend through the layer caches (``model.own_body``)."""
         offsets = self.lengths[start : start + len(tokens)]
-        self._ensure(start + len(tokens), _round_up(max(o + len(t) for o, t in zip(offsets, tokens)), POSITION_STEP))
+        self._ensure(start + len(tokens), round_up(max(o + len(t) for o, t in zip(offsets, tokens)), POSITION_STEP))
         plan = PackedPass.plan(start, offsets, [len(t) for t in tokens], sizes, POSITION_STEP,
                                self.prefill_attention, self._pos_cap, self.packed_attention,
                                self.slots(start, start + len(tokens)))

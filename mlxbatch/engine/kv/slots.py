@@ -24,10 +24,10 @@ from typing import Any
 import mlx.core as mx
 
 from mlxbatch.engine.kv import copies
-from mlxbatch.engine.kv.packed import PackedPass
+from mlxbatch.engine.kv.packed import PackedPass, round_up
 from mlxbatch.engine.kv.row_moves import RowMoves
 from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache
-from mlxbatch.engine.kv.slot_passes import POSITION_STEP, SlotPasses, _round_up
+from mlxbatch.engine.kv.slot_passes import POSITION_STEP, SlotPasses
 from mlxbatch.engine.outputs import Traffic
 
 
@@ -109,7 +109,7 @@ class SlotBatch(RowMoves, SlotPasses):
         grow the buffers to (rows double) x the longest, padded. What is charged is what is allocated."""
         if not lengths:
             return 0
-        return row_capacity(len(lengths)) * _round_up(max(lengths), POSITION_STEP)
+        return row_capacity(len(lengths)) * round_up(max(lengths), POSITION_STEP)
 
     def kv_arrays(self) -> list[mx.array]:
         return self._keys + self._values
@@ -139,7 +139,7 @@ class SlotBatch(RowMoves, SlotPasses):
         # admitted together then grow to 256, not to 220 and then 440
         rows = max(rows, self._span)
         new_rows = self._rows_cap if rows <= self._rows_cap else row_capacity(rows)
-        new_pos = self._pos_cap if positions <= self._pos_cap else _round_up(positions, POSITION_STEP)
+        new_pos = self._pos_cap if positions <= self._pos_cap else round_up(positions, POSITION_STEP)
         if (new_rows, new_pos) == (self._rows_cap, self._pos_cap):
             return
         self.traffic.grown_bytes += self.nbytes
@@ -159,7 +159,7 @@ class SlotBatch(RowMoves, SlotPasses):
         if not self._keys:
             return
         need_rows = max(4, len(self.ids))
-        need_pos = _round_up(max(self.lengths, default=0) + 1, POSITION_STEP)
+        need_pos = round_up(max(self.lengths, default=0) + 1, POSITION_STEP)
         if need_rows * 4 > self._rows_cap and need_pos * 2 > self._pos_cap:
             return
         rows, pos = min(self._rows_cap, row_capacity(2 * need_rows)), min(self._pos_cap, need_pos)

@@ -40,13 +40,15 @@ class NoFreeBlocks(MlxbatchError):
 
 
 def block_hashes(tokens: Sequence[int], block_size: int = BLOCK_SIZE,
-                 media: Sequence[tuple[int, str]] = ()) -> list[int]:
+                 media: Sequence[tuple[int, str]] = (), known: Sequence[int] = ()) -> list[int]:
     """Chained 64-bit hashes of the full blocks of ``tokens`` (a trailing partial block gets none).
 
     ``hash_i = blake2b(hash_{i-1}, tokens of block i, media in block i)``, where ``media`` holds
     (token position, content hash) pairs, e.g. image placeholders keyed by the image's content: two
     prompts with the same placeholder tokens but different images get different hashes from that block on.
-    Stable across processes and machines (not Python's salted ``hash``).
+    Stable across processes and machines (not Python's salted ``hash``). ``known``: the hashes of the first
+    ``len(known)`` blocks, taken as given (a prompt sharing those blocks with one hashed before: only the rest is
+    hashed).
     """
     if block_size < 1:
         raise InvalidRequestError("block_size", block_size, "must be >= 1")
@@ -54,18 +56,20 @@ def block_hashes(tokens: Sequence[int], block_size: int = BLOCK_SIZE,
     for pos, content in sorted(media):
         by_block.setdefault(pos // block_size, []).append((pos, content))
     n = len(tokens) // block_size
-    packed = array("q", tokens[: n * block_size])
+    first = min(len(known), n)
+    packed = array("q", tokens[first * block_size : n * block_size])
     if sys.byteorder == "big":
         packed.byteswap()  # hash little-endian bytes everywhere
     raw = memoryview(packed).cast("B")  # the tokens' bytes, once (a block's are a slice: no copy)
     step = 8 * block_size
     blake2b = hashlib.blake2b
-    out: list[int] = []
-    prev = _ROOT_HASH.to_bytes(8, "little")  # a hash's 8 little-endian bytes are its digest
-    for i in range(n):
+    out: list[int] = list(known[:first])
+    prev = (out[-1] if out else _ROOT_HASH).to_bytes(8, "little")  # a hash's 8 little-endian bytes are its digest
+    for i in range(first, n):
+        j = i - first  # block i's place in ``raw``
         if i in by_block:
             h = blake2b(prev, digest_size=8)
-            h.update(raw[i * step : (i + 1) * step])  # fixed length (block_size ids): media bytes cannot alias tokens
+            h.update(raw[j * step : (j + 1) * step])  # fixed length (block_size ids): media bytes cannot alias tokens
             for pos, content in by_block[i]:
                 data = content.encode()
                 h.update(pos.to_bytes(8, "little"))
@@ -73,7 +77,7 @@ def block_hashes(tokens: Sequence[int], block_size: int = BLOCK_SIZE,
                 h.update(data)
             prev = h.digest()
         else:
-            prev = blake2b(prev + raw[i * step : (i + 1) * step], digest_size=8).digest()
+            prev = blake2b(prev + raw[j * step : (j + 1) * step], digest_size=8).digest()
         out.append(int.from_bytes(prev, "little"))
     return out
 

@@ -15,7 +15,8 @@ decision about them, on the scheduler's side of the step (pure Python: the runne
 - **Keeping** (``plan_stores`` / ``commit``, ``sched.prefix_keeping``): which blocks of a prompt whose prefill ends
   the cache keeps (the plan's retention, partial blocks where later sequences share a prompt to mid-block), and which
   blocks the plan says no later sequence shares (evicted).
-A prompt's block hashes are computed once per sequence. Does not own the KV tensors (the runner's prefix store).
+A prompt's block hashes are computed once per sequence (the blocks it shares with the last one hashed: taken from
+that one's). Does not own the KV tensors (the runner's prefix store).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class PrefixIndex(PrefixKeeping):
         self._computing: dict[str, list[int]] = {}
         self._computing_count: collections.Counter[int] = collections.Counter()
         self._chains: dict[str, list[int]] = {}  # request id -> its tokens' block hashes (until it is freed)
+        self._last_hashed: tuple[list[int], list[int]] | None = None  # the last text prompt hashed: tokens, chain
         self._planned: list[Request] = []  # admitted this step with a plan retention to apply
         self._held: list[CachedBlocks] = []  # matched this step, retained until the step's stores are allocated
         # a whole prompt -> the admitted sequence prefilling it last (text, not scoring): a twin forks its KV
@@ -279,11 +281,20 @@ class PrefixIndex(PrefixKeeping):
         self._partials_noted = sum(len(hs) for by_length in pruned.values() for hs in by_length.values())
 
     def _chain(self, request: Request) -> list[int]:
+        """``request``'s full blocks' chained hashes, computed once. Sequences come mostly in the plan's order, next to
+        the ones they share a prefix with: the blocks a text prompt shares with the last one hashed are taken from
+        its chain (a few-shot job's rows share hundreds of tokens and differ in their last few blocks)."""
         B = self.block_size
         chain = self._chains.get(request.request_id)
         if chain is None or len(chain) < request.num_tokens // B:  # a preempted sequence also has output tokens
             n = request.num_tokens // B * B
-            chain = self._chains[request.request_id] = block_hashes(request.tokens(0, n), B, request.media)
+            tokens = request.tokens(0, n)
+            known: list[int] = []
+            if not request.media and self._last_hashed is not None:
+                last_tokens, last_chain = self._last_hashed
+                known = last_chain[: common_prefix_len(tokens, last_tokens) // B]
+            chain = self._chains[request.request_id] = block_hashes(tokens, B, request.media, known)
+            self._last_hashed = None if request.media else (tokens, chain)
         return chain
 
     @staticmethod
