@@ -7,6 +7,7 @@ from __future__ import annotations
 from mlxbatch import SamplingParams
 from mlxbatch.engine.decoding.detok import TextTracker
 from mlxbatch.engine.request import Request, RequestStatus
+from mlxbatch.engine.sched.blocks import block_hashes
 from mlxbatch.engine.sched.prefix import BlockStore, CachedBlocks, PrefixIndex, RunningRow
 from mlxbatch.engine.sched.scheduler import Admission, Scheduler, SchedulerConfig
 
@@ -388,8 +389,6 @@ def test_partial_books_keep_what_the_pool_holds_and_stay_bounded():
 def test_prompts_sharing_blocks_with_the_last_hashed_get_the_chain_hashing_all_of_them_gives():
     """Hashes taken from the last prompt hashed (the blocks both share) leave every sequence's chain as hashing its
     own tokens gives, whatever it shares: a cached block is matched exactly when the prompts agree up to its end."""
-    from mlxbatch.engine.sched.blocks import block_hashes
-
     ix = PrefixIndex(64, B)
     shared = list(range(1, 14))  # 3 whole blocks and a token
     prompts = [shared + [20, 21, 22, 23, 24], shared + [30, 31, 32], shared[:6] + [40] * 9, list(range(50, 62)),
