@@ -110,6 +110,35 @@ def test_each_replay_writes_at_its_own_rows_offsets(tiny_loaded, stay):
     assert cd.traces == 1 and cd.passes == 4  # the first pass was built, the second traced, then replays
 
 
+def test_a_replay_takes_its_offsets_from_the_last_pass_on_the_device(tiny_loaded):
+    """Where every row advanced by one since the last compiled pass, the pass's offsets are that pass's offsets + 1
+    (a device array it returned), not an array made from host data (on CUDA a host-written unified buffer, which the
+    device faults in); where a row did not advance, they are made from the host's lengths again."""
+    model = tiny_loaded.model
+    batch = _batch(model, [3, 11, 6, 20])
+    batch.compiled_decode = cd = CompiledDecode()
+    run, fed = cd.run, []
+
+    def spy(slots, model, tokens, offsets, rows, keys, values):
+        fed.append(offsets)
+        return run(slots, model, tokens, offsets, rows, keys, values)
+
+    cd.run = spy
+    carried = []
+    for step in range(6):
+        out = batch.forward(model, 0, [[9 + step] for _ in range(4)])
+        mx.eval(out, *batch.kv_arrays())
+        carried.append(cd.next_offsets)
+        lengths = list(batch.lengths[:4])
+        assert fed[-1].tolist() == lengths  # the pass's offsets are the rows' lengths, however they were made
+        for rid in batch.ids[: 3 if step == 3 else 4]:  # at step 3 the last row does not advance
+            batch.advance(rid, 1)
+    assert cd.passes == 5  # the first pass was built (a shape's first sighting), then compiled ones
+    # passes 2 and 3 (fed[2], fed[3]) take the pass before's offsets + 1; pass 4 follows a row that did not advance
+    assert fed[2] is carried[1] and fed[3] is carried[2]
+    assert fed[4] is not carried[3] and fed[5] is carried[4]
+
+
 def _address(a: mx.array) -> int:
     view = np.array(a, copy=False)  # the buffer itself (a view, dropped at once: it would keep the buffer held)
     address = view.__array_interface__["data"][0]

@@ -12,7 +12,10 @@ go through one scatter per buffer (never a slice at a Python offset), and its ke
 (through ``kv.decode_attention`` on CUDA, which reads each row's own keys; elsewhere through an array mask). What does
 vary with shape (rows, buffer capacity) keys the trace. The KV buffers are inputs and the written buffers outputs,
 which the slot batch takes in place of the old ones: nothing else holds the old ones, so MLX still writes them in
-place (donation), as the uncompiled pass does.
+place (donation), as the uncompiled pass does. A pass also returns its rows' offsets plus one (``next_offsets``): in
+the next step, where every row advanced by one, that device array is the pass's offsets, not one made from host data
+(on CUDA a host-made array is a unified-memory buffer the host wrote, whose pages the device faults in when a kernel
+first reads them: ~0.1 ms a step, docs/benchmarks.md).
 
 A shape is compiled the second time it is seen (a shape seen once, e.g. while rows come and go at every step, would
 pay a trace for nothing); the last ``keep`` traces are kept.
@@ -66,6 +69,7 @@ class CompiledDecode:
         self.traces = 0  # shapes compiled
         self.passes = 0  # passes run from a compiled graph
         self.broken = False  # a trace failed: no compiled passes in this engine
+        self.next_offsets: mx.array | None = None  # the last pass's offsets + 1, on the device (None: no pass yet)
 
     def accepts(self, slots: _Slots, rows: int, kv_heads: int, capacity: int) -> bool:
         """Whether a pass of this shape can run compiled: not where the device's fused kernel would leave it to MLX's
@@ -95,9 +99,11 @@ class CompiledDecode:
             log.warning("compiled decode passes unavailable (%s); building each pass", exc)
             self.broken = True
             self._fns.clear()
+            self.next_offsets = None
             return None
         L = slots.num_layers
-        slots.swap(outs[1 : 1 + L], outs[1 + L :], None)  # the written buffers replace the old ones
+        slots.swap(outs[2 : 2 + L], outs[2 + L :], None)  # the written buffers replace the old ones
+        self.next_offsets = outs[1]
         self.passes += 1
         return outs[0]
 
@@ -114,6 +120,6 @@ class CompiledDecode:
             except BaseException:
                 slots.swap(*saved, None)
                 raise
-            return [out, *written[0], *written[1]]
+            return [out, offsets + 1, *written[0], *written[1]]
 
         return mx.compile(decode)

@@ -100,12 +100,21 @@ class SlotPasses:
         self._ensure(n, max(offsets) + 1)
         if not self.compiled_decode.accepts(self, n, self._keys[0].shape[1], self._pos_cap):
             return None
-        if isinstance(tokens, mx.array):
+        carried = self._next_offsets
+        if carried is not None and carried[0] == offsets:  # every row advanced by one: the last pass's offsets + 1
+            off = carried[1]
+            inputs = tokens.astype(mx.int32) if isinstance(tokens, mx.array) else \
+                host_arrays([t for row in tokens for t in row])[0][:, None]
+        elif isinstance(tokens, mx.array):
             inputs, off = tokens.astype(mx.int32), host_arrays(offsets)[0]
         else:  # the tokens and offsets in one host-made array (``kv.packed.host_arrays``)
             ids, off = host_arrays([t for row in tokens for t in row], offsets)
             inputs = ids[:, None]
-        return self.compiled_decode.run(self, model, inputs, off, self._decode_slots(n), self._keys, self._values)
+        self._next_offsets = None
+        out = self.compiled_decode.run(self, model, inputs, off, self._decode_slots(n), self._keys, self._values)
+        if out is not None:  # the device's offsets + 1, for the next pass if its rows all advanced by one
+            self._next_offsets = ([o + 1 for o in offsets], self.compiled_decode.next_offsets)
+        return out
 
     def _decode_slots(self, n: int) -> mx.array:
         """The slots of rows ``0 .. n`` as an array, made again only when they changed."""

@@ -80,6 +80,8 @@ class SlotBatch(RowMoves, SlotPasses):
         self.compiled_decode: Any = None
         self._decode_key: tuple[int, ...] | int | None = None  # ``_decode_slots``' last rows, and their array
         self._decode_rows: mx.array | None = None
+        # the last compiled decode pass's offsets + 1: as host ints, and the device array (``_compiled_decode``)
+        self._next_offsets: tuple[list[int], mx.array] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
