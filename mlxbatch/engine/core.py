@@ -55,7 +55,9 @@ class EngineCore(RequestIntake):
                                   batch_invariant=self.config.batch_invariant)
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, mem.step_tokens, self.config.prefill_chunk_size,
-                            mem.slot_budget, self.runner.invariant_slice),
+                            mem.slot_budget, self.runner.invariant_slice,
+                            # CUDA: a pass's fixed host cost binds, so its passes are filled (a 16th of the slots)
+                            self.config.max_num_seqs // 16 if self.runner.batch.packed_prefill else 0),
             self.runner.kv_cost,
             PrefixIndex(mem.prefix_blocks, BLOCK_SIZE, block_bytes) if mem.prefix_blocks else None)
         self._groups: dict[str, RequestGroup] = {}

@@ -39,6 +39,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._calm_steps = 0  # steps since the last out-of-memory failure
         self.lookahead = 4 * config.max_num_seqs  # queue entries admission looks at per step
+        self._held = False  # admission waited the last step for more free slots (``fill_slots``)
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -94,14 +95,19 @@ class Scheduler:
                 chunk = self._chunk(r, budget)
                 prefills.append(chunk)
                 budget -= chunk.end - chunk.start
-        admits = bool(self.waiting) and len(self.running) < self._max_seqs
+        free = self._max_seqs - len(self.running)
+        # a pass for a few new rows waits one step for more (``SchedulerConfig.fill_slots``)
+        hold = (0 < free < cfg.fill_slots and bool(decodes) and not prefills and not self._held
+                and len(self.waiting) > free)
+        self._held = hold
+        admits = bool(self.waiting) and free > 0 and not hold
         reserved = [r.reserved_tokens for r in self.running] if admits else []  # only admission reads it
         # Admission in queue order, except that a sequence whose shared prefix an admitted sequence is computing
         # right now waits for that KV (computed once) while the sequences behind it go ahead: waiting at the head
         # of the queue serialised chains of nested prompts (multi-turn chats) to one admission a step.
         held: set[str] = set()  # passed over this step (their prefix is in progress), with their later samples
         i = 0
-        while i < len(self.waiting) and i < self.lookahead and len(self.running) < self._max_seqs:
+        while admits and i < len(self.waiting) and i < self.lookahead and len(self.running) < self._max_seqs:
             nxt = self.waiting[i]
             parent = nxt.fork_parent
             if parent is not None and parent in held:
@@ -169,7 +175,10 @@ class Scheduler:
             end = r.num_computed_tokens + size
             return PrefillChunk(r, r.num_computed_tokens, end, end == r.num_prompt_tokens)
         # a preempted sequence recomputes the KV of its prompt and generated tokens alike
-        size = min(self.config.prefill_chunk_size, budget, r.num_tokens - r.num_computed_tokens)
+        left = r.num_tokens - r.num_computed_tokens
+        size = min(self.config.prefill_chunk_size, budget, left)
+        if self.config.fill_slots and left <= self.config.prefill_chunk_size // 2:
+            size = left  # whole, past the budget's edge: its tail would cost a pass of its own
         end = r.num_computed_tokens + size
         return PrefillChunk(r, r.num_computed_tokens, end, end == r.num_tokens)
 

@@ -24,9 +24,17 @@ class SchedulerConfig:
     # position is always computed in the same slice; prefill covers the prompt only (a preempted sequence's
     # generated tokens are recomputed by decode steps, as they were first computed)
     invariant_slice: int = 0
+    # fuller prefill passes where a pass's fixed host cost binds (CUDA; 0: off). In each wave of admissions a few
+    # rows finish a step before the rest, and a pass for their few replacements, or for the tail of a row split at
+    # the token budget's edge, cost a whole pass for a few hundred tokens. So, while rows decode and no prefill is
+    # under way, new rows wait one step for this many slots to be free (or for the rest of the queue to fit), and
+    # a row with at most ``prefill_chunk_size // 2`` tokens left is never split: its pass goes past the budget by
+    # less than that
+    fill_slots: int = 0
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1 and self.prefill_chunk_size >= 1 and self.invariant_slice >= 0
+        assert self.fill_slots >= 0 and not (self.fill_slots and self.invariant_slice)  # invariant: whole slices
         assert self.max_num_batched_tokens >= 1 and self.kv_budget_bytes >= 0
 
 
