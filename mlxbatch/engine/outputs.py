@@ -41,6 +41,8 @@ class Traffic:
     resize_syncs: int = 0  # of ``syncs``, those of growths and shrinks (a sync per slice of ``kv.copies``)
     syncs: int = 0  # host waits for the device: evaluations and reads of results
     launches: int = 0  # evaluations enqueued without waiting for them (``launch``)
+    prefix_gathers: int = 0  # cached prefixes gathered in a row's layout (``PrefixStore.gather_prefix``)
+    hot_prefix_hits: int = 0  # ... and those taken from the gathered prefixes it keeps instead
 
     def __post_init__(self) -> None:  # the queue's state (not counters: ``asdict`` leaves it out)
         self._in_flight: str | None = None  # what the launch in flight runs ("prefill", "decode", ...), if any
