@@ -31,7 +31,7 @@ from mlxbatch.types import SamplingParams
 
 
 def _workload(b: Bench, spec: str) -> wl.Workload:
-    name, rows, *new = spec.split(":")
+    name, rows, *new = [p for p in spec.split(":") if p != "nocache"]
     if name == "decode":
         w = wl.make("unique", b.vocab, int(rows), min_len=32, max_len=32, max_tokens=128)
     else:
@@ -82,9 +82,10 @@ def main() -> None:
         w = _workload(b, spec)
         params = SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True)
         warm = w.subset(list(range(min(64, w.rows))))
-        with Engine(b.loaded, EngineConfig(seed=0, max_num_seqs=C)) as eng:
+        cfg = EngineConfig(seed=0, max_num_seqs=C, prefix_cache=not spec.endswith(":nocache"))
+        with Engine(b.loaded, cfg) as eng:
             eng.generate(warm.prompts, params)
-        with Engine(b.loaded, EngineConfig(seed=0, max_num_seqs=C)) as eng:
+        with Engine(b.loaded, cfg) as eng:
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 t0 = time.perf_counter()
