@@ -103,4 +103,4 @@ class StepCommit:
         if self._free:
             gone, self._free = self._free, []
             self.batch.remove_many(gone)
-            self.batch.shrink()
+            self.batch.shrink_if_settled()

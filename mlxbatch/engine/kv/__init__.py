@@ -112,6 +112,10 @@ class KVLayout(Protocol):
         """Give back capacity no longer needed."""
         ...
 
+    def shrink_if_settled(self) -> None:
+        """``shrink``, once the capacity has not been needed for a while (a call each step that retired rows)."""
+        ...
+
     def committed(self, request_id: str) -> int:
         """KV positions of the row committed so far."""
         ...

@@ -30,6 +30,8 @@ from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache
 from mlxbatch.engine.kv.slot_passes import POSITION_STEP, SlotPasses
 from mlxbatch.engine.outputs import Traffic
 
+SHRINK_CALLS = 32  # ``SlotBatch.shrink_if_settled``: calls in a row with oversized buffers before they shrink
+
 
 def row_capacity(rows: int) -> int:
     """Rows the buffers hold once ``rows`` sequences were added one by one: 4, then doubling."""
@@ -58,6 +60,7 @@ class SlotBatch(RowMoves, SlotPasses):
         self._values: list[mx.array] = []
         self._rows_cap = 0
         self._pos_cap = 0
+        self._oversized_calls = 0  # ``shrink_if_settled``'s count
         self._pass: ForwardPass | PackedPass | None = None  # the forward pass in progress
         self.layers = [SlotLayerCache(self, i) for i in range(num_layers)]
         # how rows move: on a GPU one gather + one scatter per buffer for all rows of a step (each op and each sync
@@ -156,14 +159,30 @@ class SlotBatch(RowMoves, SlotPasses):
         copies.replace_each((self._keys, self._values), grown, self.traffic)
         self._rows_cap, self._pos_cap = new_rows, new_pos
 
-    def shrink(self) -> None:
-        """Give back rows and positions no longer needed (after many sequences finished)."""
-        if not self._keys:
-            return
+    def _oversized(self) -> tuple[int, int] | None:
+        """(rows, positions) needed now, if the buffers hold 4x the rows or 2x the positions of that."""
         need_rows = max(4, len(self.ids))
         need_pos = round_up(max(self.lengths, default=0) + 1, POSITION_STEP)
-        if need_rows * 4 > self._rows_cap and need_pos * 2 > self._pos_cap:
+        if not self._keys or (need_rows * 4 > self._rows_cap and need_pos * 2 > self._pos_cap):
+            return None
+        return need_rows, need_pos
+
+    def shrink_if_settled(self) -> None:
+        """``shrink`` once the buffers have been oversized for ``SHRINK_CALLS`` calls in a row (the runner calls it
+        each step that retired rows). A batch that drops to a few rows and fills again the next step (a wave of rows
+        finishing together; prefill-only rows, as one-token labels and scoring, leaving every step) shrank and grew
+        back: two copies of every buffer a step (271 resizes in the 55 steps of a one-token label run)."""
+        self._oversized_calls = self._oversized_calls + 1 if self._oversized() is not None else 0
+        if self._oversized_calls >= SHRINK_CALLS:
+            self._oversized_calls = 0
+            self.shrink()
+
+    def shrink(self) -> None:
+        """Give back rows and positions no longer needed (after many sequences finished)."""
+        need = self._oversized()
+        if need is None:
             return
+        need_rows, need_pos = need
         rows, pos = min(self._rows_cap, row_capacity(2 * need_rows)), min(self._pos_cap, need_pos)
         if self.rows_stay:
             self._compact(rows)
