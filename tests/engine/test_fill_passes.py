@@ -9,31 +9,11 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from test_scheduler import cost, req, run_step
+
 from mlxbatch import SamplingParams
 from mlxbatch.engine import Engine, EngineConfig
-from mlxbatch.engine.decoding.detok import TextTracker
-from mlxbatch.engine.request import Request
 from mlxbatch.engine.sched.scheduler import Scheduler, SchedulerConfig
-
-
-def cost(lengths: list[int]) -> int:
-    return sum(lengths) * 10
-
-
-def req(rid: str, prompt_len: int, max_tokens: int) -> Request:
-    return Request(rid, rid, 0, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 0,
-                   frozenset({0}), 4096, TextTracker(None, incremental=False))
-
-
-def run_step(s: Scheduler):
-    out = s.schedule()
-    for r in out.decodes:
-        r.append(7, None)
-    for c in out.prefills:
-        if c.last:
-            c.request.append(7, None)
-    s.finish_step(out)
-    return out
 
 
 def started(fill: int, max_tokens: list[int], waiting: int = 4) -> dict[str, int]:
@@ -45,7 +25,7 @@ def started(fill: int, max_tokens: list[int], waiting: int = 4) -> dict[str, int
         s.add(req(f"w{i}", 4, 20))
     first: dict[str, int] = {}
     for step in range(12):
-        out = run_step(s)
+        out, _ = run_step(s)
         s.reap()
         for c in out.prefills:
             first.setdefault(c.request.request_id, step)
@@ -78,7 +58,7 @@ def test_no_wait_when_a_prefill_runs_anyway():
     for i in range(3):
         s.add(req(f"w{i}", 4, 5))
     for _ in range(3):
-        out = run_step(s)
+        out, _ = run_step(s)
         s.reap()
     # step 2: one free slot (fewer than 3) while "e" decodes, but "long" prefills anyway: w0 joins that pass
     assert [c.request.request_id for c in out.prefills] == ["long", "w0"]
