@@ -16,11 +16,12 @@ import pytest
 # depend on the batch a row ran in: tests that compare a row across batches (batch invariance, resumed or
 # redistributed runs against an unbroken one) would fail there for that reason alone. The tests run with the Nehalem
 # kernel (SSE), the same code and the same bits on every x86-64 CPU, set before OpenBLAS is loaded (their
-# subprocesses inherit it). Not Sandybridge: after its first matmul every CPU op of MLX ran ~50x slower on an Intel
+# subprocesses inherit it). Set, not defaulted: a machine whose shell already exports another kernel (a CI image
+# exported OPENBLAS_CORETYPE=Haswell, and 13 tests failed there) must not choose the suite's kernel. Not Sandybridge: after its first matmul every CPU op of MLX ran ~50x slower on an Intel
 # Xeon (likely the AVX registers' upper halves left dirty) (the suite took twice as long; ``tests/test_blas.py`` guards it).
 # A user on such a CPU gets the engine's refusal of ``batch_invariant``, with this hint.
 if platform.machine() in ("x86_64", "AMD64"):
-    os.environ.setdefault("OPENBLAS_CORETYPE", "Nehalem")
+    os.environ["OPENBLAS_CORETYPE"] = "Nehalem"
 
 import mlxbatch  # noqa: E402, F401  (preloads OpenBLAS before mlx)
 
