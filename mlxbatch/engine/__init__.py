@@ -9,7 +9,7 @@ Layer rule: ``engine`` never imports ``mlxbatch.io`` or ``mlxbatch.job``. Inside
 from mlxbatch.config import EngineConfig
 from mlxbatch.engine.api import Engine
 from mlxbatch.engine.async_core import AsyncEngineCore
-from mlxbatch.engine.core import EngineCore
+from mlxbatch.engine.core import EngineCore, reuse_step_here
 from mlxbatch.engine.decoding.structured import GrammarCompiler, grammar_text
 from mlxbatch.engine.inputs import PromptEncoder, encode_prompt
 from mlxbatch.engine.model.device_speed import DeviceSpeed
@@ -27,4 +27,4 @@ __all__ = ["BLOCK_SIZE", "LIVE_SOURCES", "REGISTRY", "AsyncEngineCore", "DeviceI
            "EngineConfig", "EngineCore", "GrammarCompiler", "LoadedModel", "ModelRegistry", "ModelSpec", "Plan",
            "PromptEncoder", "Request", "RequestStatus", "Submission", "block_hashes", "common_prefix_len",
            "device_info", "encode_prompt", "grammar_text", "is_vlm_folder", "load_model", "measure_device_speed",
-           "plan", "resolve_path", "submission_order"]
+           "plan", "resolve_path", "reuse_step_here", "submission_order"]

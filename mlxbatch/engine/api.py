@@ -65,7 +65,7 @@ class Engine:
         if stream:
             order = [Submission(i, None) for i in range(len(encoded))]
         elif self.core.config.prefix_cache and images is None:
-            order = submission_order(plan(encoded))
+            order = submission_order(plan(encoded, min_step_tokens=self.core.reuse_step))
         else:
             order = [Submission(i, None) for i in sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))]
         ids: dict[int, str] = {}

@@ -23,7 +23,7 @@ from mlxbatch.engine.model.memory import MemoryLimits, plan_memory
 from mlxbatch.engine.model.worker import Worker
 from mlxbatch.engine.outputs import Launched
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.runner import ModelRunner
+from mlxbatch.engine.runner import ModelRunner, cuda_text_path
 from mlxbatch.engine.sched.blocks import BLOCK_SIZE
 from mlxbatch.engine.sched.prefix import PrefixIndex
 from mlxbatch.engine.sched.scheduler import Scheduler
@@ -32,9 +32,16 @@ from mlxbatch.engine.warmup import WarmUpReport, exercise
 from mlxbatch.errors import OutOfMemoryError
 from mlxbatch.types import RequestOutput, StreamDelta
 
-__all__ = ["EngineCore", "Prompt"]  # Prompt: api and async_core import it from here
+__all__ = ["EngineCore", "Prompt", "reuse_step_here"]  # Prompt: api and async_core import it from here
 
 log = logging.getLogger(__name__)
+
+
+def reuse_step_here(vision: bool = False, batch_invariant: bool = False) -> int:
+    """``EngineCore.reuse_step`` for a model on this machine's default device, without loading it (``mlxbatch
+    plan``): a block on the CUDA text path, else 1. (A model whose body is not ours runs unpacked there and reuses
+    to the token: this says a block for it too.)"""
+    return BLOCK_SIZE if cuda_text_path(vision, batch_invariant) else 1
 
 
 class EngineCore(RequestIntake):
@@ -53,13 +60,17 @@ class EngineCore(RequestIntake):
         self.runner = ModelRunner(loaded.model, geo, mem.prefix_blocks, BLOCK_SIZE, vlm=loaded.vlm,
                                   vision_cache_bytes=mem.vision_cache_bytes,
                                   batch_invariant=self.config.batch_invariant)
+        # the fewest tokens a reused prefix is worth extending by (the plan's ``min_step_tokens``, the prefix index's
+        # running-row margin): a block where prefill passes are packed (CUDA: a partial block's store and copy-in
+        # cost more there than computing a few tokens), else 1 (reuse to the token); fixed for the core's life
+        self.reuse_step = BLOCK_SIZE if self.runner.batch.packed_prefill else 1
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, mem.step_tokens, self.config.prefill_chunk_size,
                             mem.slot_budget, self.runner.invariant_slice,
                             # CUDA: a pass's fixed host cost binds, so its passes are filled (a 16th of the slots)
                             self.config.max_num_seqs // 16 if self.runner.batch.packed_prefill else 0),
             self.runner.kv_cost,
-            PrefixIndex(mem.prefix_blocks, BLOCK_SIZE, block_bytes) if mem.prefix_blocks else None)
+            PrefixIndex(mem.prefix_blocks, BLOCK_SIZE, block_bytes, self.reuse_step) if mem.prefix_blocks else None)
         self._groups: dict[str, RequestGroup] = {}
         self._aborted: set[str] = set()  # groups aborted since the last step
         self._seqs: dict[str, Request] = {}

@@ -45,6 +45,12 @@ log = logging.getLogger(__name__)
 _OOM_MARKERS = ("out of memory", "outofmemory", "bad_alloc", "malloc", "failed to allocate")
 
 
+def cuda_text_path(vision: bool, batch_invariant: bool) -> bool:
+    """Whether a model runs the CUDA text path here: prefill passes in recurring shapes, and packed where the
+    model's body is ours (``OwnBody``: the common mlx-lm decoder layers)."""
+    return not vision and not batch_invariant and mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError):
         return True
@@ -82,8 +88,7 @@ class ModelRunner(StepCommit):
         # prefill chunks and reused prefixes start at multiples of this (0: anywhere), for the scheduler
         self.invariant_slice = self._fixed.shapes.slice_tokens if self._fixed is not None else 0
         # CUDA: prefill passes in recurring shapes (each new attention shape is a cuDNN graph build there)
-        slots.shape_buckets = (vlm is None and not batch_invariant and mx.default_device() == mx.gpu
-                               and not mx.metal.is_available())
+        slots.shape_buckets = cuda_text_path(vlm is not None, batch_invariant)
         # CUDA decode steps: attention over each row's own keys, fused (MLX runs rows of different lengths unfused);
         # CUDA prefill: a new shape's attention unfused until the shape recurs (no cuDNN graph build for one pass)
         if isinstance(self._split.body if self._split else None, OwnBody) and vlm is None and not batch_invariant:

@@ -142,3 +142,59 @@ def test_batched_copy_ins_of_the_gpu_path_give_the_same_output(tiny_loaded):
     done = {o.request_id: o for o in eng.core.run_until_done()}
     assert [done[ids[sorted(prompts).index(p)]].token_ids for p in prompts] == [o.token_ids for o in ref]
     assert eng.stats()["prefix_cache"]["tokens_reused_live"] > 0
+
+
+def run_with_step(loaded, prompts, step: int):
+    """The engine fed ``plan(.., min_step_tokens=step)``'s submissions with its running-row margin at ``step`` (as
+    ``EngineCore.reuse_step`` sets both where prefill passes are packed); what its prefix index stored and matched."""
+    eng = Engine(loaded, EngineConfig(warm_up=False, max_num_seqs=8))
+    prefix = eng.core.scheduler.prefix
+    prefix.live_margin = step
+    seen = {"store_steps": 0, "partials": 0, "partial_copy_ins": 0}
+    plan_stores, note, match = prefix.plan_stores, prefix._note_partial, prefix.match
+
+    def counted_stores(finishing):
+        stores = plan_stores(finishing)
+        seen["store_steps"] += bool(stores)
+        return stores
+
+    def counted_note(*args):
+        seen["partials"] += 1
+        return note(*args)
+
+    def counted_match(request):
+        src = match(request)
+        seen["partial_copy_ins"] += getattr(src, "num_tokens", 0) % prefix.block_size != 0
+        return src
+
+    prefix.plan_stores, prefix._note_partial, prefix.match = counted_stores, counted_note, counted_match
+    p = plan(prompts, min_step_tokens=step)
+    ids = {s.index: eng.core.add_request(prompts[s.index], GREEDY, cache_tokens=s.cache_tokens)
+           for s in submission_order(p)}
+    done = {o.request_id: o for o in eng.core.run_until_done()}
+    st = eng.stats()
+    return [done[ids[i]].token_ids for i in range(len(prompts))], st, seen, p
+
+
+def test_a_block_reuse_step_stores_the_instruction_once(tiny_loaded):
+    """Where prefill passes are packed (CUDA) the engine plans with a block's reuse step: a label job's rows whose
+    texts start alike (a token or two past the instruction) reuse the instruction alone, so its partial block is
+    stored once and every row copies the same one, where reuse to the token stores a partial block per such pair
+    (a store, and a partial copy-in, in most steps). Output is unchanged, and prefill stays within the kept floor."""
+    rng = random.Random(5)
+    inst = [rng.randrange(10, 1000) for _ in range(150)]
+    starts = [rng.randrange(10, 40) for _ in range(6)]  # few distinct first tokens: rows share 1-2 past it
+    prompts = [inst + [rng.choice(starts)] + [rng.choice(starts[:3])] + [rng.randrange(10, 1000)
+                                                                            for _ in range(rng.randint(5, 30))]
+               for _ in range(48)]
+    off = Engine(tiny_loaded, EngineConfig(prefix_cache=False, warm_up=False)).generate(prompts, GREEDY)
+    fine, st1, seen1, p1 = run_with_step(tiny_loaded, prompts, 1)
+    block, st16, seen16, p16 = run_with_step(tiny_loaded, prompts, 16)
+    assert fine == block == [o.token_ids for o in off]
+    assert seen16["store_steps"] < seen1["store_steps"] and seen16["store_steps"] <= 2, (seen1, seen16)
+    # (a few more in the first step: where the rows that waited for the first row's blocks share it to)
+    assert 3 * seen16["partials"] <= seen1["partials"], (seen1, seen16)
+    assert seen16["partial_copy_ins"] >= 40  # every row but the first copies the instruction's partial block
+    assert st16["prefix_cache"]["tokens_reused_live"] == 0
+    assert p16.planned_tokens > p1.planned_tokens == p1.distinct_tokens
+    assert st16["profile"]["prefill_tokens"] <= p16.planned_tokens + 2 * len(prompts)

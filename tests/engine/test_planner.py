@@ -235,3 +235,68 @@ def test_rejects_bad_arguments() -> None:
         plan([[1]], window=0)
     with pytest.raises(InvalidRequestError):
         plan([[1]], min_shared_tokens=0)
+
+
+def kept_reference(p: Plan, min_shared: int, step: int) -> list[int]:
+    """Each row's kept prefix, quadratic: the values of the LCP intervals holding it and the row before it (the
+    minima of ``shared_prefix`` over every run of rows around that pair, in its window), decided from the shortest
+    (the root, 0) to the longest: one is kept when it is ``min_shared`` or more and ``step`` or more past the last
+    kept one."""
+    rows = p.rows
+    out = []
+    for k, r in enumerate(rows):
+        if k == 0 or rows[k - 1].window != r.window:
+            out.append(0)
+            continue
+        lo = k
+        while lo > 0 and rows[lo - 1].window == r.window:
+            lo -= 1
+        hi = k
+        while hi + 1 < len(rows) and rows[hi + 1].window == r.window:
+            hi += 1
+        values = {min(rows[j].shared_prefix for j in range(a + 1, b + 1)) for a in range(lo, k) for b in range(k, hi + 1)}
+        kept = 0
+        for v in sorted(values):
+            if v >= min_shared and v - kept >= step:
+                kept = v
+        out.append(kept)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(pool_rows, st.integers(1, 7), st.integers(1, 4), st.integers(1, 5))
+def test_kept_prefixes_match_the_reference(seqs: list[list[int]], window: int, min_shared: int, step: int) -> None:
+    """With a reuse step, a row keeps the longest shared prefix decided from the root down, and the retention is
+    exactly the intervals whose value is kept (with step 1: every interval, as without one)."""
+    p = plan(seqs, window=window, min_shared_tokens=min_shared, min_step_tokens=step)
+    kept = kept_reference(p, min_shared, step)
+    assert [r.kept_prefix for r in p.rows] == kept
+    assert all(r.kept_prefix <= r.shared_prefix for r in p.rows)
+    assert p.planned_tokens == p.total_tokens - sum(kept) >= p.distinct_tokens
+    assert [(r.index, r.shared_prefix) for r in p.rows] == \
+        [(r.index, r.shared_prefix) for r in plan(seqs, window=window, min_shared_tokens=min_shared).rows]
+    for k, r in enumerate(p.rows):  # a kept prefix is a retained interval's, alive from before the row to it
+        if r.kept_prefix:
+            assert any(t.first_order < k <= t.last_order and t.prefix_len == r.kept_prefix for t in p.retention)
+    assert {t.prefix_len for t in p.retention} <= set(kept)
+    if step == 1:
+        base = plan(seqs, window=window, min_shared_tokens=min_shared)
+        assert p.retention == base.retention
+        assert kept == [r.shared_prefix if r.shared_prefix >= min_shared else 0 for r in p.rows]
+
+
+def test_a_block_step_keeps_an_instruction_not_its_one_token_extensions() -> None:
+    """A 40-token instruction and rows whose texts start alike (1-3 tokens): with a 16-token step every row keeps
+    the instruction only; a 20-token shared extension is kept."""
+    inst = list(range(1000, 1040))
+    seqs = [inst + [7, 1, 2], inst + [7, 1, 3], inst + [7, 8], inst + [9, 4], inst + [5] + list(range(20)) + [1],
+            inst + [5] + list(range(20)) + [2]]
+    p = plan(seqs, min_shared_tokens=16, min_step_tokens=16)
+    assert p.order == (0, 1, 2, 4, 5, 3)  # [7 ..] holds 3 rows, [5 ..] 2, [9 ..] 1
+    assert [r.shared_prefix for r in p.rows] == [0, 42, 41, 40, 61, 40]
+    assert [r.kept_prefix for r in p.rows] == [0, 40, 40, 40, 61, 40]
+    assert p.planned_tokens == p.distinct_tokens + 2 + 1
+    assert sorted(t.prefix_len for t in p.retention) == [40, 61]
+    assert plan(seqs, min_shared_tokens=16).retention != p.retention  # step 1 keeps 41 and 42 too
+    with pytest.raises(InvalidRequestError, match="min_step_tokens"):
+        plan(seqs, min_step_tokens=0)

@@ -398,3 +398,27 @@ def test_prompts_sharing_blocks_with_the_last_hashed_get_the_chain_hashing_all_o
         r = req(f"r{i}", tokens)
         admit(ix, r)
         assert ix._chain(r) == block_hashes(tokens, B)
+
+
+def test_a_running_row_must_beat_the_cache_by_the_live_margin():
+    """With ``live_margin`` (the engine's reuse step) a running row is copied from only when it gives that many
+    tokens more than the cache: 2 more than the cached blocks is a copy at margin 1, the blocks at margin 4."""
+    for margin, want in ((1, RunningRow("a", 18)), (3, None), (4, None)):
+        ix = PrefixIndex(16, B, live_margin=margin)
+        ix.begin_step()
+        a = req("a", list(range(1, 20)))  # 19 tokens: 4 full blocks cached when its prefill ends
+        admit(ix, a)
+        finish_prefill(ix, a)
+        ix.begin_step()
+        c = req("c", list(range(1, 19)) + [77])  # shares 18 with a: 16 in the cache's blocks
+        src = admit(ix, c)
+        if want is None:
+            assert isinstance(src, CachedBlocks) and src.num_tokens == 16, (margin, src)
+        else:
+            assert src == want, (margin, src)
+    ix = PrefixIndex(16, B, live_margin=2)
+    ix.begin_step()
+    admit(ix, a := req("a", list(range(1, 20))))
+    finish_prefill(ix, a)
+    ix.begin_step()
+    assert admit(ix, req("c", list(range(1, 19)) + [77])) == RunningRow("a", 18)  # 2 more: enough at margin 2

@@ -9,7 +9,9 @@ Retention comes from the LCP array of the sorted rows (``lcp[k]`` = tokens row `
 ``k - 1``): each *LCP interval* ``[i, j]`` with value ``L`` (``min(lcp[i+1..j]) == L`` and the interval
 cannot be widened) is a prefix of length ``L`` shared by exactly the rows ``i..j``; its KV is computed with
 row ``i`` and may be dropped once row ``j`` has been admitted. Only intervals with
-``L >= min_shared_tokens`` are kept (shorter prefixes are not worth holding).
+``L >= min_shared_tokens`` are kept (shorter prefixes are not worth holding), and only those at least
+``min_step_tokens`` longer than the enclosing interval's kept prefix (the engine's reuse step: where it reuses by
+whole blocks, a kept point a few tokens past another costs a partial block's store and copy-in for a few tokens).
 
 Jobs too big to plan whole are planned window by window (consecutive input rows); windows are planned
 independently, so nothing is reused or retained across a window boundary and a window's plan depends only
@@ -34,11 +36,17 @@ class PlannedRow:
     num_tokens: int
     shared_prefix: int  # tokens shared with the previous row in plan order (0 at a window's first row)
     window: int  # which window planned it (0 when not windowed)
+    kept_prefix: int = 0  # of those, the tokens whose KV the plan keeps for it (the prefix it reuses; see ``plan``)
 
     @property
     def new_tokens(self) -> int:
         """Tokens this row must prefill when the shared prefix's KV is reused."""
         return self.num_tokens - self.shared_prefix
+
+    @property
+    def planned_tokens(self) -> int:
+        """Tokens this row prefills when the kept prefix's KV is reused."""
+        return self.num_tokens - self.kept_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +67,12 @@ class Plan:
     windowed: bool  # more than one window: distinct_tokens may exceed the whole-job trie's node count
     window_size: int | None
     min_shared_tokens: int
+    min_step_tokens: int = 1
+
+    @property
+    def planned_tokens(self) -> int:
+        """Tokens the plan prefills: ``distinct_tokens`` plus the short extensions it does not keep."""
+        return sum(r.planned_tokens for r in self.rows)
 
     @property
     def order(self) -> tuple[int, ...]:
@@ -98,23 +112,53 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-def _lcp_intervals(lcp: list[int], start: int, min_len: int) -> list[Retention]:
-    """LCP intervals of one window (``lcp[0]`` is its first row, always 0) with value >= ``min_len``.
+def _kept(lcp: list[int], start: int, min_len: int, step: int) -> tuple[list[Retention], list[int]]:
+    """The LCP intervals of one window (``lcp[0]`` is its first row, always 0) that are kept, and each row's kept
+    prefix (the KV it reuses from the row before it).
 
-    Stack algorithm (Abouelhoda, Kurtz, Ohlebusch 2004); positions are offset by ``start``.
-    """
-    out: list[Retention] = []
-    stack: list[list[int]] = [[0, 0]]  # [lcp value, left bound]
+    The intervals nest in a tree (the stack algorithm of Abouelhoda, Kurtz, Ohlebusch 2004 builds it; positions are
+    offset by ``start``). Decided from the root down: an interval is kept when its value is at least ``min_len`` and
+    at least ``step`` tokens longer than what its parent keeps; otherwise its rows keep the parent's (a prefix a few
+    tokens longer than one kept already is computed again, not kept: where the engine reuses by whole blocks, each
+    kept point costs a partial block's store and copy-in). A row's kept prefix is the kept value of the smallest
+    interval holding it and the row before it (the one whose value is what they share)."""
+    nodes: list[list[int]] = [[0, 0, len(lcp) - 1, -1]]  # [value, left, right, parent]; node 0: the root
+    stack = [0]
+    row_node = [0] * len(lcp)
     for k in range(1, len(lcp) + 1):
         cur = lcp[k] if k < len(lcp) else 0
         left = k - 1
-        while cur < stack[-1][0]:
-            value, left = stack.pop()
-            if value >= min_len:
-                out.append(Retention(value, start + left, start + k - 1))
-        if cur > stack[-1][0]:
-            stack.append([cur, left])
-    return out
+        last = -1  # the last interval closed here: its parent may be the one opened for ``cur``
+        while cur < nodes[stack[-1]][0]:
+            i = stack.pop()
+            nodes[i][2] = k - 1
+            left = nodes[i][1]
+            if nodes[stack[-1]][0] >= cur:
+                nodes[i][3] = stack[-1]
+            else:
+                last = i
+        if cur > nodes[stack[-1]][0]:
+            nodes.append([cur, left, -1, stack[-1]])
+            stack.append(len(nodes) - 1)
+        if last >= 0:
+            nodes[last][3] = stack[-1]
+        if k < len(lcp):
+            row_node[k] = stack[-1]
+    kept: list[int | None] = [None] * len(nodes)
+    kept[0] = 0
+    for i in range(1, len(nodes)):
+        path = []
+        j = i
+        while kept[j] is None:
+            path.append(j)
+            j = nodes[j][3]
+        for j in reversed(path):
+            value, parent = nodes[j][0], kept[nodes[j][3]]
+            assert parent is not None
+            kept[j] = value if value >= min_len and value - parent >= step else parent
+    out = [Retention(v, start + left, start + right) for (v, left, right, _), kv in zip(nodes, kept)
+           if v and kv == v]
+    return out, [kept[row_node[k]] if k else 0 for k in range(len(lcp))]  # type: ignore[misc]
 
 
 def _largest_subtree_first(idx: list[int], lcp: list[int], seqs: Sequence[Sequence[int]]) -> list[int]:
@@ -123,7 +167,7 @@ def _largest_subtree_first(idx: list[int], lcp: list[int], seqs: Sequence[Sequen
 
     The first rows admitted after a shared prefix then share the most with each other: they come from one subtree,
     the row computing that prefix among them. The trie is built bottom-up from the LCP array (the stack algorithm of
-    ``_lcp_intervals``): O(rows)."""
+    ``_kept``): O(rows)."""
     # a node: [depth, rows below it, children]; a leaf: the row's position in ``idx``
     root: list = [0, 0, []]
     stack: list[list] = [root]
@@ -157,19 +201,23 @@ def _largest_subtree_first(idx: list[int], lcp: list[int], seqs: Sequence[Sequen
 
 
 def plan(token_seqs: Sequence[Sequence[int]], window: int | None = None, min_shared_tokens: int = 16,
-         skip: Collection[int] = ()) -> Plan:
+         skip: Collection[int] = (), min_step_tokens: int = 1) -> Plan:
     """Order the rows along their token trie and derive which prefix to keep until when.
 
     Order: depth first along the token trie, a node's larger subtrees (more rows) first and otherwise
     lexicographic by token ids (a row that is a prefix of another comes first), equal rows in input order. With
     ``window`` each run of ``window`` consecutive input rows is ordered on its own and the windows follow each other
     in input order. ``skip``: input indices ordered with the others and then left out (rows a resumed run has done:
-    the rest keep the first run's order, which depends on every row's subtree).
+    the rest keep the first run's order, which depends on every row's subtree). ``min_step_tokens``: a shared prefix
+    is kept only when it is at least this much longer than the prefix kept for its rows anyway (``_kept``; 1: every
+    shared prefix of ``min_shared_tokens`` or more; the engine's reuse step, a block where it reuses by blocks).
     """
     if window is not None and window < 1:
         raise InvalidRequestError("window", window, "must be a positive number of rows or None")
     if min_shared_tokens < 1:
         raise InvalidRequestError("min_shared_tokens", min_shared_tokens, "must be >= 1")
+    if min_step_tokens < 1:
+        raise InvalidRequestError("min_step_tokens", min_step_tokens, "must be >= 1")
     seqs = [s if isinstance(s, list) else list(s) for s in token_seqs]
     n = len(seqs)
     size = window if window is not None else max(n, 1)
@@ -183,14 +231,15 @@ def plan(token_seqs: Sequence[Sequence[int]], window: int | None = None, min_sha
             idx = [i for i in idx if i not in skip]
         lcp = _lcp(idx, seqs)
         start = len(rows)
+        kept_intervals, kept = _kept(lcp, start, min_shared_tokens, min_step_tokens)
         for k, i in enumerate(idx):
-            rows.append(PlannedRow(i, start + k, len(seqs[i]), lcp[k], w))
+            rows.append(PlannedRow(i, start + k, len(seqs[i]), lcp[k], w, kept[k]))
             total += len(seqs[i])
             distinct += len(seqs[i]) - lcp[k]
-        retention.extend(_lcp_intervals(lcp, start, min_shared_tokens))
+        retention.extend(kept_intervals)
     retention.sort(key=lambda r: (r.first_order, r.prefix_len))
     return Plan(tuple(rows), tuple(retention), total, distinct, windowed=n > size, window_size=window,
-                min_shared_tokens=min_shared_tokens)
+                min_shared_tokens=min_shared_tokens, min_step_tokens=min_step_tokens)
 
 
 def _lcp(idx: list[int], seqs: list[list[int]]) -> list[int]:
@@ -209,12 +258,13 @@ class Submission:
 def submission_order(p: Plan) -> list[Submission]:
     """The order to submit ``p``'s rows in, with each row's retention (how much of its prefix to keep).
 
-    Rows that share at least ``min_shared_tokens`` with a neighbour form groups, submitted in trie order so each
-    shared prefix is computed once and dropped after its last user. Rows that share nothing worth keeping are
+    Rows that reuse a kept prefix from a neighbour (``PlannedRow.kept_prefix``) form groups, submitted in trie order
+    so each kept prefix is computed once and dropped after its last user. Rows that share nothing worth keeping are
     submitted after the groups of their window, longest first: neighbours of similar length batch their prefill
     with little padding (trie order would interleave lengths at random). A row's ``cache_tokens`` is what it
     shares with the next submitted row: in trie order no later row shares more, so its prefix KV beyond that
-    is dead once it is admitted (the plan's retention, acted on by the prefix cache).
+    is dead once it is admitted (the plan's retention, acted on by the prefix cache); the plan keeps for it the
+    prefix the next row reuses (``kept_prefix``), not a few tokens more.
     """
     m = p.min_shared_tokens
     out: list[Submission] = []
@@ -228,11 +278,11 @@ def submission_order(p: Plan) -> list[Submission]:
         group: list[PlannedRow] = []
         alone: list[PlannedRow] = []
         for j in range(k, end):
-            shares_prev = j > k and rows[j].shared_prefix >= m
-            shares_next = j + 1 < end and rows[j + 1].shared_prefix >= m
+            shares_prev = j > k and rows[j].kept_prefix >= m
+            shares_next = j + 1 < end and rows[j + 1].kept_prefix >= m
             (group if shares_prev or shares_next else alone).append(rows[j])
         for j, r in enumerate(group):
-            nxt = group[j + 1].shared_prefix if j + 1 < len(group) and group[j + 1].shared_prefix >= m else 0
+            nxt = group[j + 1].kept_prefix if j + 1 < len(group) and group[j + 1].kept_prefix >= m else 0
             out.append(Submission(r.index, nxt))
         out.extend(Submission(r.index, 0) for r in sorted(alone, key=lambda r: -r.num_tokens))
         k = end

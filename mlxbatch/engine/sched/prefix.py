@@ -55,8 +55,12 @@ PrefixSource = CachedBlocks | RunningRow
 
 
 class PrefixIndex(PrefixKeeping):
-    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, bytes_per_block: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, bytes_per_block: int = 0,
+                 live_margin: int = 1) -> None:
         self.block_size = block_size
+        # a running row is copied from only when it gives this many tokens more than the cache (the engine's reuse
+        # step: where prefill passes are packed, a copy for a few tokens costs more than computing them)
+        self.live_margin = max(1, live_margin)
         self.pool = BlockPool(max(1, num_blocks), block_size, bytes_per_block)
         self._recent: collections.deque[Request] = collections.deque(maxlen=LIVE_SOURCES)
         self._admitted_at: dict[str, int] = {}  # request id -> the step it was admitted in
@@ -157,14 +161,14 @@ class PrefixIndex(PrefixKeeping):
 
     def _running_row(self, request: Request, tokens: list[int], at_least: int) -> RunningRow | None:
         """A sequence admitted in an earlier step and still running whose committed KV shares more than
-        ``at_least`` leading tokens with ``request``, and at least a block's worth (a copy of a few tokens out of
-        a running row's buffers costs more than computing them). Rows with images are left out: their placeholder
+        ``at_least`` leading tokens with ``request`` (by ``live_margin`` or more), and at least a block's worth (a
+        copy of a few tokens out of a running row's buffers costs more than computing them). Rows with images are left out: their placeholder
         tokens do not say which picture they stand for."""
         if request.media:
             return None
         limit = len(tokens) - 1 if request.score_from is None else request.score_from - 1
         best: RunningRow | None = None
-        k = max(at_least, self.block_size - 1)
+        k = max(at_least + self.live_margin - 1, self.block_size - 1)
         if k >= limit:
             return None
         live = (RequestStatus.PREFILLING, RequestStatus.DECODING)
