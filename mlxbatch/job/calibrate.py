@@ -137,7 +137,7 @@ def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: 
         _run(core, [sample[0]], SamplingParams(temperature=0, max_tokens=2))  # warm-up: first kernels, buffers
         core.shutdown()
         core = _engine(spec, loaded)  # a fresh prefix cache: the probe computes what the run would
-        order, keep = _as_planned(probe)
+        order, keep = _as_planned(probe, core.reuse_step)
         first = _run(core, [probe[i] for i in order], SamplingParams(temperature=0, max_tokens=1), keep)
         per_token = first.wall_s / max(first.prefill_tokens, 1)
         params = spec.sampling.params
@@ -171,13 +171,14 @@ def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: 
                decode_s_per_step=step, tokens_per_row=per_row)
 
 
-def _as_planned(rows: list[Any]) -> tuple[list[int], list[int | None]]:
-    """The order the run submits ``rows`` in and each one's retention, as the job's feed plans a window: text rows
-    (token id lists) in the plan's submission order, then rows with images in input order."""
+def _as_planned(rows: list[Any], reuse_step: int = 1) -> tuple[list[int], list[int | None]]:
+    """The order the run submits ``rows`` in and each one's retention, as the job's feed plans a window (with the
+    engine's ``reuse_step``): text rows (token id lists) in the plan's submission order, then rows with images in
+    input order."""
     from mlxbatch.engine import plan, submission_order
 
     text = [i for i, r in enumerate(rows) if isinstance(r, list)]
-    subs = submission_order(plan([rows[i] for i in text])) if text else []
+    subs = submission_order(plan([rows[i] for i in text], min_step_tokens=reuse_step)) if text else []
     order = [text[s.index] for s in subs] + [i for i, r in enumerate(rows) if not isinstance(r, list)]
     keep = [s.cache_tokens for s in subs] + [None] * (len(rows) - len(subs))
     return order, keep

@@ -12,6 +12,7 @@ asks for it (``job.ray_exec``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -61,13 +62,15 @@ class Finished:
 @dataclass(frozen=True)
 class ModelInfo:
     """What the run loop needs of the model: the identity for result keys, the dtype, the tokenizer, whether it
-    takes images and its context length (row preparation refuses prompts far beyond it)."""
+    takes images, its context length (row preparation refuses prompts far beyond it) and the engine's reuse step
+    (the feed plans with it: ``EngineCore.reuse_step``)."""
 
     identity: str
     dtype: str
     tokenizer: Any
     takes_images: bool
     context_length: int
+    reuse_step: int = 1
 
     @classmethod
     def of(cls, loaded: LoadedModel) -> ModelInfo:
@@ -148,8 +151,8 @@ class LocalExecutor:
     """The single-machine path: one engine in this process."""
 
     def __init__(self, spec: JobSpec, loaded: LoadedModel) -> None:
-        self.model = ModelInfo.of(loaded)
         self.engine = RowEngine(loaded, engine_config(spec.engine, spec.seed))
+        self.model = dataclasses.replace(ModelInfo.of(loaded), reuse_step=self.engine.core.reuse_step)
         self.max_inflight = 4 * spec.engine.max_num_seqs
         self._pending: dict[str, Submit] = {}
 

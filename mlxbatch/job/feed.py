@@ -68,7 +68,8 @@ class PlanStats:
 
 class RowFeed:
     def __init__(self, rows: Iterator[InputRow], preparer: RowPreparer, tokenizer: object, done: Set[str],
-                 window: int, planned: bool = True, done_errors: Set[str] = frozenset()) -> None:
+                 window: int, planned: bool = True, done_errors: Set[str] = frozenset(),
+                 min_step_tokens: int = 1) -> None:
         self._rows = rows
         self._preparer = preparer
         self._encoder = PromptEncoder(tokenizer)
@@ -76,6 +77,7 @@ class RowFeed:
         self._done_errors = done_errors  # keys in ``done`` whose result is an error row
         self.window = window
         self.planned = planned
+        self.min_step_tokens = min_step_tokens  # the engine's reuse step (``plan(min_step_tokens=)``)
         self._read = 0  # rows read so far: the next row's input position
         self._queue: deque[Submit | Failed | Resumed] = deque()
         self.exhausted = False  # the input is read to the end (the queue may still hold rows)
@@ -150,7 +152,8 @@ class RowFeed:
         done_ids = [ids for ids in self._encoder.encode_many([d.prompt for d in done])  # type: ignore[misc]
                     if ids and not isinstance(ids, str)] if done else []
         seqs = [ids for _, ids, _ in rows]
-        p = plan(seqs + done_ids, skip=range(len(seqs), len(seqs) + len(done_ids)))
+        p = plan(seqs + done_ids, skip=range(len(seqs), len(seqs) + len(done_ids)),
+                 min_step_tokens=self.min_step_tokens)
         st = self.stats
         st.windows += 1
         st.rows += len(rows)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.engine import PromptEncoder, is_vlm_folder, plan, submission_order
+from mlxbatch.engine import PromptEncoder, is_vlm_folder, plan, reuse_step_here, submission_order
 from mlxbatch.io import InputFormat, open_reader, resolve_inputs
 from mlxbatch.job.calibrate import Eta, estimate, measured_eta
 from mlxbatch.job.model_ref import local_model_dir
@@ -99,10 +99,12 @@ class _Tally:
 class _Planner:
     """Plans one window of prepared rows at a time, as the run's feed does."""
 
-    def __init__(self, spec: JobSpec, tok: Any, loaded: Any) -> None:
+    def __init__(self, spec: JobSpec, tok: Any, loaded: Any, vision: bool = False) -> None:
         self.spec, self.tok, self.loaded = spec, tok, loaded
         self.encoder = PromptEncoder(tok)
-        self.model = ReuseModel(spec.engine.max_num_seqs, forks=spec.task.kind != "score")
+        # the engine's reuse step on this machine (a block on CUDA's text path): the feed plans with it
+        self.step = reuse_step_here(vision, spec.engine.batch_invariant)
+        self.model = ReuseModel(spec.engine.max_num_seqs, forks=spec.task.kind != "score", live_margin=self.step)
         self.t = _Tally()
         self.sample_size = spec.engine.max_num_seqs
 
@@ -129,7 +131,7 @@ class _Planner:
                     extra += lens[0] + sum(1 + n for n in lens[1:])
         if seqs:
             self.model.start_window()
-            p = plan(seqs)
+            p = plan(seqs, min_step_tokens=self.step)
             t.windows += 1
             t.planned += len(seqs)
             t.prompt += p.total_tokens + more_prompt
@@ -191,7 +193,7 @@ def plan_job(spec: JobSpec, window: int | None = None, with_eta: bool = True, ca
     # as the run prepares them: image paths opened only for a vision-language model, prompts bounded by the context
     preparer = RowPreparer(spec, "plan", openai, takes_images=is_vlm_folder(model_dir),
                            context_length=loaded.context_length if loaded is not None else None)
-    planner = _Planner(spec, tok, loaded)
+    planner = _Planner(spec, tok, loaded, vision=is_vlm_folder(model_dir))
     rows = open_reader(ispec)
     if spec.input.limit is not None:
         rows = itertools.islice(rows, spec.input.limit)

@@ -4,7 +4,8 @@ Owns a model of the prefix cache (``BlockCacheModel``) and of the rows recently 
 ``mlxbatch plan`` feeds in the order the run submits rows:
 - as in the engine, a row identical to one admitted in its step forks it (computes nothing); another row starts
   from the longest prefix a row admitted in an earlier step shares with it (to the token: a running row, when that
-  is a block's worth or more, or a partial block cached where it shares it), or from the prefix cache's blocks,
+  is a block's worth or more and the engine's reuse step more than the cache, or a partial block cached where it
+  shares it), or from the prefix cache's blocks,
   which outlive a window. The steps follow the engine's admission: a row waits for a row computing whole blocks of
   its prefix, and at most ``max_num_seqs`` rows are admitted in a step; a row admitted with the row it shares the
   most with recomputes the tail of their shared prefix past what the cache holds;
@@ -87,11 +88,12 @@ class _Submitted:
 class ReuseModel:
     """The rows recently admitted and the prefix cache, across windows, as the engine's admission sees them."""
 
-    def __init__(self, max_num_seqs: int, forks: bool) -> None:
+    def __init__(self, max_num_seqs: int, forks: bool, live_margin: int = 1) -> None:
         self.cache = BlockCacheModel()
         self.recent: collections.deque[_Submitted] = collections.deque(maxlen=LIVE_SOURCES)
         self.max_num_seqs = max_num_seqs
         self.forks = forks  # a generating row identical to one being prefilled forks it (not a scoring row)
+        self.live_margin = max(1, live_margin)  # a running row must give this many more tokens than the cache
         self.submitted = 0  # rows submitted so far (text rows), for the step a row can be admitted in at the earliest
         self.base_step = 0  # the step the next window's rows can start in
         self.last_of_step: dict[int, Sequence[int]] = {}  # the last row admitted in each step (from the latest on)
@@ -123,9 +125,12 @@ class ReuseModel:
         step = max([earliest] + [r.step + 1 for r in self.recent if r.added & needed])
         cached, partial = self.cache.cached(seq, chain=chain, step=step)
         earlier = max((k for k in self.last_of_step if k < step), default=None)
-        live = [common_prefix_len(seq, r.tokens) for r in self.recent if r.step < step] \
-            + ([common_prefix_len(seq, self.last_of_step[earlier])] if earlier is not None else [])
-        reuse = max([cached] + [n for n in live if n >= BLOCK_SIZE])  # a running row gives a block's worth or more
+        live = [common_prefix_len(seq, r.tokens) for r in self.recent if r.step < step]
+        # the partial block cached where the rows that waited for it share it: the cache's, whatever the margin
+        waited = common_prefix_len(seq, self.last_of_step[earlier]) if earlier is not None else 0
+        # a running row gives a block's worth or more, and the engine's margin (its reuse step) more than the cache
+        reuse = max([cached] + [n for n in live if n >= BLOCK_SIZE and n >= cached + self.live_margin]
+                    + ([waited] if waited >= BLOCK_SIZE else []))
         self.last_of_step[step] = seq
         oldest = max((k for k in self.last_of_step if k < earliest), default=None)  # later rows start >= earliest
         for k in [k for k in self.last_of_step if oldest is not None and k < oldest]:

@@ -199,7 +199,8 @@ class JobRunner:
         self.spec = follow_saved_plan(store, self.spec)
         stats.batch_invariant = record_invariance(store, self.spec)
         feed = RowFeed(self._rows(), preparer, model.tokenizer, done,
-                       window=self.spec.plan.window, planned=self.spec.plan.enabled, done_errors=store.error_keys())
+                       window=self.spec.plan.window, planned=self.spec.plan.enabled, done_errors=store.error_keys(),
+                       min_step_tokens=model.reuse_step)
 
         def flush() -> None:
             nonlocal last_flush

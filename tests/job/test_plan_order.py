@@ -115,3 +115,34 @@ def test_a_resumed_window_keeps_the_order_its_first_run_had(tmp_path, tiny_model
     ids = [tiny_loaded.tokenizer.encode(INSTRUCTION + texts[i] + "\n") for i in (1, 3, 4)]
     alone = [(1, 3, 4)[k] for k in plan_rows(ids).order]
     assert alone != [i for i, _ in resumed]  # what planning only the rest would have done
+
+
+def test_the_feed_plans_with_the_engines_reuse_step(tmp_path, tiny_model_path, tiny_loaded):
+    """The feed plans with the executor's reuse step (``ModelInfo.reuse_step``: the engine's, 1 on a CPU, a block
+    where prefill passes are packed): at a block, reviews that start alike keep the instruction, not a word more."""
+    from mlxbatch.engine import submission_order
+    from mlxbatch.io import open_reader
+    from mlxbatch.job.executor import LocalExecutor
+    from mlxbatch.job.feed import RowFeed, Submit
+    from mlxbatch.job.prepare import RowPreparer
+    from mlxbatch.job.validate import input_spec
+
+    texts = ["great value", "great fit", "great but slow", "awful", "awful smell", "fine"]
+    data = [{"id": f"r{i}", "text": t} for i, t in enumerate(texts)]
+    path = write_jsonl(tmp_path / "in.jsonl", data)
+    spec = validate_job(write_job(tmp_path, tiny_model_path, path, tmp_path / "out",
+                                  prompt={"template": INSTRUCTION + "{{ text }}\n"}, plan={"window": 100}))
+    executor = LocalExecutor(spec, tiny_loaded)
+    assert executor.model.reuse_step == executor.engine.core.reuse_step == 1
+    executor.shutdown()
+    ids = [tiny_loaded.tokenizer.encode(INSTRUCTION + t + "\n") for t in texts]
+    for step in (1, 16):
+        feed = RowFeed(open_reader(input_spec(spec)), RowPreparer(spec, "identity"), tiny_loaded.tokenizer, set(),
+                       window=100, min_step_tokens=step)
+        got = [(s.index, s.cache_tokens) for s in feed.take(100) if isinstance(s, Submit)]
+        assert got == [(s.index, s.cache_tokens) for s in submission_order(plan(ids, min_step_tokens=step))]
+        kept = {c for _, c in got if c}
+        if step == 16:
+            assert len(kept) == 1  # the instruction alone: "great" and "awful" are a token or two past it
+        else:
+            assert len(kept) > 1
