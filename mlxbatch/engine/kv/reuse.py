@@ -31,8 +31,8 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
     third of every byte a run moved). A prefix that many new rows share is read once and written into all of them at
     once (``write_prefix``: a wave of ~200 fewshot rows sharing one prefix is one broadcast write per buffer); the
     other copies are batched (one gather and one scatter per buffer on a GPU). The reads go in slices of at most
-    ``max_bytes`` (default ``copies.MAX_COPY_BYTES``, a launch each: the host goes on building the step while the
-    device copies, and the next launch waits for the copy).
+    ``max_bytes`` (default ``copies.MAX_COPY_BYTES``): each but the last is launched (the next launch waits for it);
+    the last, and a running row's copies, are evaluated with the step's first pass (they stay lazy here).
     """
     live: list[tuple[str, str, int]] = []
     cached: list[tuple[str, CachedBlocks]] = []
@@ -73,7 +73,8 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
         # others' blocks go in one gather and one scatter per buffer
         wide = [(ids, rids) for ids, rids in same.items() if len(rids) >= batch.broadcast_rows]
         rest = [(ids, [rid]) for ids, rids in same.items() if len(rids) < batch.broadcast_rows for rid in rids]
-        for part in copies.slices(wide + rest, lambda g: len(g[0]) * B * pos, max_bytes):
+        parts = copies.slices(wide + rest, lambda g: len(g[0]) * B * pos, max_bytes)
+        for j, part in enumerate(parts):
             blocks = [(ids, rids[0]) for ids, rids in part if len(rids) < batch.broadcast_rows]
             for block_ids, rids in part:
                 if len(rids) >= batch.broadcast_rows:  # gathered in a row's layout: [H, blocks * B, D] a buffer
@@ -82,9 +83,13 @@ def admit(batch: KVLayout, store: PrefixStore | None, admissions: Sequence[Admis
                 keys, values = store.gather([b for ids, _ in blocks for b in ids])
                 batch.write_blocks([(rid, j * B) for ids, rid in blocks for j in range(len(ids))], keys, values, B)
                 del keys, values
-            # launched, not waited for: the host plans and builds the step's passes while the device copies; the
-            # next launch waits for it (``Traffic``), so no slot or block is rewritten before the copy read it
-            batch.traffic.launch("prefill", *batch.kv_arrays())
+            # every slice but the last is launched, not waited for (the next launch waits for it: ``Traffic``), so at
+            # most a slice's gathered blocks are alive at once; the last goes with the step's first pass, which reads
+            # every buffer: launched here, it waited for the step in flight (``Traffic.launch`` settles it first), and
+            # the host built the pass with the device idle but for the copy (a cached pass cost twice an uncached one
+            # on CUDA); left lazy, the host builds copy and pass while the device finishes the step before
+            if j + 1 < len(parts):
+                batch.traffic.launch("prefill", *batch.kv_arrays())
         for rid, c in cached:
             batch.advance(rid, c.num_tokens)  # the row holds its cached prefix now
 
