@@ -213,6 +213,9 @@ def plan_job(spec: JobSpec, window: int | None = None, with_eta: bool = True, ca
     if t.images and (loaded is None or loaded.vlm is None):
         notes.append("image rows are counted by their text tokens: the model was not loaded (its processor expands "
                      "each image into placeholder tokens); plan with --calibrate and the model's weights")
+    if planner.step > 1:
+        notes.append(f"planned with the engine's {planner.step}-token reuse step (CUDA's packed prefill: a shared prefix "
+                     "is kept only where it is that much longer than the one kept around it)")
     eta = None
     if with_eta:
         p = spec.sampling.params

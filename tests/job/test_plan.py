@@ -101,3 +101,28 @@ def test_calibration_generates_under_the_jobs_output_constraint(tmp_path, tiny_m
     assert tokens_per_row() > 24  # free text: cut by the probe's cap, counted at max_tokens
     assert tokens_per_row(choice=["yes", "no"]) <= 4
     assert tokens_per_row(constraint_column="only") <= 4  # each row's own constraint
+
+
+def test_plan_follows_the_reuse_step_of_cuda(tmp_path, tiny_model_path, monkeypatch):
+    """On CUDA's text path the engine reuses by the block (``EngineCore.reuse_step``), and ``mlxbatch plan`` plans and
+    predicts with this machine's step (``reuse_step_here``; a CPU's is 1, so the CUDA one is set here), and says so.
+    (Its prediction against the engine at that step: ``test_reuse_model.py``.)"""
+    import mlxbatch.job.plan as plan_mod
+    from mlxbatch.engine import reuse_step_here
+
+    assert reuse_step_here() == 1  # this machine
+    instruction = "Label the following review as positive or negative, carefully and with care. " * 3
+    words = ["great", "awful", "fine"]
+    rows = [{"id": f"r{i}", "text": f"{words[i % 3]} {words[(i // 3) % 3]} item {i}"} for i in range(36)]
+    job = write_job(tmp_path, tiny_model_path, write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out",
+                    prompt={"template": instruction + "{{ text }}"})
+    reports = {}
+    for step in (1, 16):
+        monkeypatch.setattr(plan_mod, "reuse_step_here", lambda vision=False, batch_invariant=False, s=step: s)
+        res = CliRunner().invoke(main, ["plan", str(job), "--json", "--no-calibrate"])
+        assert res.exit_code == 0, res.output
+        reports[step] = json.loads(res.output)
+    assert reports[1]["distinct_tokens"] == reports[16]["distinct_tokens"]  # the floor is the trie's
+    assert reports[16]["prefill_tokens"] >= reports[1]["prefill_tokens"]  # keeping less never computes less
+    assert any("16-token reuse step" in n for n in reports[16]["notes"])
+    assert not any("reuse step" in n for n in reports[1]["notes"])
