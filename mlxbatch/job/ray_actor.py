@@ -35,6 +35,7 @@ class ActorInfo:
     tokenizer: str  # tokenizer_fingerprint: the driver tokenizes, so it must agree too
     takes_images: bool
     context_length: int
+    reuse_step: int = 1  # its engine's (``EngineCore.reuse_step``: a block on CUDA): the driver's feed plans with it
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class EngineActor:
         dev = self.engine.core.worker.device
         m = self.loaded
         return ActorInfo(self.name, socket.gethostname(), os.getpid(), dev.kind, dev.blas, m.identity, m.dtype,
-                         tokenizer_fingerprint(m.tokenizer), m.vlm is not None, m.context_length)
+                         tokenizer_fingerprint(m.tokenizer), m.vlm is not None, m.context_length,
+                         self.engine.core.reuse_step)
 
     def advance(self, tasks: list[RowTask], budget_s: float, return_after: int) -> Advance:
         """Queue ``tasks``, then step until ``return_after`` rows have finished (after at least MIN_ADVANCE_S),

@@ -92,7 +92,10 @@ class RayExecutor:
             self._lost(slot, f"refused on {info.host}: {problem}", replace=False)
             return
         if self.model is None:
-            self.model = ModelInfo(info.identity, info.dtype, self.tokenizer, info.takes_images, info.context_length)
+            # the first actor ready decides the plan's reuse step too (a block where its engine packs prefill passes;
+            # an actor of another kind still runs that plan, reusing a little more or less than it could)
+            self.model = ModelInfo(info.identity, info.dtype, self.tokenizer, info.takes_images, info.context_length,
+                                   info.reuse_step)
         slot.state = "ready"
         log.info("%s ready on %s (pid %d, %s, BLAS %s)", slot.name, info.host, info.pid, info.device, info.blas)
 

@@ -158,3 +158,16 @@ def test_the_plan_s_retention_reaches_the_engine_for_generate_and_score_rows(tin
     assert by_key["gen"].error is None and by_key["gen"].output.generated_tokens == 2
     assert by_key["score"].error is None and len(by_key["score"].output.completions) == 2
     actor.engine.shutdown()
+
+
+def test_an_actor_reports_its_engines_reuse_step(tmp_path, tiny_model_path):
+    """A Ray actor tells the driver its engine's reuse step (a block where prefill passes are packed, 1 here), and the
+    driver's feed plans with it (``ModelInfo.reuse_step``), as the single-machine executor's does."""
+    from mlxbatch.job.ray_actor import EngineActor
+    from mlxbatch.job.validate import validate_job
+
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "text": "hello"}])
+    spec = validate_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out"))
+    actor = EngineActor("a0", spec.model, spec.engine, spec.seed)
+    assert actor.info().reuse_step == actor.engine.core.reuse_step == 1
+    actor.engine.core.shutdown()
