@@ -5,10 +5,10 @@ Owns a model of the prefix cache (``BlockCacheModel``) and of the rows recently 
 - as in the engine, a row identical to one admitted in its step forks it (computes nothing); another row starts
   from the longest prefix a row admitted in an earlier step shares with it (to the token: a running row, when that
   is a block's worth or more and the engine's reuse step more than the cache, or a partial block cached where it
-  shares it), or from the prefix cache's blocks,
-  which outlive a window. The steps follow the engine's admission: a row waits for a row computing whole blocks of
-  its prefix, and at most ``max_num_seqs`` rows are admitted in a step; a row admitted with the row it shares the
-  most with recomputes the tail of their shared prefix past what the cache holds;
+  shares it), or from the prefix cache's blocks, which outlive a window. The steps follow the engine's admission:
+  a row waits for a row computing whole blocks of its prefix, and at most ``max_num_seqs`` rows are admitted in a
+  step; a row admitted with the row it shares the most with recomputes the tail of their shared prefix past what
+  the cache holds;
 - rows with images reuse whole 16-token blocks of the prefix cache, keyed by the images' content.
 No model and no device: token ids in, token counts out.
 """
