@@ -235,7 +235,7 @@ class JobRunner:
                 if len(buffer) >= spec.checkpoint.every_rows or now - last_flush >= spec.checkpoint.every_seconds:
                     flush()
                 bar.show(stats, executor.in_flight, executor)
-                if errors.exceeded():
+                if errors.exceeded() and not (feed.finished and not executor.busy):  # all done: judged at the end
                     flush()
                     raise _ErrorBudgetSpent(errors.message(errors.rows, errors.errors, str(spec.output)), stats)
                 if self._stop.signum is not None:

@@ -70,7 +70,7 @@ def test_a_rerun_counts_the_errors_of_earlier_runs(tmp_path, tiny_model_path):
 def test_a_stopped_run_writes_the_report_of_every_run_and_counts_their_errors_by_kind(tmp_path, tiny_model_path):
     """A run stopped by max_error_rate wrote no report.json, so the next run reported zeros as "this run" figures,
     and its message counted only its own errors by kind ({} when it computed nothing)."""
-    data = write_jsonl(tmp_path / "in.jsonl", rows_with_bad(40, set(range(10, 40))))
+    data = write_jsonl(tmp_path / "in.jsonl", rows_with_bad(40, set(range(30))))  # stopped before rows 30-39 ran
     out = tmp_path / "out"
     job = write_job(tmp_path, tiny_model_path, data, out, checkpoint={"every_rows": 4})
 
@@ -114,3 +114,21 @@ def test_a_small_job_with_a_share_of_errors_over_the_limit_fails_and_under_it_su
     res = CliRunner().invoke(main, ["run", str(write_job(tmp_path, tiny_model_path, data, tmp_path / "b",
                                                          max_error_rate=0.2)), "--no-progress"])
     assert res.exit_code == 0, res.output
+
+
+def test_a_job_whose_rows_all_finished_writes_its_results_even_past_the_limit(tmp_path, tiny_model_path):
+    """Over max_error_rate with every row finished, a job of 20 rows or more stopped as if rows were still to
+    run: no results.parquet (a job of 10 rows got one), `show` said "no results yet", and a re-run stopped again
+    at once, so its finished rows could never be read."""
+    data = write_jsonl(tmp_path / "in.jsonl", rows_with_bad(30, set(range(5, 30))))
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_path, data, out)
+    for _ in range(2):  # the run that computes the rows, then a re-run that resumes them all
+        res = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
+        assert res.exit_code == 3 and "25 of 30 rows failed" in res.output, res.output
+        assert "results.parquet holds every row" in res.output, res.output
+        assert pq.read_table(out / "results.parquet").num_rows == 30 and not (out / "_SUCCESS").exists()
+        report = json.loads((out / "report.json").read_text())
+        assert report["rows"]["errors"] == 25 and "stopped" not in report
+        shown = CliRunner().invoke(main, ["show", str(out)])
+        assert shown.exit_code == 0 and "errors: render 25" in shown.output, shown.output
