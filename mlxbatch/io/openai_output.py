@@ -61,20 +61,32 @@ def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
             "text_offset": offsets}
 
 
+def _samples(row: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """Each choice's text and finish reason: the row's ``n > 1`` samples (the first is ``text``), else ``text``."""
+    texts = row.get("samples")
+    if not texts:
+        return [(row["text"] or "", row["finish_reason"])]
+    reasons = list(row.get("sample_finish_reasons") or ())
+    reasons += [None] * (len(texts) - len(reasons))  # rows checkpointed before the reasons were recorded
+    reasons[0] = row["finish_reason"]
+    return [(t or "", r) for t, r in zip(texts, reasons)]
+
+
 def _response_body(row: dict[str, Any], url: str, created: int) -> dict[str, Any]:
     prompt, completion = row["prompt_tokens"] or 0, row["generated_tokens"] or 0
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    text = row["text"] or ""
-    entries = row.get("logprobs")  # None: the request did not ask for logprobs
+    entries = row.get("logprobs")  # None: the request did not ask for logprobs (kept for the first sample only)
     if url == COMPLETIONS_URL:
         logprobs = _completion_logprobs(entries) if entries is not None else None
         return {"id": f"cmpl-{row['key']}", "object": "text_completion", "created": created, "model": row["model"],
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": row["finish_reason"]}],
+                "choices": [{"index": i, "text": text, "logprobs": logprobs if i == 0 else None,
+                             "finish_reason": reason} for i, (text, reason) in enumerate(_samples(row))],
                 "usage": usage}
+    logprobs = _chat_logprobs(entries) if entries is not None else None
     return {"id": f"chatcmpl-{row['key']}", "object": "chat.completion", "created": created, "model": row["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": _chat_logprobs(entries) if entries is not None else None,
-                         "finish_reason": row["finish_reason"]}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                         "logprobs": logprobs if i == 0 else None, "finish_reason": reason}
+                        for i, (text, reason) in enumerate(_samples(row))],
             "usage": usage}
 
 
@@ -96,7 +108,7 @@ def write_openai_batch_output(results_path: str | Path, out_dir: str | Path, *, 
     created = int(time.time()) if created is None else created
     with pq.ParquetFile(results_path) as pf:
         names = pf.schema_arrow.names
-        columns = _COLUMNS + [c for c in (url_column, "logprobs") if c in names]
+        columns = _COLUMNS + [c for c in (url_column, "logprobs", "samples", "sample_finish_reasons") if c in names]
         ok = failed = 0
         with atomic_writer(out / OUTPUT_NAME, text=True) as f_ok, atomic_writer(out / ERRORS_NAME, text=True) as f_err:
             for batch in pf.iter_batches(batch_size=batch_size, columns=columns):

@@ -117,6 +117,7 @@ def record_for(prep: PreparedRow, out: RequestOutput, model: str, task: TaskSect
     error = kind = None
     if len(out.completions) > 1:
         extra["samples"] = [c.text for c in out.completions]
+        extra["sample_finish_reasons"] = [c.finish_reason.value if c.finish_reason else None for c in out.completions]
     constraint = prep.params.constraint
     if constraint is not None:
         parsed, error, kind = _check(out.text, constraint, out.finish_reason, prep.params.max_tokens)

@@ -114,6 +114,31 @@ def test_openai_batch_text_parts_response_format_and_logprobs(tmp_path, tiny_mod
     assert results["parts"]["logprobs"][0]["token"] == content[0]["token"]  # token strings beside the ids
 
 
+def test_openai_batch_n_samples_are_every_choice_of_the_response(tmp_path, tiny_model_path):
+    """A request with ``n: 3`` was sampled three times (``samples``, usage counting every token), but its response
+    had one choice: the other samples were lost from openai_output.jsonl."""
+    lines = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "n": 3,
+                       "temperature": 0.9, "seed": 1}},
+             {"custom_id": "completion", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "Once", "max_tokens": 3, "n": 2, "temperature": 0.9, "seed": 2}},
+             {"custom_id": "one", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "Say bye"}], "max_tokens": 4}}]
+    data = write_jsonl(tmp_path / "batch.jsonl", lines)
+    run(write_job(tmp_path, tiny_model_path, data, tmp_path / "out",
+                  input={"path": str(data), "id_column": None, "format": "openai-batch"}))
+    out = {o["custom_id"]: o["response"]["body"] for o in map(json.loads, (tmp_path / "out" / "openai_output.jsonl")
+                                                              .read_text().splitlines())}
+    results = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()}
+    for rid, n, text_of in (("chat", 3, lambda c: c["message"]["content"]), ("completion", 2, lambda c: c["text"]),
+                            ("one", 1, lambda c: c["message"]["content"])):
+        choices = out[rid]["choices"]
+        assert [c["index"] for c in choices] == list(range(n)), choices
+        assert [text_of(c) for c in choices] == (results[rid]["samples"] or [results[rid]["text"]])
+        assert all(c["finish_reason"] in ("stop", "length") for c in choices), choices
+        assert choices[0]["finish_reason"] == results[rid]["finish_reason"]
+
+
 def test_input_types_survive_the_shards_and_a_resume(tmp_path, tiny_model_path):
     n = 8
     table = pa.table({
