@@ -97,6 +97,10 @@ class ColumnPlanner:
             else:
                 self._types[name] = merged
 
+    def reserve(self, names: Iterable[str]) -> None:
+        """More names the columns must not take (another planner's columns)."""
+        self._reserved.update(names)
+
     def columns(self) -> list[InputColumn]:
         out: list[InputColumn] = []
         taken = set(self._reserved)

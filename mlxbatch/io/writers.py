@@ -182,9 +182,11 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
         if has_extra:  # keys starting with "_" are checkpoint bookkeeping (e.g. the engine actor): not output
             extra_planner.observe([{k: v for k, v in d.items() if not k.startswith("_")}
                                    for d in decode_inputs(got.column("extra").to_pylist())])
+    # task results (n > 1 samples, parsed JSON, scores, ...) become typed columns at the end, named by their key;
+    # an input column of the same name is the one renamed (input_<name>)
+    extras = extra_planner.columns() if has_extra else []
+    planner.reserve(c.out_name for c in extras)
     inputs = planner.columns()
-    # task results (n > 1 samples, parsed JSON, scores, ...) become typed columns at the end, named by their key
-    extras = [c for c in extra_planner.columns() if c.name not in {i.out_name for i in inputs}] if has_extra else []
     has_logprobs = index.column_has_values("logprobs") if include_logprobs is None else include_logprobs
     tail = [f for f in _TAIL if (f.name != "logprobs" or has_logprobs) and f.name != "extra"]
     if token_text is not None:

@@ -185,3 +185,25 @@ def test_parsed_has_the_constraints_type_even_when_no_row_parses(tmp_path, tiny_
     if "regex" not in constraint:
         assert got.column("parsed").null_count == 6
         assert set(got.column("error_kind").to_pylist()) == {"truncated"}
+
+
+def test_input_columns_named_like_task_columns_are_renamed_not_the_results_dropped(tmp_path, tiny_model_path):
+    """An input column named ``correct``, ``parsed`` or ``samples`` took the place of the task's own column: the
+    computed values were dropped from results.parquet, and with the gold column named ``correct`` the run then
+    crashed with a traceback (its strings read as the accuracy's booleans)."""
+    rows = [{**r, "correct": "yes" if i % 2 else "no", "parsed": i, "samples": f"s{i}"} for i, r in enumerate(texts(6))]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    report = run(write_job(tmp_path, tiny_model_path, data, out, max_error_rate=1.0,
+                           sampling={"n": 2, "max_tokens": 4},
+                           output={"path": str(out), "choice": ["yes", "no"], "gold": "correct"})).report
+    table = pq.read_table(out / "results.parquet")
+    assert table.column("input_correct").to_pylist() == [r["correct"] for r in rows]
+    assert table.column("input_parsed").to_pylist() == [r["parsed"] for r in rows]
+    assert table.column("input_samples").to_pylist() == [r["samples"] for r in rows]
+    got = table.to_pylist()
+    assert all(len(r["samples"]) == 2 and r["samples"][0] == r["text"] for r in got)
+    assert table.schema.field("correct").type == pa.bool_()
+    ok = [r for r in got if r["error"] is None]
+    assert all(r["parsed"] == r["text"] and r["correct"] == (r["text"] == r["input_correct"]) for r in ok)
+    assert report["accuracy"]["answered"] == len(ok)
