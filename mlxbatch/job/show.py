@@ -96,4 +96,9 @@ def show(target: Path, n: int = 5) -> str:
         lines.append(f"accuracy: {right / answered:.1%} ({right} of {answered} rows with an answer)")
     if "rendered_prompt" not in names:
         lines.append("(prompts are not kept: set output.keep_prompt: true to store what the model saw)")
+    folder = path.parent  # an output folder (its manifest) whose last run did not complete
+    if (folder / "manifest.json").exists() and not (folder / "_SUCCESS").exists():
+        lines.insert(0, f"note: no _SUCCESS in {folder}: its last run did not complete (stopped, failed or still "
+                        "going), so these results may be an earlier run's (other parameters or input); "
+                        "`mlxbatch status` counts the current rows")
     return "\n".join(lines)

@@ -171,3 +171,24 @@ def test_score_jobs_print_their_speed_and_accuracy(tmp_path, tiny_model_path):
     assert "0.0 tok/s" not in res.output and "rows/s" in res.output and "prompt tok/s" in res.output
     acc = json.loads((tmp_path / "out" / "report.json").read_text())["accuracy"]
     assert acc["answered"] == 8 and f"accuracy {acc['accuracy']:.1%}" in res.output
+
+
+def test_show_says_when_the_results_may_be_an_earlier_runs(tmp_path, tiny_model_path):
+    """After a finished run, a run with a new prompt that was killed left the first run's results.parquet in place
+    (only _SUCCESS goes), and `show` printed those rows and their summary as the job's, with no word of it."""
+    import os
+    import subprocess
+    import sys
+
+    data = write_jsonl(tmp_path / "in.jsonl", texts(30))
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", checkpoint={"every_rows": 4})
+    assert invoke("run", job, "--no-progress").exit_code == 0
+    shown = invoke("show", tmp_path / "out")
+    assert shown.exit_code == 0 and "no _SUCCESS" not in shown.output
+    killed = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "run", str(job), "--no-progress",
+                             "--set", "prompt.template='Retell: {{ text }}'"], capture_output=True,
+                            env={**os.environ, "MLXBATCH_FAULT": "mid-shard:1"}, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    shown = invoke("show", tmp_path / "out")
+    assert shown.exit_code == 0 and "=== " in shown.output
+    assert "no _SUCCESS" in shown.output and "mlxbatch status" in shown.output, shown.output
