@@ -132,3 +132,16 @@ def test_a_job_whose_rows_all_finished_writes_its_results_even_past_the_limit(tm
         assert report["rows"]["errors"] == 25 and "stopped" not in report
         shown = CliRunner().invoke(main, ["show", str(out)])
         assert shown.exit_code == 0 and "errors: render 25" in shown.output, shown.output
+
+
+def test_status_of_a_job_that_failed_on_its_errors_does_not_say_it_is_running(tmp_path, tiny_model_path):
+    """Every row done, exit 3 (max_error_rate): status said "incomplete (running, or run the job again to
+    resume)", though nothing runs and running it again resumes nothing."""
+    data = write_jsonl(tmp_path / "in.jsonl", rows_with_bad(8, {3}))
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_path, data, out)
+    assert CliRunner().invoke(main, ["run", str(job), "--no-progress"]).exit_code == 3
+    status = CliRunner().invoke(main, ["status", str(out)])
+    first = status.output.splitlines()[0]
+    assert status.exit_code == 0 and "running" not in first and "max_error_rate" in first, status.output
+    assert "rows done: 8 of 8" in status.output
