@@ -23,6 +23,7 @@ from mlxbatch.job.spec import JobSpec, constraint_from
 from mlxbatch.types import SamplingParams
 
 CHARS_PER_TOKEN_BOUND = 64  # no tokenizer packs more characters into a token on average, even on whitespace runs
+_INT_PARAMS = frozenset(("top_k", "max_tokens", "min_tokens", "n", "seed", "logprobs"))
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ class RowPreparer:
         changes: dict[str, Any] = {}
         for name, column in self.spec.sampling.overrides.items():
             value = row.fields.get(column)
+            if isinstance(value, float) and value.is_integer() and name in _INT_PARAMS:
+                value = int(value)  # an integer column with nulls, as pandas stores it (float64)
             if value is not None:
                 changes[name] = tuple(value) if name in ("stop", "stop_token_ids") and isinstance(value, list) \
                     else value

@@ -8,10 +8,11 @@ beyond the context, refused before tokenizing; an empty prompt), and a generated
 
 from __future__ import annotations
 
+import json
 import time
 
 import pyarrow.parquet as pq
-from jobkit import write_job, write_jsonl
+from jobkit import texts, write_job, write_jsonl
 
 from mlxbatch.job.runner import JobRunner
 from mlxbatch.job.validate import validate_job
@@ -106,3 +107,24 @@ def test_an_empty_prompt_is_a_request_error_that_says_so(tmp_path, tiny_model_pa
     res = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()}
     assert res["empty"]["error_kind"] == "request" and "the prompt is empty" in res["empty"]["error"]
     assert "'[]'" not in res["empty"]["error"]
+
+
+def test_an_override_column_of_whole_floats_is_taken_as_integers(tmp_path, tiny_model_path):
+    """pandas stores an integer column with nulls as float64, so a per-row max_tokens column reads 5.0: every
+    row with a value was a `params` error ("max_tokens=5.0: must be an integer") while validate said ok. A
+    fractional value is still refused."""
+    import pandas as pd
+
+    rows = texts(4)
+    frame = pd.DataFrame({"id": [r["id"] for r in rows], "text": [r["text"] for r in rows],
+                          "budget": [3, None, 2, None], "k": [5, None, 2.5, None]})
+    assert str(frame["budget"].dtype) == "float64"
+    frame.to_parquet(tmp_path / "in.parquet")
+    job = write_job(tmp_path, tiny_model_path, tmp_path / "in.parquet", tmp_path / "out", max_error_rate=1.0,
+                    sampling={"temperature": 0, "max_tokens": 6, "overrides": {"max_tokens": "budget",
+                                                                                "top_k": "k"}})
+    res = {r["id"]: r for r in pq.read_table(run(job).out_dir + "/results.parquet").to_pylist()}
+    got = [(res[r["id"]]["error_kind"], res[r["id"]]["generated_tokens"]) for r in rows]
+    assert got[0] == (None, 3) and got[1] == (None, 6) and got[3] == (None, 6), got
+    assert got[2][0] == "params" and "top_k=2.5" in res[rows[2]["id"]]["error"]
+    assert json.loads(res[rows[0]["id"]]["params"])["max_tokens"] == 3
