@@ -99,8 +99,12 @@ def parse_model(c: Checker, raw: dict[str, Any], base: Path) -> ModelSection:
             c.bad("model.path", f"no such folder: {model.path}")
     if model.adapter:
         model = dataclasses.replace(model, adapter=str(resolve_path(base, model.adapter)))
-        if not Path(model.adapter).exists():
+        lora = Path(model.adapter)
+        if not lora.exists():
             c.bad("model.adapter", f"no such folder: {model.adapter}")
+        elif not (lora / "adapter_config.json").is_file() or not (lora / "adapters.safetensors").is_file():
+            c.bad("model.adapter", f"{model.adapter}: expected a folder with adapter_config.json and "
+                                   "adapters.safetensors (mlx-lm LoRA layout)")
     return model
 
 

@@ -239,3 +239,20 @@ def test_a_locked_output_folder_fails_before_the_model_loads(tmp_path, tiny_mode
     assert res.exit_code == 1
     assert "is in use by another mlxbatch run" in res.output and "--output" in res.output
     assert "CheckpointStore" not in res.output and "could not be loaded" not in res.output
+
+
+def test_an_adapter_folder_without_the_lora_files_is_refused_before_the_model_loads(tmp_path, tiny_model_path):
+    """validate said ok to an adapter folder without adapter_config.json / adapters.safetensors; `run` then
+    claimed the output folder and failed only when the model loaded."""
+    data = write_jsonl(tmp_path / "in.jsonl", texts(5))
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "adapter_config.json").write_text("{}")
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out")
+    raw = yaml.safe_load(job.read_text())
+    raw["model"] = {"path": str(tiny_model_path), "adapter": str(tmp_path / "lora")}
+    job.write_text(yaml.safe_dump(raw))
+    for command in ("validate", "run"):
+        res = CliRunner().invoke(main, [command, str(job)])
+        assert res.exit_code == 2, res.output
+        assert "model.adapter" in res.output and "adapters.safetensors" in res.output, res.output
+    assert not (tmp_path / "out").exists()
