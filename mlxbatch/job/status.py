@@ -151,9 +151,9 @@ def _summary(out_dir: Path, current: list[_Record], stale: int, total: int | Non
         state = (f"outdated: finished under other parameters or input; {done} of {total} current rows done "
                  f"(run the job to update it)")
     elif total and done == total:
-        state = ("not complete: every current row is done, but the last run did not finish (more rows failed than "
-                 "max_error_rate allows, or it was stopped while writing the results); run the job again to finish "
-                 "it (raise max_error_rate to accept the errors)")
+        why = ("more rows failed than max_error_rate allows (raise it to accept them), or it stopped while writing "
+               "the results") if errors else "it stopped while writing the results (killed, a full disk, ...)"
+        state = f"not complete: every current row is done, but the last run did not finish: {why}; run the job again"
     else:
         state = "incomplete (running, or run the job again to resume)"
     lines = [f"{out_dir}: {state}",

@@ -145,3 +145,18 @@ def test_status_of_a_job_that_failed_on_its_errors_does_not_say_it_is_running(tm
     first = status.output.splitlines()[0]
     assert status.exit_code == 0 and "running" not in first and "max_error_rate" in first, status.output
     assert "rows done: 8 of 8" in status.output
+
+
+def test_status_of_a_run_killed_while_writing_its_results_does_not_blame_errors(tmp_path, tiny_model_path):
+    import os
+    import subprocess
+    import sys
+
+    data = write_jsonl(tmp_path / "in.jsonl", texts(8))
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_path, data, out)
+    killed = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "run", str(job), "--no-progress"],
+                            capture_output=True, env={**os.environ, "MLXBATCH_FAULT": "mid-results:1"}, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    first = CliRunner().invoke(main, ["status", str(out)]).output.splitlines()[0]
+    assert "running" not in first and "max_error_rate" not in first and "killed" in first, first
