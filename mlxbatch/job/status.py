@@ -157,7 +157,8 @@ def _summary(out_dir: Path, current: list[_Record], stale: int, total: int | Non
     else:
         state = "incomplete (running, or run the job again to resume)"
     lines = [f"{out_dir}: {state}",
-             f"  rows done: {done}" + (f" of {total} ({percent}%)" if total is not None else "")
+             f"  rows done: {done}" + (f" of {total}" if total is not None else "")
+             + (f" ({percent}%)" if percent is not None else "")
              + f"; errors: {errors}; counted against {against}"]
     lines += [f"    {k}: {n}  e.g. {examples[k][:160]}" for k, n in kinds.most_common()]
     if stale:

@@ -127,3 +127,13 @@ def test_progress_counts_only_rows_run_now(tmp_path, tiny_model_path, capfd, cap
         run(job)
     lines = [r.getMessage() for r in caplog.records if "rows this run" in r.getMessage()]
     assert lines and lines[-1].startswith("2/2 rows this run") and "resumed 22" in lines[-1], lines
+
+
+def test_status_of_a_job_with_an_empty_input(tmp_path, tiny_model_path):
+    """An empty input: status printed "rows done: 0 of 0 (None%)"."""
+    data = tmp_path / "in.jsonl"
+    data.write_text("")
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out")
+    run(job)
+    res = CliRunner().invoke(main, ["status", str(tmp_path / "out")])
+    assert res.exit_code == 0 and "None" not in res.output and "rows done: 0 of 0" in res.output, res.output
