@@ -18,7 +18,10 @@ __version__ = "0.1.0"
 __all__ = [
     "FinishReason",
     "InvalidRequestError",
+    "JobFailed",
+    "JobInterrupted",
     "JobResult",
+    "JobSpecError",
     "MlxbatchError",
     "OutputConstraint",
     "RequestOutput",
@@ -37,4 +40,8 @@ def __getattr__(name: str):  # lazy: importing the engine imports mlx
         from mlxbatch.job import api
 
         return getattr(api, name)
+    if name in ("JobSpecError", "JobInterrupted", "JobFailed"):  # what run_job raises (README: Python API)
+        from mlxbatch.job import runner, spec
+
+        return getattr(spec if name == "JobSpecError" else runner, name)
     raise AttributeError(name)

@@ -102,3 +102,23 @@ def test_two_mapping_jobs_with_different_inputs_do_not_share_an_output_folder(tm
         mlxbatch.run_job(job("b.jsonl"))
     assert (tmp_path / "out" / "results.parquet").read_bytes() == before
     assert mlxbatch.run_job(job("a.jsonl")).report["rows"]["resumed"] == 3
+
+
+def test_the_exceptions_the_readme_names_are_on_the_package(tmp_path, tiny_model_path):
+    """README: run_job raises JobSpecError, JobInterrupted, JobFailed; `except mlxbatch.JobFailed:` was an
+    AttributeError raised inside the except clause, hiding the job's own error."""
+    from mlxbatch.job.runner import JobFailed, JobInterrupted
+    from mlxbatch.job.spec import JobSpecError
+
+    assert (mlxbatch.JobSpecError, mlxbatch.JobInterrupted, mlxbatch.JobFailed) == \
+        (JobSpecError, JobInterrupted, JobFailed)
+    assert {"JobSpecError", "JobInterrupted", "JobFailed"} <= set(mlxbatch.__all__)
+    rows = texts(6)
+    for r in rows[1:]:
+        del r["text"]  # 5 render errors of 6
+    job = write_job(tmp_path, tiny_model_path, write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out")
+    with pytest.raises(mlxbatch.JobFailed):
+        try:
+            mlxbatch.run_job(job)
+        except mlxbatch.JobSpecError:
+            pytest.fail("the job is valid")
