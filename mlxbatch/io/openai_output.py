@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -97,14 +98,17 @@ def _write_line(f: TextIO, obj: dict[str, Any]) -> None:
 
 def write_openai_batch_output(results_path: str | Path, out_dir: str | Path, *, url_column: str = "url",
                               default_url: str = CHAT_URL, created: int | None = None,
-                              batch_size: int = 10_000) -> OpenAIBatchOutputs:
+                              batch_size: int = 10_000, urls: Iterable[str | None] | None = None
+                              ) -> OpenAIBatchOutputs:
     """Stream ``results_path`` (written by ``finalize``) into OpenAI Batch output and error files, in row order.
 
-    A row's endpoint (chat vs. completions format) comes from its ``url_column`` when the results kept it
-    (the openai-batch reader puts ``url`` in the fields), else ``default_url``. ``errors.jsonl`` is always
-    written, empty when no row failed.
+    A row's endpoint (chat vs. completions format) comes from ``urls`` (one per results row, in order: the
+    input's, since ``input.columns`` may leave it out of the results), else from its ``url_column`` when the
+    results kept it (the openai-batch reader puts ``url`` in the fields), else ``default_url``. ``errors.jsonl``
+    is always written, empty when no row failed.
     """
     out = Path(out_dir)
+    endpoints = iter(urls) if urls is not None else None
     created = int(time.time()) if created is None else created
     with pq.ParquetFile(results_path) as pf:
         names = pf.schema_arrow.names
@@ -113,9 +117,10 @@ def write_openai_batch_output(results_path: str | Path, out_dir: str | Path, *, 
         with atomic_writer(out / OUTPUT_NAME, text=True) as f_ok, atomic_writer(out / ERRORS_NAME, text=True) as f_err:
             for batch in pf.iter_batches(batch_size=batch_size, columns=columns):
                 for row in batch.to_pylist():
+                    endpoint = next(endpoints, None) if endpoints is not None else None
                     line: dict[str, Any] = {"id": f"batch_req_{row['key']}", "custom_id": row["id"]}
                     if row["error"] is None:
-                        url = row.get(url_column) or default_url
+                        url = endpoint or row.get(url_column) or default_url
                         line["response"] = {"status_code": 200, "request_id": f"req_{row['key']}",
                                             "body": _response_body(row, url, created)}
                         line["error"] = None

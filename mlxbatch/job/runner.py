@@ -152,7 +152,9 @@ class JobRunner:
                                      metadata={"mlxbatch.batch_invariant": str(stats.batch_invariant).lower()})
                     stats.final_rows = final.rows
                 if is_openai:
-                    write_openai_batch_output(final.results_path, spec.output)
+                    # each row's endpoint from the input (input.columns may leave `url` out of the results)
+                    write_openai_batch_output(final.results_path, spec.output,
+                                              urls=(row.fields.get("url") for row in self._rows()))
                 stats.disk = summarize_results(final.results_path)
                 stats.accuracy = stats.disk.accuracy
                 report = stats.report(spec, model, previous)

@@ -207,3 +207,21 @@ def test_input_columns_named_like_task_columns_are_renamed_not_the_results_dropp
     ok = [r for r in got if r["error"] is None]
     assert all(r["parsed"] == r["text"] and r["correct"] == (r["text"] == r["input_correct"]) for r in ok)
     assert report["accuracy"]["answered"] == len(ok)
+
+
+def test_openai_batch_endpoints_survive_input_columns_that_leave_url_out(tmp_path, tiny_model_path):
+    """With input.columns keeping only custom_id (the bodies are big), a /v1/completions request was answered as a
+    chat.completion: the writer took each row's endpoint from the results' kept `url` column, else chat."""
+    lines = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}},
+             {"custom_id": "completion", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "Once", "max_tokens": 3, "temperature": 0, "logprobs": 0}}]
+    data = write_jsonl(tmp_path / "batch.jsonl", lines)
+    run(write_job(tmp_path, tiny_model_path, data, tmp_path / "out",
+                  input={"path": str(data), "id_column": None, "columns": ["custom_id"]}))
+    assert "url" not in pq.read_table(tmp_path / "out" / "results.parquet").column_names
+    out = {o["custom_id"]: o["response"]["body"] for o in map(json.loads, (tmp_path / "out" / "openai_output.jsonl")
+                                                              .read_text().splitlines())}
+    assert out["chat"]["object"] == "chat.completion" and "message" in out["chat"]["choices"][0]
+    assert out["completion"]["object"] == "text_completion" and "text" in out["completion"]["choices"][0]
+    assert len(out["completion"]["choices"][0]["logprobs"]["tokens"]) == 3
