@@ -32,6 +32,7 @@ def _script(args: list[str]) -> str:
     ("decode_ab.py", ["--levels", "2", "--decode-repeats", "1", "--decode-new-tokens", "6", "--tag", "t"], "| t | 2 |"),
     ("host_step.py", ["--rows", "4", "--prompt-len", "8", "--new", "4", "--reps", "1"], "| build the forward (Python) |"),
     ("host_step.py", ["--workloads", "label:12,label:12:nocache"], "prefill: place rows, copy prefixes in (admit)"),
+    ("cuda_schedule_on_cpu.py", ["--runs", "label:12,chat:8", "--tag", "t"], "| t | chat 8 |"),
 ])
 def test_diagnostic_script_runs(script, args, expect, tiny_model_path):
     out = _script([f"scripts/{script}", "--model", str(tiny_model_path), *args])
