@@ -50,20 +50,30 @@ class Resumed:
 
 @dataclass
 class PlanStats:
-    """What the plan of this run's rows promised: summed over windows."""
+    """The plan of this run's rows, summed over windows (``mlxbatch plan`` reports the same figures by the same
+    names)."""
 
     window: int
     enabled: bool
-    windows: int = 0
+    windows: int = 0  # windows with rows to run
     rows: int = 0
     prompt_tokens: int = 0
-    distinct_tokens: int = 0  # the prefill floor of this run's rows under windowed planning
+    # each window's trie node count, summed: the least prefill if nothing were reused from one window to the next.
+    # The whole job's floor when it is one window; a windowed run can compute less (the prefix cache outlives a
+    # window), and no whole-job trie is built (memory holds one window)
+    distinct_tokens: int = 0
 
     def as_dict(self) -> dict[str, object]:
-        saving = 1 - self.distinct_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         return {"enabled": self.enabled, "window": self.window, "windows": self.windows,
                 "windowed": self.windows > 1, "rows": self.rows, "prompt_tokens": self.prompt_tokens,
-                "distinct_tokens": self.distinct_tokens, "expected_saving": round(saving, 4)}
+                "distinct_tokens": self.distinct_tokens,
+                "window_floor_saving": window_floor_saving(self.distinct_tokens, self.prompt_tokens)}
+
+
+def window_floor_saving(distinct_tokens: int, prompt_tokens: int) -> float:
+    """``1 - distinct / prompt``: the prefill saving at the windows' trie floors (not the run's or the plan's
+    predicted saving: the prefix cache can carry prefixes across windows)."""
+    return round(1 - distinct_tokens / prompt_tokens, 4) if prompt_tokens else 0.0
 
 
 class RowFeed:

@@ -3,7 +3,9 @@
 Owns the plan report and the prediction of the run's prefill tokens (what report.json counts as
 ``prefix_reuse.prefill_tokens_computed``):
 - rows are cut into the job's windows (``plan.window``) by input position, as the run's feed cuts them, and a
-  window's text rows are planned along their token trie: the floor is the trie's node count (``distinct_tokens``);
+  window's text rows are planned along their token trie: each window's floor is its trie's node count, summed in
+  ``distinct_tokens`` (the whole job's floor when it is one window; across windows the prefix cache carries shared
+  prefixes, so a windowed run can compute less);
   each row's prefill is predicted in the run's submission order by ``job.reuse_model`` (the engine's reuse rules);
 - ``task: score`` rows prefill their context once; when every candidate is one token that is all (the context's
   last logits score them), else each candidate is prefilled after it and every candidate but the first recomputes
@@ -29,6 +31,7 @@ from typing import Any
 from mlxbatch.engine import PromptEncoder, is_vlm_folder, plan, reuse_step_here, submission_order
 from mlxbatch.io import InputFormat, open_reader, resolve_inputs
 from mlxbatch.job.calibrate import Eta, estimate, measured_eta
+from mlxbatch.job.feed import window_floor_saving
 from mlxbatch.job.model_ref import local_model_dir
 from mlxbatch.job.model_size import config_sizes
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
@@ -45,9 +48,9 @@ class PlanReport:
     planned_rows: int  # text rows planned along the trie
     skipped_rows: int  # rows that cannot run (input or render errors, prompts the tokenizer rejects)
     prompt_tokens: int  # every runnable row's prompt; score rows: their sequences' (context, candidates when run)
-    distinct_tokens: int  # the planned rows' trie floor, window by window
+    distinct_tokens: int  # each window's trie node count, summed (report.json: prefix_reuse.window_floor_tokens)
     prefill_tokens: int  # what the run is predicted to compute (report.json: prefill_tokens_computed)
-    saving: float  # 1 - prefill_tokens / prompt_tokens
+    saving: float  # 1 - prefill_tokens / prompt_tokens (report.json: prefix_reuse.saving, measured)
     peak_retained_tokens: int
     kv_bytes_per_token: int
     windowed: bool
@@ -59,19 +62,34 @@ class PlanReport:
     score_rows: int = 0
     notes: tuple[str, ...] = ()
     kv_dtype: str = "float32"  # the dtype the engine will keep KV in on this device
+    windows: int = 1  # windows with planned rows
 
     @property
     def peak_retained_bytes(self) -> int:
         return self.peak_retained_tokens * self.kv_bytes_per_token
+
+    @property
+    def window_floor_saving(self) -> float:
+        """The saving at the windows' trie floors (report.json: plan.window_floor_saving)."""
+        return window_floor_saving(self.distinct_tokens, self.prompt_tokens)
+
+    def _floor_line(self) -> str:
+        at = f"{self.window_floor_saving:.1%} below the prompt tokens"
+        if self.windows <= 1:
+            return (f"distinct trie tokens (prefill floor): {self.distinct_tokens} ({at}: the least prefill of the "
+                    f"planned rows in any order)")
+        return (f"distinct trie tokens (prefill floor per window): {self.distinct_tokens}, summed over {self.windows} "
+                f"windows ({at}); not a floor for the whole job: the prefix cache carries shared prefixes from one "
+                f"window to the next, so the run can compute less (no whole-job trie is built: memory holds one window)")
 
     def summary(self) -> str:
         return "\n".join([
             f"rows: {self.rows} ({self.planned_rows} planned, {self.image_rows} with images, {self.score_rows} "
             f"scored, {self.skipped_rows} would be error rows)",
             f"prompt tokens: {self.prompt_tokens}",
-            f"distinct trie tokens (prefill floor): {self.distinct_tokens} (the planned rows, window by window)",
+            self._floor_line(),
             f"expected prefill saving: {self.saving:.1%} (predicted prefill: {self.prefill_tokens} of "
-            f"{self.prompt_tokens} prompt tokens, as report.json will count them)",
+            f"{self.prompt_tokens} prompt tokens; report.json: prefix_reuse.prefill_tokens_computed and saving)",
             f"peak shared-prefix KV retained: {self.peak_retained_tokens} tokens "
             f"({self.peak_retained_bytes / 2**20:.1f} MiB at {self.kv_bytes_per_token} bytes/token, {self.kv_dtype})",
             f"planned {'in windows of ' + str(self.window) + ' rows' if self.windowed else 'whole'}"
@@ -229,7 +247,7 @@ def plan_job(spec: JobSpec, window: int | None = None, with_eta: bool = True, ca
     sizes = config_sizes(model_dir, spec.model.dtype)
     return PlanReport(t.rows, t.planned, t.skipped, t.prompt, t.distinct, t.prefill, saving, t.peak,
                       sizes.kv_bytes_per_token, t.windows > 1, window, time.perf_counter() - t0, eta,
-                      spec.plan.enabled, t.images, t.scored, tuple(notes), sizes.dtype)
+                      spec.plan.enabled, t.images, t.scored, tuple(notes), sizes.dtype, t.windows)
 
 
 def _load(spec: JobSpec, model_dir: Path) -> Any:
@@ -247,7 +265,8 @@ def _load(spec: JobSpec, model_dir: Path) -> Any:
 
 def as_dict(r: PlanReport) -> dict[str, Any]:
     out = {**{k: getattr(r, k) for k in r.__dataclass_fields__ if k != "eta"},
-           "peak_retained_bytes": r.peak_retained_bytes, "notes": list(r.notes)}
+           "peak_retained_bytes": r.peak_retained_bytes, "window_floor_saving": r.window_floor_saving,
+           "notes": list(r.notes)}
     if r.eta is not None:
         out["eta"] = r.eta.as_dict()
     return out

@@ -128,17 +128,25 @@ class RunStats:
         return self.generated_tokens / max(self.wall_s, 1e-9)
 
     def prefix_reuse(self) -> dict[str, Any]:
-        """This run's prefill against the plan's floor (the least prefill any order of these rows can do)."""
+        """This run's prefill against the plan: ``saving`` is the measured counterpart of ``mlxbatch plan``'s
+        predicted saving; ``window_floor_tokens`` each window's trie floor, summed (a windowed run can compute less:
+        the prefix cache outlives a window); ``floor_tokens`` the least prefill any order of these rows can do, given
+        only when the rows were planned as one window (None otherwise: no whole-job trie is built)."""
         prof = self.engine.get("profile", {})
         computed = prof.get("prefill_tokens", 0)
-        floor = self.plan.get("prefill_floor_tokens", self.plan.get("distinct_tokens", 0))
+        window_floor = self.plan.get("distinct_tokens", 0)
+        floor = window_floor if self.plan.get("windows", 0) <= 1 else None
         cached = (self.engine.get("prefix_cache") or {}).get("tokens_reused", 0)
         # prompt_tokens counts each row once (a score row: its context); the engine runs a score row with a
         # multi-token candidate as one sequence per candidate, so its sequences' prompt tokens (computed + cached)
         # can exceed the rows'
+        sequences = computed + cached
         return {"prefill_tokens_computed": computed, "prompt_tokens": self.prompt_tokens,
-                "sequence_prompt_tokens": computed + cached, "cached_tokens": cached,
-                "floor_tokens": floor, "floor_ratio": round(computed / floor, 4) if floor else None}
+                "sequence_prompt_tokens": sequences, "cached_tokens": cached,
+                "saving": round(1 - computed / sequences, 4) if sequences else None,
+                "floor_tokens": floor, "floor_ratio": round(computed / floor, 4) if floor else None,
+                "window_floor_tokens": window_floor,
+                "window_floor_ratio": round(computed / window_floor, 4) if window_floor else None}
 
     def _this_run(self, wall: float, finished_at: str) -> dict[str, Any]:
         return {"finished": self.finished, "resumed": self.skipped, "ok": self.finished - self.errors,
