@@ -2,7 +2,8 @@
 
 Owns counting *current* records: those whose result key the job asks for now. After a parameter change the
 shards still hold the old records (stale: they are never written out); counting them would report 32 rows of a
-16-row job. The job is the job file given (``status job.yaml``: against the file as it is now), or the job the
+16-row job. Records of rows the job does not read now (past ``input.limit``, or gone from the input) are counted
+apart from stale ones: nothing about them changed. The job is the job file given (``status job.yaml``: against the file as it is now), or the job the
 last run recorded in the folder's manifest, command-line changes included (``status OUT``). Keys are recomputed
 by preparing every input row, as the run does (no model is loaded; the model identity is the one the last run
 recorded). A folder without a recorded job falls back to the newest record of each row id.
@@ -71,9 +72,9 @@ def _recorded_job(meta: dict[str, Any]) -> JobSpec | None:
         return None  # the job's files moved or no longer parse: count by row id
 
 
-def _expected_keys(spec: JobSpec, identity: str, recorded: dict[str, Any]) -> list[str]:
-    """The current keys, prepared as the last run prepared them (its model's image support and context, as it
-    recorded them: they decide an image row's key and a prompt-too-long row's)."""
+def _expected_keys(spec: JobSpec, identity: str, recorded: dict[str, Any]) -> list[tuple[str, str]]:
+    """The current rows' ids and keys, prepared as the last run prepared them (its model's image support and context,
+    as it recorded them: they decide an image row's key and a prompt-too-long row's)."""
     ispec = input_spec(spec)
     openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(ispec))
     context = recorded.get("context_length")
@@ -82,7 +83,7 @@ def _expected_keys(spec: JobSpec, identity: str, recorded: dict[str, Any]) -> li
     rows = open_reader(ispec)
     if spec.input.limit is not None:
         rows = itertools.islice(rows, spec.input.limit)
-    return [preparer.prepare(row).key for row in rows]
+    return [(prep.row_id, prep.key) for prep in map(preparer.prepare, rows)]
 
 
 def read_status(target: Path) -> dict[str, Any]:
@@ -119,17 +120,23 @@ def read_status(target: Path) -> dict[str, Any]:
             (r.model.rsplit("@", 1)[-1] for r in reversed(records) if r.model), "")
         expected = _expected_keys(spec, identity, recorded)
         total = len(expected)
-        current = [by_key[k] for k in dict.fromkeys(expected) if k in by_key]
+        current = [by_key[k] for k in dict.fromkeys(k for _, k in expected) if k in by_key]
+        # a record not current is stale when its row is a current row (an earlier key of it); else its row is not
+        # among the rows the job reads now: past input.limit (--limit), or no longer in the input
+        ids = {row_id for row_id, _ in expected}
+        outside = sum(1 for r in by_key.values() if r.row_id not in ids)
     else:
         newest: dict[str, _Record] = {}
         for r in records:
             newest[r.row_id] = r
-        current = list(newest.values())
-    return _summary(out_dir, current, len(by_key) - len(current), total, shards, unreadable, against)
+        current, outside = list(newest.values()), 0
+    limit = spec.input.limit if spec is not None else None
+    return _summary(out_dir, current, len(by_key) - len(current) - outside, outside, limit, total, shards,
+                    unreadable, against)
 
 
-def _summary(out_dir: Path, current: list[_Record], stale: int, total: int | None, shards: int,
-             unreadable: list[str], against: str) -> dict[str, Any]:
+def _summary(out_dir: Path, current: list[_Record], stale: int, outside: int, limit: int | None, total: int | None,
+             shards: int, unreadable: list[str], against: str) -> dict[str, Any]:
     kinds: collections.Counter[str] = collections.Counter()
     examples: dict[str, str] = {}
     for r in current:
@@ -162,7 +169,11 @@ def _summary(out_dir: Path, current: list[_Record], stale: int, total: int | Non
              + f"; errors: {errors}; counted against {against}"]
     lines += [f"    {k}: {n}  e.g. {examples[k][:160]}" for k, n in kinds.most_common()]
     if stale:
-        lines.append(f"  stale records (earlier keys: changed parameters, prompts or model) not counted: {stale}")
+        lines.append(f"  stale records (earlier keys of current rows: changed parameters, prompts or model) not "
+                     f"counted: {stale}")
+    if outside:
+        where = f"past its limit of {limit} rows, or no longer in it" if limit is not None else "no longer in it"
+        lines.append(f"  records of rows outside the current input ({where}) not counted: {outside}")
     lines.append(f"  shards: {shards}")
     if unreadable:
         lines.append(f"  shards that do not open (cut short by a crash; the next run redoes their rows): "
@@ -176,6 +187,7 @@ def _summary(out_dir: Path, current: list[_Record], stale: int, total: int | Non
                      f"rows, {report.get('generated_tokens_per_s')} tok/s, {report.get('wall_s')} s "
                      f"(finished at {work.get('finished_at', report.get('finished_at'))})")
     return {"complete": complete, "outdated": finished and not complete, "rows_done": done, "total_rows": total, "percent": percent,
-            "checkpointed_rows": done, "stale_records": stale, "shards": shards, "errors": errors,
+            "checkpointed_rows": done, "stale_records": stale, "records_outside_input": outside, "shards": shards,
+            "errors": errors,
             "errors_by_kind": dict(kinds), "unreadable_shards": unreadable, "counted_against": against,
             "report": report, "progress": progress, "summary": "\n".join(lines)}

@@ -68,6 +68,37 @@ def test_status_counts_current_records_against_the_job(tmp_path, tiny_model_path
     assert status(out)["rows_done"] == 16  # against what the last run ran
 
 
+def test_status_tells_rows_outside_the_limit_from_stale_records(tmp_path, tiny_model_path):
+    """QA: after `run --limit 12` then `run --limit 8` into the same folder, status called the 4 rows past the limit
+    "stale records (changed parameters, prompts or model)"; they are rows the current limit leaves out."""
+    data = write_jsonl(tmp_path / "in.jsonl", texts(16))
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_path, data, out, sampling={"max_tokens": 3})
+    for limit in (12, 8):
+        res = CliRunner().invoke(main, ["run", str(job), "--no-progress", "--limit", str(limit)])
+        assert res.exit_code == 0, res.output
+
+    def status(*args):
+        res = CliRunner().invoke(main, ["status", str(out), *args])
+        assert res.exit_code == 0, res.output
+        return res.output
+
+    st = json.loads(status("--json"))
+    assert (st["rows_done"], st["total_rows"], st["stale_records"], st["records_outside_input"]) == (8, 8, 0, 4), st
+    text = status()
+    assert "stale" not in text and "changed parameters" not in text, text
+    assert "records of rows outside the current input (past its limit of 8 rows, or no longer in it) not counted: 4" \
+        in text, text
+    # a changed parameter: rows 0-7 now have stale records, rows 8-11 are still outside the limit
+    write_job(tmp_path, tiny_model_path, data, out, sampling={"max_tokens": 2})
+    res = CliRunner().invoke(main, ["run", str(job), "--no-progress", "--limit", "8"])
+    assert res.exit_code == 0, res.output
+    st = json.loads(status("--json"))
+    assert (st["rows_done"], st["stale_records"], st["records_outside_input"]) == (8, 8, 4), st
+    assert "stale records (earlier keys of current rows: changed parameters, prompts or model) not counted: 8" \
+        in st["summary"], st["summary"]
+
+
 def test_status_of_a_finished_job_whose_parameters_changed_says_outdated(tmp_path, tiny_model_path):
     data = write_jsonl(tmp_path / "in.jsonl", texts(12))
     out = tmp_path / "out"
