@@ -9,7 +9,9 @@ Owns what the report says and where each figure comes from:
 - **This run.** ``this_run``: rows finished and resumed, its errors, tokens, speed and wall time.
 - **The last run that did work.** Speed, the engine profile, ``prefix_reuse`` and ``plan`` come from the last run
   that finished rows (``run_figures_from`` says which): re-running a completed job keeps the real run's figures
-  instead of writing zeros over them.
+  instead of writing zeros over them. A run that finished rows keeps its figures in the manifest too
+  (``WORK_RUN_META``), once its rows are checkpointed and again with its report: a run killed after its last shard
+  but before report.json still has them for the next run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mlxbatch.io import CheckpointStore, ExpectedRow, ResultRecord, finalize
 from mlxbatch.job.spec import JobSpec
 
 _CHECKPOINTED_NAME = ".checkpointed.parquet.tmp"  # summarize_checkpointed's file (a leftover is a temporary file)
+WORK_RUN_META = "last_work_run"  # manifest metadata: the figures of the last run that finished rows
 _RUN_FIGURES = ("generated_tokens_per_s", "prompt_tokens_per_s", "rows_per_s", "wall_s", "prefix_reuse", "plan",
                 "vision_cache", "engine")
 
@@ -157,20 +160,26 @@ class RunStats:
                 "rows_per_s": round(self.finished / max(wall, 1e-9), 3), "wall_s": round(wall, 3),
                 "finished_at": finished_at}
 
-    def report(self, spec: JobSpec, loaded: Any, previous: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The report of this run; ``previous`` is the folder's earlier report.json (its run figures are kept when
-        this run finished no rows)."""
+    def _figures(self, this: dict[str, Any]) -> dict[str, Any]:
+        return {**{k: this[k] for k in _RUN_FIGURES if k in this}, "prefix_reuse": self.prefix_reuse(),
+                "plan": self.plan, "vision_cache": self.engine.get("vision_cache"), "engine": self.engine}
+
+    def work_figures(self) -> dict[str, Any]:
+        """This run's figures as a later run that finishes no rows reports them (``earlier_work``)."""
+        this = self._this_run(self.wall_s, time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        return {"last_work_run": this, **self._figures(this)}
+
+    def report(self, spec: JobSpec, loaded: Any, earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The report of this run; ``earlier`` is the last run that did work's figures (``earlier_work``: kept
+        when this run finished no rows)."""
         wall = self.wall_s
         finished_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         this = self._this_run(wall, finished_at)
-        figures: dict[str, Any] = {**{k: this[k] for k in _RUN_FIGURES if k in this},
-                                   "prefix_reuse": self.prefix_reuse(), "plan": self.plan,
-                                   "vision_cache": self.engine.get("vision_cache"), "engine": self.engine}
+        figures = self._figures(this)
         work_run, figures_from = this, "this run"
-        earlier = _work_run_of(previous)
         if self.finished == 0 and earlier is not None:  # nothing ran: keep the figures of the run that did work
-            work_run = earlier
-            figures = {k: previous[k] for k in _RUN_FIGURES if previous and k in previous}  # type: ignore[index]
+            work_run = earlier["last_work_run"]
+            figures = {k: earlier[k] for k in _RUN_FIGURES if k in earlier}
             figures_from = f"an earlier run (finished at {work_run.get('finished_at', '?')})"
         disk = self.disk
         rows = {"output": disk.rows if disk else self.final_rows, "ok": disk.ok if disk else self.finished - self.errors,
@@ -194,6 +203,24 @@ class RunStats:
             **figures,
             "finished_at": finished_at,
         }
+
+
+def earlier_work(store: CheckpointStore, out_dir: Path) -> dict[str, Any] | None:
+    """The figures of the last run that finished rows (``last_work_run`` and the run figures): the manifest's, else
+    (a folder written before the manifest kept them) the earlier report.json's; None when no run did work."""
+    saved = store.get_meta(WORK_RUN_META)
+    if isinstance(saved, dict) and isinstance(saved.get("last_work_run"), dict):
+        return saved
+    previous = previous_report(out_dir)
+    work = _work_run_of(previous)
+    if previous is None or work is None:
+        return None
+    return {"last_work_run": work, **{k: previous[k] for k in _RUN_FIGURES if k in previous}}
+
+
+def work_of(report: dict[str, Any]) -> dict[str, Any]:
+    """The part of a report that a later run finishing no rows keeps (``WORK_RUN_META``)."""
+    return {k: report[k] for k in ("last_work_run", *_RUN_FIGURES) if k in report}
 
 
 def previous_report(out_dir: Path) -> dict[str, Any] | None:

@@ -48,7 +48,14 @@ from mlxbatch.job.feed import Resumed, RowFeed
 from mlxbatch.job.outdir import claim_output, prepare_output
 from mlxbatch.job.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.progress import Progress
-from mlxbatch.job.report import RunStats, previous_report, summarize_checkpointed, summarize_results
+from mlxbatch.job.report import (
+    WORK_RUN_META,
+    RunStats,
+    earlier_work,
+    summarize_checkpointed,
+    summarize_results,
+    work_of,
+)
 from mlxbatch.job.run_meta import follow_saved_plan, record_invariance, save_job_meta
 from mlxbatch.job.spec import JobSpec
 from mlxbatch.job.stopping import StopSignals
@@ -126,7 +133,7 @@ class JobRunner:
             with self._open_store() as store:  # locked first: a refused run changes nothing in the folder
                 claim_output(spec, store)
                 clear_success(spec.output)
-                previous = previous_report(spec.output)
+                earlier = earlier_work(store, spec.output)  # read before this run records its own
                 progress.loading(spec.model.path)
                 with open_executor(spec) as executor:  # this process's engine, or engine actors on a Ray cluster
                     model = executor.model
@@ -146,7 +153,9 @@ class JobRunner:
                         stats.disk = summarize_checkpointed(store, spec.output, self._expected(preparer), **columns)
                         stats.accuracy = stats.disk.accuracy
                         message = f"{stop.message}. Errors by kind (all runs): {stats.disk.errors_by_kind}"
-                        write_report(spec.output, {**stats.report(spec, model, previous), "stopped": message})
+                        report = stats.report(spec, model, earlier)
+                        write_report(spec.output, {**report, "stopped": message})
+                        self._keep_work(store, stats, report)
                         raise JobFailed(message) from None
                     final = finalize(store, spec.output, self._expected(preparer), **columns,
                                      metadata={"mlxbatch.batch_invariant": str(stats.batch_invariant).lower()})
@@ -157,8 +166,9 @@ class JobRunner:
                                               urls=(row.fields.get("url") for row in self._rows()))
                 stats.disk = summarize_results(final.results_path)
                 stats.accuracy = stats.disk.accuracy
-                report = stats.report(spec, model, previous)
+                report = stats.report(spec, model, earlier)
                 write_report(spec.output, report)
+                self._keep_work(store, stats, report)
                 write_dataset_card(spec.output)
                 limit = ErrorRate(spec.max_error_rate)
                 if limit.exceeded_at_end(final.rows, final.error_rows):
@@ -167,6 +177,13 @@ class JobRunner:
                                     f"{stats.disk.errors_by_kind}")
                 mark_success(spec.output)
             return RunResult(str(spec.output), report)
+
+    @staticmethod
+    def _keep_work(store: CheckpointStore, stats: RunStats, report: dict[str, Any] | None = None) -> None:
+        """A run that finished rows keeps its figures in the manifest (its report's, once written): a later run with
+        nothing left to do reports them, even when this one is killed before its report."""
+        if stats.finished:
+            store.set_meta(WORK_RUN_META, work_of(report) if report is not None else stats.work_figures())
 
     def _expected(self, preparer: RowPreparer) -> Iterator[ExpectedRow]:
         """The current rows in input order, with their current input columns (the results show those)."""
@@ -262,6 +279,7 @@ class JobRunner:
             stats.engine = executor.stats()  # the executor's whole life: every pass
             if redo_of is None:
                 stats.plan = feed.stats.as_dict()
+            self._keep_work(store, stats)  # what finished is checkpointed (interrupted too: it may be every row)
         return stats
 
     def _record(self, prep: PreparedRow, out: RequestOutput | None, model_identity: str,

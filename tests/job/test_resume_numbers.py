@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pyarrow.parquet as pq
 from click.testing import CliRunner
@@ -44,6 +48,28 @@ def test_report_describes_the_results_on_disk_and_keeps_the_working_runs_figures
     assert "20 rows, 5 errors (0 run now, 20 resumed)" in res.output
     status = json.loads(CliRunner().invoke(main, ["status", str(tmp_path / "out"), "--json"]).output)
     assert status["report"]["generated_tokens_per_s"] == first["generated_tokens_per_s"]
+
+
+def test_a_resume_with_nothing_left_keeps_the_figures_of_a_run_killed_before_its_report(tmp_path, tiny_model_path):
+    """QA: a run killed after every row was checkpointed but before report.json was written; the resume computed
+    nothing and reported itself (0 rows, 0 tok/s) as the last run that did work."""
+    data = write_jsonl(tmp_path / "in.jsonl", texts(16))
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_path, data, out)
+    crashed = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "run", str(job), "--no-progress"],
+                             env={**os.environ, "MLXBATCH_FAULT": "mid-results:1"}, capture_output=True, text=True,
+                             timeout=300)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    assert not (out / "report.json").exists()
+    report = run(job).report  # every row is checkpointed: nothing left to compute
+    assert report["this_run"]["finished"] == 0 and report["this_run"]["resumed"] == 16
+    work = report["last_work_run"]
+    assert work["finished"] == 16 and work["generated_tokens_per_s"] > 0, work
+    assert report["generated_tokens_per_s"] == work["generated_tokens_per_s"]
+    assert report["engine"]["profile"]["prefill_tokens"] == report["prefix_reuse"]["prefill_tokens_computed"] > 0
+    assert "earlier run" in report["run_figures_from"]
+    assert "last run that did work: 16 rows" in CliRunner().invoke(main, ["status", str(out)]).output
+    assert run(job).report["last_work_run"] == work  # and a second no-op run keeps them too
 
 
 def test_status_counts_current_records_against_the_job(tmp_path, tiny_model_path):
