@@ -102,6 +102,9 @@ def _open_hub(name: str, split: str | None, config: str | None) -> Any:
 
     datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = offline is not None
     local = Path(name).exists()
+    if local and is_saved_dataset(Path(name)):  # load_dataset does not read these: input.path does
+        raise InputError(f"dataset {name!r} is a folder saved with save_to_disk, which input.dataset does not read: "
+                         f"give it as input.path (input.dataset is for a dataset by name, or a folder of data files)")
     try:
         if offline and not local:  # streaming reads the Hub: offline, only a cached (downloaded) copy can serve
             return datasets.load_dataset(name, config, split=split or "train")
@@ -112,6 +115,10 @@ def _open_hub(name: str, split: str | None, config: str | None) -> Any:
                 f"dataset {name!r}: not in the local Hugging Face cache, and {offline} is set, so the Hub is not "
                 f"reached: unset {offline} to stream it from the Hub, or download it where the Hub can be reached "
                 f"and set input.path to its files ({type(exc).__name__}: {str(exc)[:200]})") from exc
+        if local:  # a local folder: neither the Hub nor its cache is involved
+            raise InputError(f"dataset {name!r}: the local folder cannot be opened by the datasets library "
+                             f"({type(exc).__name__}: {str(exc)[:300]}); give it as input.path to read its files "
+                             f"(a saved dataset, or a folder of JSONL / Parquet files)") from exc
         raise InputError(
             f"dataset {name!r}: cannot be opened ({type(exc).__name__}: {str(exc)[:300]}). Without access to the "
             "Hugging Face Hub, set HF_HUB_OFFLINE=1 to read a cached copy, or set input.path to local files") from exc

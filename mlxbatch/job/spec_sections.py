@@ -39,7 +39,7 @@ class InputSection:
     split: str | None = None  # the split of a saved Hugging Face DatasetDict (or of input.dataset)
     image_roots: tuple[str, ...] = ()  # folders images may come from besides the input file's own (resolved)
     limit: int | None = None  # read only the first ``limit`` rows (trial runs: --limit)
-    dataset: str | None = None  # a Hugging Face dataset by name (owner/name) or a local dataset folder, streamed
+    dataset: str | None = None  # a Hugging Face dataset by name (owner/name) or a local folder of data files, streamed
     config: str | None = None  # the configuration (subset) of input.dataset
 
 

@@ -53,6 +53,26 @@ def test_a_dataset_by_name_offline_says_which_setting_and_a_local_folder_is_read
     assert ids == [f"row-{i:04d}" for i in range(7)]
 
 
+def test_a_saved_dataset_folder_given_as_input_dataset_is_pointed_to_input_path(tmp_path, tiny_model_path):
+    """QA: `input.dataset:` naming a `save_to_disk` folder failed with advice to set HF_HUB_OFFLINE; the folder is
+    read through input.path."""
+    import datasets
+    from click.testing import CliRunner
+
+    from mlxbatch.cli import main
+
+    folder = tmp_path / "saved-ds"
+    datasets.Dataset.from_list(texts(5)).save_to_disk(str(folder))
+    job = with_input(write_job(tmp_path, tiny_model_path, tmp_path / "unused", tmp_path / "out"),
+                     {"dataset": str(folder), "id_column": "id"})
+    res = CliRunner().invoke(main, ["validate", str(job)])
+    assert res.exit_code == 2, res.output
+    assert "HF_HUB_OFFLINE" not in res.output, res.output
+    assert "saved with save_to_disk" in res.output and "input.path" in res.output, res.output
+    run(with_input(job, {"path": str(folder), "id_column": "id"}))  # as the message says: it reads
+    assert pq.read_table(tmp_path / "out" / "results.parquet").num_rows == 5
+
+
 def test_the_output_folder_loads_with_datasets(tmp_path, tiny_model_path):
     import datasets
 
