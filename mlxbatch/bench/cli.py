@@ -21,16 +21,25 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 SECTION_MODULES = {"engine": "engine", "job": "job", "nsample": "tasks", "score": "tasks", "gpu": "suite"}
 IN_PROCESS = tuple(SECTION_MODULES)  # each registers itself (harness.SECTIONS) when its module is imported
 STANDALONE = {"constraints": "mlxbatch.bench.constraints", "vlm": "mlxbatch.bench.vlm"}
 SHAPES = ("tiny", "small", "0.5b")  # mlxbatch.models.random_model.SHAPES (checked by the tests; kept light here)
+EXIT_USAGE = 64  # bad usage, as every mlxbatch command (argparse's own 2 is an invalid job file in mlxbatch.cli)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with bad usage exiting EXIT_USAGE."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="mlxbatch bench", formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s [SECTION ...] [options]  |  %(prog)s constraints|vlm [options]",
         description="mlxbatch benchmarks: every figure is a ratio against baselines run in the same process.",
@@ -106,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def parse_script_args(argv: list[str], **own: str) -> tuple[argparse.Namespace, argparse.Namespace]:
     """A diagnostic script's own options (``--name`` for each keyword, its default the value; ``_`` -> ``-``) and the
     bench's options from the rest of ``argv``."""
-    ap = argparse.ArgumentParser(add_help=False)
+    ap = _Parser(add_help=False)
     for name, default in own.items():
         ap.add_argument("--" + name.replace("_", "-"), default=default)
     mine, rest = ap.parse_known_args(argv)
@@ -150,5 +159,10 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in STANDALONE:
-        return int(importlib.import_module(STANDALONE[argv[0]]).main(argv[1:]) or 0)
+        try:
+            return int(importlib.import_module(STANDALONE[argv[0]]).main(argv[1:]) or 0)
+        except SystemExit as exc:  # a stand-alone bench parses its own options with plain argparse: 2 is bad usage
+            if exc.code == 2:
+                raise SystemExit(EXIT_USAGE) from None
+            raise
     return run(parse_args(argv))

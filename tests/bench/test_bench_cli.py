@@ -116,7 +116,7 @@ def test_unknown_and_misplaced_sections_are_refused(capsys):
         try:
             bench_cli.parse_args(argv)
         except SystemExit as exc:
-            assert exc.code == 2
+            assert exc.code == 64  # bad usage, as every mlxbatch command (README)
         else:
             raise AssertionError(f"{argv} was accepted")
         assert says in capsys.readouterr().err
@@ -166,3 +166,19 @@ def test_job_section_times_the_jobs_stages(tmp_path, tiny_model_path):
     for stage in ("engine build", "count rows", "finalize (Parquet)"):
         assert isinstance(job[stage], int | float) and job[stage] > 0, (stage, job)
     assert job["checkpoint appends"].endswith(" shards)") and float(job["checkpoint appends"].split()[0]) > 0, job
+
+
+def test_bad_usage_exits_64_as_the_readme_says():
+    """QA: `mlxbatch bench --bogus` exited 2 (argparse's code, which the README gives to an invalid job file); the
+    other commands exit 64 on bad usage. The stand-alone benches too: their own parsers."""
+    for args in (["bench", "--bogus"], ["bench", "nosuchsection"], ["bench", "engine", "--rows", "many"],
+                 ["bench", "constraints", "--bogus"], ["bench", "vlm", "--bogus"]):
+        res = CliRunner().invoke(mlxbatch_main, args)
+        assert res.exit_code == 64, (args, res.exit_code, res.output)
+        assert "Traceback" not in res.output
+    assert CliRunner().invoke(mlxbatch_main, ["run", "--bogus", "x.yaml"]).exit_code == 64  # as the rest of the CLI
+
+
+def test_bench_help_exits_0():
+    res = CliRunner().invoke(mlxbatch_main, ["bench", "--help"])
+    assert res.exit_code == 0 and "SECTION" in res.output, res.output
