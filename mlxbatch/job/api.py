@@ -68,5 +68,6 @@ def run_job(job: str | PathLike[str] | Mapping[str, Any], *, limit: int | None =
     Raises JobSpecError (an invalid job), JobFailed (``max_error_rate``), JobInterrupted, or another MlxbatchError.
     """
     spec = load_spec(job, JobOverrides(sets=tuple(sets), merge=sections, limit=limit, output=output))
-    result = JobRunner(spec, progress=progress, exit_on_second_signal=False).run()
+    result = JobRunner(spec, progress=progress, exit_on_second_signal=False,
+                       resume_hint="To resume, call run_job again with the same job and changes.").run()
     return JobResult(Path(result.out_dir), result.report)

@@ -99,8 +99,10 @@ class JobRunner:
     ``run_job``), it stops what is in flight, checkpoints what finished and raises JobInterrupted, so the process
     lives on. Off the main thread no signal handler is installed: call ``request_stop`` to stop."""
 
-    def __init__(self, spec: JobSpec, progress: bool | None = None, exit_on_second_signal: bool = True) -> None:
+    def __init__(self, spec: JobSpec, progress: bool | None = None, exit_on_second_signal: bool = True,
+                 resume_hint: str = "Run the same command to resume.") -> None:
         self.spec = spec
+        self.resume_hint = resume_hint  # the end of JobInterrupted's message (run_job words it for Python)
         self.progress = sys.stderr.isatty() if progress is None else progress
         self._stop = StopSignals(exit_on_second_signal)
         self._tokenizer: Any = None
@@ -261,15 +263,15 @@ class JobRunner:
                     executor.abort()
                     flush()
                     raise JobInterrupted(f"stopped by signal {self._stop.signum}; {stats.finished} rows "
-                                         f"checkpointed in {spec.output}. Run the same command to resume.")
+                                         f"checkpointed in {spec.output}. {self.resume_hint}")
                 if feed.finished and not executor.busy:
                     flush()
                     break
         except KeyboardInterrupt:  # a second interrupt without exit_on_second_signal: stop now, keep what finished
             executor.abort()
             flush()
-            raise JobInterrupted(f"interrupted; {stats.finished} rows checkpointed in {spec.output}. Run the same "
-                                 "command to resume.") from None
+            raise JobInterrupted(f"interrupted; {stats.finished} rows checkpointed in {spec.output}. "
+                                 f"{self.resume_hint}") from None
         except ExecutorError:
             flush()  # what finished before the engines were lost is kept
             raise

@@ -35,7 +35,8 @@ class StopSignals:
                 os._exit(128 + signum)  # second signal: leave now; shards are atomic, nothing is corrupted
             raise KeyboardInterrupt  # in a notebook: stop now, keep the kernel (finished rows are flushed)
         self.signum = signum
-        log.warning("signal %d: finishing the current shard, then stopping (again to exit at once)", signum)
+        log.warning("signal %d: finishing the current shard, then stopping (again to %s at once)", signum,
+                    "exit" if self.exit_on_second else "stop")
 
     def request(self) -> None:
         """Stop as a first Ctrl-C would."""

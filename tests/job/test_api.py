@@ -75,6 +75,8 @@ def test_a_second_interrupt_stops_the_run_but_not_the_process(tmp_path, tiny_mod
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "interrupted:" in res.stdout and "alive" in res.stdout
+    # worded for the API, not the command line
+    assert "call run_job again with the same job and changes" in res.stdout and "command" not in res.stdout, res.stdout
     from mlxbatch.io import CheckpointStore
 
     with CheckpointStore(tmp_path / "out") as store:  # what finished is checkpointed, and a resume completes
@@ -122,3 +124,31 @@ def test_the_exceptions_the_readme_names_are_on_the_package(tmp_path, tiny_model
             mlxbatch.run_job(job)
         except mlxbatch.JobSpecError:
             pytest.fail("the job is valid")
+
+
+def test_a_first_interrupt_says_how_to_resume_from_python(tmp_path, tiny_model_path):
+    """QA: an interrupted run_job said "Run the same command to resume" (the command line's words) in a notebook."""
+    data = write_jsonl(tmp_path / "in.jsonl", texts(400))
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", sampling={"max_tokens": 48},
+                    checkpoint={"every_rows": 8, "every_seconds": 600})
+    script = textwrap.dedent(f"""
+        import os, signal, threading, time
+        from pathlib import Path
+        import mlxbatch
+        out = Path({str(tmp_path / "out")!r})
+        def interrupt():
+            while not list((out / "shards").glob("shard-*.arrow")):
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)  # one: the run checkpoints what finished and stops
+        threading.Thread(target=interrupt, daemon=True).start()
+        try:
+            mlxbatch.run_job({str(job)!r})
+        except mlxbatch.JobInterrupted as exc:
+            print("interrupted:", exc)
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "interrupted: stopped by signal" in res.stdout, res.stdout
+    assert "again to stop at once" in res.stderr and "exit" not in res.stderr, res.stderr  # it never exits
+    assert "call run_job again with the same job and changes" in res.stdout and "command" not in res.stdout, res.stdout
