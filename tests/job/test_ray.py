@@ -129,7 +129,14 @@ def test_row_errors_and_max_error_rate_work_across_actors(cluster, tmp_path, tin
         JobRunner(validate_job(job), progress=False).run()
     out = job.parent / "out"
     assert manifest_rows(out) >= 20 and not (out / "_SUCCESS").exists()
-    assert read_progress(out)["state"] == "stopped"  # the actors were let go; status shows where it stopped
+    # the limit is judged on the finished prefix of the input in input order; the actors finish rows out of order, so
+    # whether that prefix passes it before the last row finishes depends on timing: stopped while rows were running,
+    # the actors were let go and status shows where it stopped; with every row finished, the run is judged at the end
+    # like a single-machine run (results.parquet holds every row, no progress.json: a complete folder)
+    if "stopped" in json.loads((out / "report.json").read_text()):
+        assert read_progress(out)["state"] == "stopped" and not (out / "results.parquet").exists()
+    else:
+        assert read_progress(out) is None and pq.read_table(out / "results.parquet").num_rows == len(bad)
 
 
 def test_an_actor_killed_mid_job_loses_only_its_unfinished_rows(cluster, long_data, tiny_model_path):
