@@ -49,30 +49,36 @@ def test_run_job_from_a_mapping_and_its_errors(tmp_path, tiny_model_path, monkey
         mlxbatch.run_job(job, sampling={"top_p": 5})
 
 
-def test_a_second_interrupt_stops_the_run_but_not_the_process(tmp_path, tiny_model_path):
+def _interrupted(tmp_path, model, signals: int):
+    """``run_job`` of a 400-row job in a child process, sent ``signals`` SIGINTs once its first shard is written;
+    returns the child (it prints the ``JobInterrupted`` message, then "alive") and the job's path."""
     data = write_jsonl(tmp_path / "in.jsonl", texts(400))
-    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", sampling={"max_tokens": 48},
+    job = write_job(tmp_path, model, data, tmp_path / "out", sampling={"max_tokens": 48},
                     checkpoint={"every_rows": 8, "every_seconds": 600})
     script = textwrap.dedent(f"""
-        import os, signal, sys, threading, time, json
+        import os, signal, threading, time
         from pathlib import Path
         import mlxbatch
-        from mlxbatch.job.runner import JobInterrupted
         out = Path({str(tmp_path / "out")!r})
         def interrupt():
             while not list((out / "shards").glob("shard-*.arrow")):  # rows are being written: the run is going
                 time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range({signals}):
+                os.kill(os.getpid(), signal.SIGINT)
         threading.Thread(target=interrupt, daemon=True).start()
         try:
             mlxbatch.run_job({str(job)!r})
-        except JobInterrupted as exc:
+        except mlxbatch.JobInterrupted as exc:
             print("interrupted:", exc)
         print("alive")
     """)
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return res, job
+
+
+def test_a_second_interrupt_stops_the_run_but_not_the_process(tmp_path, tiny_model_path):
+    res, job = _interrupted(tmp_path, tiny_model_path, 2)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "interrupted:" in res.stdout and "alive" in res.stdout
     # worded for the API, not the command line
@@ -128,26 +134,7 @@ def test_the_exceptions_the_readme_names_are_on_the_package(tmp_path, tiny_model
 
 def test_a_first_interrupt_says_how_to_resume_from_python(tmp_path, tiny_model_path):
     """QA: an interrupted run_job said "Run the same command to resume" (the command line's words) in a notebook."""
-    data = write_jsonl(tmp_path / "in.jsonl", texts(400))
-    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", sampling={"max_tokens": 48},
-                    checkpoint={"every_rows": 8, "every_seconds": 600})
-    script = textwrap.dedent(f"""
-        import os, signal, threading, time
-        from pathlib import Path
-        import mlxbatch
-        out = Path({str(tmp_path / "out")!r})
-        def interrupt():
-            while not list((out / "shards").glob("shard-*.arrow")):
-                time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGINT)  # one: the run checkpoints what finished and stops
-        threading.Thread(target=interrupt, daemon=True).start()
-        try:
-            mlxbatch.run_job({str(job)!r})
-        except mlxbatch.JobInterrupted as exc:
-            print("interrupted:", exc)
-    """)
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    res, _ = _interrupted(tmp_path, tiny_model_path, 1)  # one: the run checkpoints what finished and stops
     assert res.returncode == 0, res.stderr[-2000:]
     assert "interrupted: stopped by signal" in res.stdout, res.stdout
     assert "again to stop at once" in res.stderr and "exit" not in res.stderr, res.stderr  # it never exits
