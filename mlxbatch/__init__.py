@@ -41,7 +41,8 @@ def __getattr__(name: str):  # lazy: importing the engine imports mlx
 
         return getattr(api, name)
     if name in ("JobSpecError", "JobInterrupted", "JobFailed"):  # what run_job raises (README: Python API)
-        from mlxbatch.job import runner, spec
+        from mlxbatch.job import spec
+        from mlxbatch.job.run import runner
 
         return getattr(spec if name == "JobSpecError" else runner, name)
     raise AttributeError(name)

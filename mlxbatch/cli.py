@@ -23,7 +23,7 @@ EXIT_INVALID, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERRUPTED = 2, 3, 64, 130
 
 def _fail(exc: MlxbatchError) -> NoReturn:
     """Print ``exc`` as one line and exit with the code its kind maps to."""
-    from mlxbatch.job.runner import JobFailed, JobInterrupted
+    from mlxbatch.job.run.runner import JobFailed, JobInterrupted
     from mlxbatch.job.spec import JobSpecError
 
     codes = {JobSpecError: EXIT_INVALID, JobInterrupted: EXIT_INTERRUPTED, JobFailed: EXIT_ERRORS}
@@ -75,7 +75,7 @@ def _job_options(f: Any) -> Any:
 
 
 def _overrides(sets: tuple[str, ...], limit: int | None, output: Path | None) -> Any:
-    from mlxbatch.job.overrides import JobOverrides
+    from mlxbatch.job.spec.overrides import JobOverrides
 
     return JobOverrides(sets=sets, limit=limit, output=output)
 
@@ -106,10 +106,10 @@ def _done_line(report: dict[str, Any], out_dir: str) -> str:
 def run(job_file: Path, progress: bool | None, sets: tuple[str, ...], limit: int | None, output: Path | None,
         ray_address: str | None, local: bool) -> None:
     """Run JOB_FILE; run it again after a crash to resume where it stopped (with or without --ray)."""
-    from mlxbatch.job.awake import keep_awake
-    from mlxbatch.job.runner import JobRunner
+    from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.run.awake import keep_awake
+    from mlxbatch.job.run.runner import JobRunner
     from mlxbatch.job.spec import with_executor
-    from mlxbatch.job.validate import validate_job
 
     try:
         if ray_address is not None and local:
@@ -128,10 +128,10 @@ def run(job_file: Path, progress: bool | None, sets: tuple[str, ...], limit: int
 @_job_options
 def validate(job_file: Path, sets: tuple[str, ...], limit: int | None, output: Path | None) -> None:
     """Check JOB_FILE without loading a model: keys, types, files, model, template fields, constraint."""
-    from mlxbatch.job.outdir import output_in_use
-    from mlxbatch.job.runner import OutputInUse
+    from mlxbatch.job.check.outdir import output_in_use
+    from mlxbatch.job.check.validate import check_spec
+    from mlxbatch.job.run.runner import OutputInUse
     from mlxbatch.job.spec import load_job
-    from mlxbatch.job.validate import check_spec
 
     try:
         result = check_spec(load_job(job_file, _overrides(sets, limit, output)))
@@ -158,8 +158,8 @@ def validate(job_file: Path, sets: tuple[str, ...], limit: int | None, output: P
 def plan_cmd(job_file: Path, window: int | None, calibrate: bool, as_json: bool, sets: tuple[str, ...],
              limit: int | None, output: Path | None) -> None:
     """Dry run: tokenize JOB_FILE's prompts and plan the run as `run` would; predicts prefill tokens and an ETA."""
-    from mlxbatch.job.plan import as_dict, plan_job
-    from mlxbatch.job.validate import validate_job
+    from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.plan.predict import as_dict, plan_job
 
     try:
         report = plan_job(validate_job(job_file, _overrides(sets, limit, output)), window=window, calibrate=calibrate)
@@ -173,7 +173,7 @@ def plan_cmd(job_file: Path, window: int | None, calibrate: bool, as_json: bool,
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status(target: Path, as_json: bool) -> None:
     """How far a job got and what failed: TARGET is its output folder or its job file."""
-    from mlxbatch.job.status import read_status
+    from mlxbatch.job.report.status import read_status
 
     try:
         st = read_status(target)
@@ -188,7 +188,7 @@ def status(target: Path, as_json: bool) -> None:
 def show(target: Path, n: int) -> None:
     """A few rows of the results (prompt if kept, output, error) and a summary: TARGET is the output folder
     or the job file."""
-    from mlxbatch.job.show import show as show_results
+    from mlxbatch.job.report.show import show as show_results
 
     try:
         click.echo(show_results(target, n))

@@ -12,7 +12,7 @@
    (the single-machine floor, and the sum of the actors' own floors), whether the results equal the single-machine
    run's, and the driver's CPU seconds per row (what bounds one driver's rate).
 2. **Simulation.** ``--sim-rows`` planned rows in windows of 10,000, three shapes (one long system prompt;
-   Zipf-sized template groups; unique prompts), cut by ``mlxbatch.job.partition`` exactly as the executor cuts
+   Zipf-sized template groups; unique prompts), cut by ``mlxbatch.job.executors.ray.partition`` exactly as the executor cuts
    them, then handed to 8 and 64 simulated actors in queue order (each takes the next unit when it frees up, as
    the executor does; work = prefill tokens + generated tokens). Reported: balance (the last actor's finish time
    over the ideal, total work / actors) and the floor ratio (prefill the actors cannot avoid over the
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 import mlxbatch  # noqa: F401  (OpenBLAS before mlx)
-from mlxbatch.job.partition import prefix_units, random_units, row_cost
+from mlxbatch.job.executors.ray.partition import prefix_units, random_units, row_cost
 
 WORDS = ("time year people way day man thing woman life child world school state family student group country "
          "problem hand part place case week company system program question work government number night point "
@@ -75,8 +75,8 @@ def job_file(root: Path, name: str, model: str, data: Path, max_tokens: int, exe
 def one_run(root: Path, name: str, model: str, data: Path, max_tokens: int, executor: dict[str, Any]) -> dict:
     import pyarrow.parquet as pq
 
-    from mlxbatch.job.runner import JobRunner
-    from mlxbatch.job.validate import validate_job
+    from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.run.runner import JobRunner
 
     spec = validate_job(job_file(root, name, model, data, max_tokens, executor))
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)

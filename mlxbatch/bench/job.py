@@ -27,21 +27,21 @@ from typing import Any
 import pyarrow.parquet as pq
 import yaml
 
-import mlxbatch.job.executor as executor
-import mlxbatch.job.runner as runner
+import mlxbatch.job.executors.local as executor
+import mlxbatch.job.run.runner as runner
 from mlxbatch.bench.harness import MB, Bench, Measured, Run, Table, log, ratio, section
 from mlxbatch.bench.jobdata import TEMPLATE, token_rows, write_jsonl
 from mlxbatch.bench.stream import stream_memory
 from mlxbatch.engine import REGISTRY, Engine, EngineConfig, ModelSpec
 from mlxbatch.io.checkpoint import CheckpointStore
-from mlxbatch.job.prompts import PromptRenderer
-from mlxbatch.job.runner import JobRunner
-from mlxbatch.job.validate import validate_job
+from mlxbatch.job.check.validate import validate_job
+from mlxbatch.job.rows.prompts import PromptRenderer
+from mlxbatch.job.run.runner import JobRunner
 
 
 # -- part 1: the job against the engine alone --------------------------------------------------------------
 class StageTimers:
-    """Times the job's stages by wrapping what ``mlxbatch.job.runner`` and its local executor call (restored on exit);
+    """Times the job's stages by wrapping what ``mlxbatch.job.run.runner`` and its local executor call (restored on exit);
     changes nothing."""
 
     def __init__(self) -> None:

@@ -26,7 +26,7 @@ from mlxbatch.io.openai_output import ERRORS_NAME, OUTPUT_NAME
 RESULTS_NAME = "results.parquet"
 REPORT_NAME = "report.json"
 SUCCESS_NAME = "_SUCCESS"
-PROGRESS_NAME = "progress.json"  # a distributed run's per-actor progress (job.actor_progress)
+PROGRESS_NAME = "progress.json"  # a distributed run's per-actor progress (job.executors.ray.progress)
 OUTPUT_FILES = (RESULTS_NAME, REPORT_NAME, SUCCESS_NAME, OUTPUT_NAME, ERRORS_NAME, PROGRESS_NAME)
 _OWN_NAMES = frozenset(OUTPUT_FILES) | {MANIFEST_NAME, SHARDS_DIR, ".lock"}
 

@@ -20,10 +20,10 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.job.overrides import JobOverrides
-from mlxbatch.job.runner import JobRunner
+from mlxbatch.job.check.validate import check_spec
+from mlxbatch.job.run.runner import JobRunner
 from mlxbatch.job.spec import JobSpec, load_job, parse_job
-from mlxbatch.job.validate import check_spec
+from mlxbatch.job.spec.overrides import JobOverrides
 
 log = logging.getLogger(__name__)
 

@@ -115,7 +115,7 @@ def test_two_mapping_jobs_with_different_inputs_do_not_share_an_output_folder(tm
 def test_the_exceptions_the_readme_names_are_on_the_package(tmp_path, tiny_model_path):
     """README: run_job raises JobSpecError, JobInterrupted, JobFailed; `except mlxbatch.JobFailed:` was an
     AttributeError raised inside the except clause, hiding the job's own error."""
-    from mlxbatch.job.runner import JobFailed, JobInterrupted
+    from mlxbatch.job.run.runner import JobFailed, JobInterrupted
     from mlxbatch.job.spec import JobSpecError
 
     assert (mlxbatch.JobSpecError, mlxbatch.JobInterrupted, mlxbatch.JobFailed) == \

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from jobkit import texts, write_job, write_jsonl
 
 from mlxbatch.cli import main
-from mlxbatch.job import awake
+from mlxbatch.job.run import awake
 
 
 @pytest.fixture()

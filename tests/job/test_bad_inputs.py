@@ -14,8 +14,8 @@ import time
 import pyarrow.parquet as pq
 from jobkit import texts, write_job, write_jsonl
 
-from mlxbatch.job.runner import JobRunner
-from mlxbatch.job.validate import validate_job
+from mlxbatch.job.check.validate import validate_job
+from mlxbatch.job.run.runner import JobRunner
 
 TEMPLATE = "Summarise: {{ text }} ({{ 10 // d }}{{ range(k)|length }}{{ a + b }})\n"
 

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from jobkit import texts, write_job, write_jsonl
 
-from mlxbatch.job.runner import JobRunner
-from mlxbatch.job.validate import validate_job
+from mlxbatch.job.check.validate import validate_job
+from mlxbatch.job.run.runner import JobRunner
 
 
 def run(job):
@@ -173,7 +173,7 @@ def test_input_types_survive_the_shards_and_a_resume(tmp_path, tiny_model_path):
     })
     pq.write_table(table, tmp_path / "in.parquet")
     job = write_job(tmp_path, tiny_model_path, tmp_path / "in.parquet", tmp_path / "out", sampling={"max_tokens": 2})
-    from mlxbatch.job.overrides import JobOverrides
+    from mlxbatch.job.spec.overrides import JobOverrides
 
     JobRunner(validate_job(job, JobOverrides(limit=3)), progress=False).run()  # a trial, then the rest resumes
     report = run(job).report

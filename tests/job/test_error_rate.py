@@ -11,10 +11,10 @@ from click.testing import CliRunner
 from jobkit import texts, write_job, write_jsonl
 
 from mlxbatch.cli import main
-from mlxbatch.job.error_rate import ErrorRate
-from mlxbatch.job.runner import JobFailed, JobRunner
+from mlxbatch.job.check.validate import validate_job
+from mlxbatch.job.run.error_rate import ErrorRate
+from mlxbatch.job.run.runner import JobFailed, JobRunner
 from mlxbatch.job.spec import load_job
-from mlxbatch.job.validate import validate_job
 
 
 def run(job):

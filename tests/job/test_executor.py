@@ -12,9 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jobkit import texts, write_job, write_jsonl
 
-from mlxbatch.job.actor_progress import progress_lines, read_progress, write_progress
-from mlxbatch.job.engine_stats import merge_engine_stats
-from mlxbatch.job.partition import (
+from mlxbatch.job.executors.engine_stats import merge_engine_stats
+from mlxbatch.job.executors.ray.partition import (
     prefix_groups,
     prefix_units,
     random_units,
@@ -22,6 +21,7 @@ from mlxbatch.job.partition import (
     split_for_steal,
     split_group,
 )
+from mlxbatch.job.executors.ray.progress import progress_lines, read_progress, write_progress
 from mlxbatch.job.spec import JobSpecError, parse_job
 
 BASE = {"model": "m", "input": "in.jsonl", "prompt": "{{ x }}", "output": "out"}
@@ -128,9 +128,9 @@ def test_a_single_machine_run_never_imports_ray(tmp_path, tiny_model_path):
 def test_the_plan_s_retention_reaches_the_engine_for_generate_and_score_rows(tiny_model_path):
     """A RowTask's ``cache_tokens`` goes to ``add_request`` and to ``add_score_request`` alike, on the engine every
     executor uses (``RowEngine``: the local executor's, and an engine actor's, run here in process as Ray runs it)."""
-    from mlxbatch.job.ray_actor import EngineActor
+    from mlxbatch.job.executors.ray.actor import EngineActor
+    from mlxbatch.job.rows.tasks import RowTask
     from mlxbatch.job.spec import EngineSection, ModelSection
-    from mlxbatch.job.tasks import RowTask
     from mlxbatch.types import SamplingParams
 
     actor = EngineActor("actor-0", ModelSection(str(tiny_model_path)), EngineSection(max_num_seqs=4), seed=0)
@@ -163,8 +163,8 @@ def test_the_plan_s_retention_reaches_the_engine_for_generate_and_score_rows(tin
 def test_an_actor_reports_its_engines_reuse_step(tmp_path, tiny_model_path):
     """A Ray actor tells the driver its engine's reuse step (a block where prefill passes are packed, 1 here), and the
     driver's feed plans with it (``ModelInfo.reuse_step``), as the single-machine executor's does."""
-    from mlxbatch.job.ray_actor import EngineActor
-    from mlxbatch.job.validate import validate_job
+    from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.executors.ray.actor import EngineActor
 
     data = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "text": "hello"}])
     spec = validate_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out"))

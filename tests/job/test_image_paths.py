@@ -34,8 +34,8 @@ def test_image_roots_are_folders_resolved_from_the_job_file(tmp_path, tiny_model
 
 def test_hostile_image_paths_are_row_errors_and_allowed_roots_open_up(tmp_path, tiny_vlm_path):
     pytest.importorskip("mlx_vlm")
-    from mlxbatch.job.runner import JobRunner
-    from mlxbatch.job.validate import validate_job
+    from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.run.runner import JobRunner
     from mlxbatch.models.random_vlm import synthetic_image
 
     data, photos = tmp_path / "data", tmp_path / "photos"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxbatch.job.model_size import config_sizes
+from mlxbatch.job.check.model_size import config_sizes
 
 QWEN_05B = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
             "intermediate_size": 4864, "vocab_size": 151936, "torch_dtype": "bfloat16"}

@@ -19,9 +19,9 @@ from jobkit import texts, write_job, write_jsonl
 
 from mlxbatch.cli import main
 from mlxbatch.io import CheckpointError, CheckpointStore
-from mlxbatch.job.runner import JobRunner
+from mlxbatch.job.check.validate import validate_job
+from mlxbatch.job.run.runner import JobRunner
 from mlxbatch.job.spec import JobSpecError, load_job
-from mlxbatch.job.validate import validate_job
 
 
 def run(job, check=True):

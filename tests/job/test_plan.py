@@ -48,9 +48,9 @@ def test_plan_reports_the_floor_without_weights(tmp_path, tiny_model_path):
 
 def test_plan_tokenizes_exactly_as_the_engine(tmp_path, tiny_model_path, tiny_loaded):
     from mlxbatch.engine.inputs import encode_prompt
-    from mlxbatch.job.plan import plan_job
-    from mlxbatch.job.prepare import RowPreparer
-    from mlxbatch.job.validate import validate_job
+    from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.plan.predict import plan_job
+    from mlxbatch.job.rows.prepare import RowPreparer
 
     rows = [{"id": f"r{i}", "text": f"row {i}: " + "word " * (i % 7)} for i in range(30)]
     data = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -68,8 +68,8 @@ def test_plan_tokenizes_exactly_as_the_engine(tmp_path, tiny_model_path, tiny_lo
 
 
 def test_windowed_plan_sums_its_windows(tmp_path, tiny_model_path):
-    from mlxbatch.job.plan import plan_job
-    from mlxbatch.job.validate import validate_job
+    from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.plan.predict import plan_job
 
     rows = [{"id": f"r{i}", "text": f"shared start {'x ' * 20} then {i}"} for i in range(50)]
     job = write_job(tmp_path, tiny_model_path, write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out")
@@ -84,8 +84,8 @@ def test_windowed_plan_sums_its_windows(tmp_path, tiny_model_path):
 def test_calibration_generates_under_the_jobs_output_constraint(tmp_path, tiny_model_path):
     """The length probe runs the first rows with their own sampling, the output constraint included: a choice job's
     rows are a token or two, not free text cut by the probe's cap and counted at max_tokens."""
-    from mlxbatch.job.plan import plan_job
-    from mlxbatch.job.validate import validate_job
+    from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.plan.predict import plan_job
 
     rows = [{"id": f"r{i}", "text": f"sentence number {i}", "only": {"choice": ["maybe", "never"]}}
             for i in range(6)]
@@ -107,7 +107,7 @@ def test_plan_follows_the_reuse_step_of_cuda(tmp_path, tiny_model_path, monkeypa
     """On CUDA's text path the engine reuses by the block (``EngineCore.reuse_step``), and ``mlxbatch plan`` plans and
     predicts with this machine's step (``reuse_step_here``; a CPU's is 1, so the CUDA one is set here), and says so.
     (Its prediction against the engine at that step: ``test_reuse_model.py``.)"""
-    import mlxbatch.job.plan as plan_mod
+    import mlxbatch.job.plan.predict as plan_mod
     from mlxbatch.engine import reuse_step_here
 
     assert reuse_step_here() == 1  # this machine

@@ -13,10 +13,10 @@ from click.testing import CliRunner
 from jobkit import write_job, write_jsonl
 
 from mlxbatch.cli import main
-from mlxbatch.job.overrides import JobOverrides
-from mlxbatch.job.plan import plan_job
-from mlxbatch.job.runner import JobRunner
-from mlxbatch.job.validate import validate_job
+from mlxbatch.job.check.validate import validate_job
+from mlxbatch.job.plan.predict import plan_job
+from mlxbatch.job.run.runner import JobRunner
+from mlxbatch.job.spec.overrides import JobOverrides
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_PLAN_TAIL = pytest.mark.xfail(strict=True, reason=(

@@ -10,8 +10,8 @@ from jobkit import write_job, write_jsonl
 from test_crash_resume import finish, start_until
 
 from mlxbatch.engine import plan
-from mlxbatch.job.runner import JobRunner
-from mlxbatch.job.validate import validate_job
+from mlxbatch.job.check.validate import validate_job
+from mlxbatch.job.run.runner import JobRunner
 
 INSTRUCTION = ("You label short product reviews. Answer with one word: positive, negative or neutral. "
                "Think about tone, not topic. Review: ")
@@ -90,9 +90,9 @@ def test_a_resumed_window_keeps_the_order_its_first_run_had(tmp_path, tiny_model
     and skips them, so the rows left keep the first run's order (and their retention)."""
     from mlxbatch.engine import plan as plan_rows
     from mlxbatch.io import open_reader
-    from mlxbatch.job.feed import RowFeed, Submit
-    from mlxbatch.job.prepare import RowPreparer
-    from mlxbatch.job.validate import input_spec
+    from mlxbatch.job.check.validate import input_spec
+    from mlxbatch.job.rows.feed import RowFeed, Submit
+    from mlxbatch.job.rows.prepare import RowPreparer
 
     texts = ["alpha: red", "beta: blue", "alpha: green", "beta: pink", "alpha: gray"]
     data = [{"id": f"r{i}", "text": t} for i, t in enumerate(texts)]
@@ -122,10 +122,10 @@ def test_the_feed_plans_with_the_engines_reuse_step(tmp_path, tiny_model_path, t
     where prefill passes are packed): at a block, reviews that start alike keep the instruction, not a word more."""
     from mlxbatch.engine import submission_order
     from mlxbatch.io import open_reader
-    from mlxbatch.job.executor import LocalExecutor
-    from mlxbatch.job.feed import RowFeed, Submit
-    from mlxbatch.job.prepare import RowPreparer
-    from mlxbatch.job.validate import input_spec
+    from mlxbatch.job.check.validate import input_spec
+    from mlxbatch.job.executors.local import LocalExecutor
+    from mlxbatch.job.rows.feed import RowFeed, Submit
+    from mlxbatch.job.rows.prepare import RowPreparer
 
     texts = ["great value", "great fit", "great but slow", "awful", "awful smell", "fine"]
     data = [{"id": f"r{i}", "text": t} for i, t in enumerate(texts)]

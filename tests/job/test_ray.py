@@ -26,11 +26,11 @@ from raykit import (
     wait_for,
 )
 
-from mlxbatch.job.actor_progress import read_progress
-from mlxbatch.job.runner import JobFailed, JobRunner
+from mlxbatch.job.check.validate import validate_job
+from mlxbatch.job.executors.ray.progress import read_progress
+from mlxbatch.job.report.status import read_status
+from mlxbatch.job.run.runner import JobFailed, JobRunner
 from mlxbatch.job.spec import with_executor
-from mlxbatch.job.status import read_status
-from mlxbatch.job.validate import validate_job
 
 ray = pytest.importorskip("ray")
 
@@ -221,7 +221,7 @@ def test_image_rows_run_on_actors_as_on_one_machine(cluster, tmp_path, tiny_vlm_
 
 
 def test_actors_the_cluster_cannot_place_are_given_up_with_a_clear_error(cluster, tmp_path, tiny_model_path):
-    from mlxbatch.job.executor import ExecutorError
+    from mlxbatch.job.executors.base import ExecutorError
 
     data = write_jsonl(tmp_path / "in.jsonl", grouped_rows(2, 2))
     job = _job(tmp_path, "no-room", tiny_model_path, data,
@@ -261,9 +261,9 @@ def test_an_address_where_no_cluster_answers_fails_fast_and_says_so(monkeypatch)
     two minutes, printing GCS timeouts, with no error), for plain and ray:// addresses and $RAY_ADDRESS alike."""
     import socket
 
-    from mlxbatch.job import ray_cluster
-    from mlxbatch.job.executor import ExecutorError
-    from mlxbatch.job.ray_cluster import connected, unreachable
+    from mlxbatch.job.executors.base import ExecutorError
+    from mlxbatch.job.executors.ray import cluster as ray_cluster
+    from mlxbatch.job.executors.ray.cluster import connected, unreachable
 
     # a driver not yet connected (other tests of this module may have left this process connected to their cluster)
     monkeypatch.setattr(ray_cluster.ray, "is_initialized", lambda: False)

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from jobkit import texts, write_job, write_jsonl
 
 from mlxbatch.cli import main
-from mlxbatch.job.runner import JobRunner
-from mlxbatch.job.validate import validate_job
+from mlxbatch.job.check.validate import validate_job
+from mlxbatch.job.run.runner import JobRunner
 
 
 def run(job, progress=False):
@@ -174,13 +174,13 @@ def test_progress_counts_only_rows_run_now(tmp_path, tiny_model_path, capfd, cap
     assert "3/3" in final and "resumed=21" in final and "24/24" not in err, final
     assert "in_flight=" in final and "in_tok_s=" in final and "cached=" in final
     # without a terminal, the same figures go to the log
-    from mlxbatch.job import progress
+    from mlxbatch.job.report import progress
 
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
     for r in rows[3:5]:
         r["budget"] = 3
     write_jsonl(data, rows)
-    with caplog.at_level("INFO", logger="mlxbatch.job.progress"):
+    with caplog.at_level("INFO", logger="mlxbatch.job.report.progress"):
         run(job)
     lines = [r.getMessage() for r in caplog.records if "rows this run" in r.getMessage()]
     assert lines and lines[-1].startswith("2/2 rows this run") and "resumed 22" in lines[-1], lines

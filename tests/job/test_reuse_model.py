@@ -1,4 +1,4 @@
-"""The plan's prefill prediction (``job.reuse_model``) against the engine itself, at the reuse step of the CPU (1:
+"""The plan's prefill prediction (``job.plan.reuse_model``) against the engine itself, at the reuse step of the CPU (1:
 reuse to the token) and of CUDA's packed passes (a block), on the real tiny model: the same plan submitted to both."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from mlxbatch import SamplingParams
 from mlxbatch.engine import Engine, EngineConfig, plan, submission_order
-from mlxbatch.job.reuse_model import ReuseModel
+from mlxbatch.job.plan.reuse_model import ReuseModel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

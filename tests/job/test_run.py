@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 from jobkit import texts, write_job, write_jsonl
 
-from mlxbatch.job.runner import JobFailed, JobRunner
-from mlxbatch.job.validate import validate_job
+from mlxbatch.job.check.validate import validate_job
+from mlxbatch.job.run.runner import JobFailed, JobRunner
 
 
 def run(job):

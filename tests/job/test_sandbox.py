@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from mlxbatch.job.prompts import PromptRenderer, PromptTooLongError, RenderError
+from mlxbatch.job.rows.prompts import PromptRenderer, PromptTooLongError, RenderError
 from mlxbatch.job.spec import PromptSection
 
 

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 from jobkit import write_job, write_jsonl
 
-from mlxbatch.job.runner import JobRunner
+from mlxbatch.job.check.validate import validate_job
+from mlxbatch.job.run.runner import JobRunner
 from mlxbatch.job.spec import JobSpecError
-from mlxbatch.job.validate import validate_job
 
 SCHEMA = {"type": "object", "properties": {"label": {"enum": ["pos", "neg"]}, "score": {"type": "integer"}},
           "required": ["label", "score"], "additionalProperties": False}

@@ -8,9 +8,9 @@ import pytest
 from jobkit import write_job, write_jsonl
 
 from mlxbatch.engine import Engine, EngineConfig
-from mlxbatch.job.runner import JobRunner
+from mlxbatch.job.check.validate import validate_job
+from mlxbatch.job.run.runner import JobRunner
 from mlxbatch.job.spec import JobSpecError
-from mlxbatch.job.validate import validate_job
 
 QUESTIONS = [
     {"id": "a", "q": "Two plus two is", "options": [" four", " five", " six"], "gold": 0},
@@ -81,7 +81,7 @@ def test_token_strings_keep_their_leading_space_with_a_sentencepiece_tokenizer(t
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from mlxbatch.job.tasks import token_text_of
+    from mlxbatch.job.rows.tasks import token_text_of
 
     vocab = {"<unk>": 0, "▁the": 1, "▁cat": 2, "▁x": 3, "s": 4, "<0xE2>": 5}
     sp = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

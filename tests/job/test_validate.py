@@ -61,7 +61,7 @@ def test_missing_files_and_template_fields_no_row_provides(tmp_path, tiny_model_
 
 
 def test_templates_cannot_run_code(tmp_path, tiny_model_path):
-    from mlxbatch.job.prompts import PromptRenderer, RenderError
+    from mlxbatch.job.rows.prompts import PromptRenderer, RenderError
     from mlxbatch.job.spec import PromptSection
 
     r = PromptRenderer(PromptSection(template="{{ text.__class__.__mro__[1].__subclasses__() }}"))
@@ -127,7 +127,7 @@ def test_rows_that_would_not_render_are_reported(tmp_path, tiny_model_path, capl
     # some rows only: a warning with the count and an example, the job is valid
     rows = [{**r, **(fields if i == 4 else fine)} for i, r in enumerate(rows)]
     write_jsonl(data, rows)
-    from mlxbatch.job.validate import validate_job
+    from mlxbatch.job.check.validate import validate_job
 
     with caplog.at_level("WARNING"):
         validate_job(tmp_path / "job.yaml")
@@ -197,7 +197,7 @@ def test_max_tokens_too_small_for_the_shortest_output(tmp_path, tiny_model_path)
     from mlx_lm.utils import load_tokenizer
 
     from mlxbatch.engine import GrammarCompiler
-    from mlxbatch.job.shortest import shortest_output
+    from mlxbatch.job.check.shortest import shortest_output
     from mlxbatch.types import OutputConstraint
 
     tok = load_tokenizer(tiny_model_path)

@@ -13,8 +13,8 @@ from jobkit import write_job, write_jsonl
 
 pytest.importorskip("mlx_vlm")
 
-from mlxbatch.job.runner import JobRunner  # noqa: E402
-from mlxbatch.job.validate import validate_job  # noqa: E402
+from mlxbatch.job.check.validate import validate_job  # noqa: E402
+from mlxbatch.job.run.runner import JobRunner  # noqa: E402
 from mlxbatch.models.random_vlm import synthetic_image  # noqa: E402
 
 ASK = {"template": None, "messages": [{"role": "user", "content": "{{ question }}"}]}

@@ -2,7 +2,7 @@
 constraint's tokenizer.
 
 Owns the pre-flight check of ``mlxbatch validate`` and ``mlxbatch run``: the job file's structure (``spec``), the
-model (a known alias, a folder with config.json, a hub id that can be had: ``job.model_ref``), the input files
+model (a known alias, a folder with config.json, a hub id that can be had: ``job.check.model_ref``), the input files
 (they resolve and open), the output folder (``outdir``: not a file, not another job's), the templates against a
 sample of rows (fields no row provides, fields some rows lack, an id column no row has, and rows that do not
 render: a null or missing field, a division by zero, a template limit), and the output constraint compiled
@@ -20,11 +20,11 @@ from pathlib import Path
 
 from mlxbatch.io import InputFormat, InputRow, InputSpec, open_reader, resolve_inputs
 from mlxbatch.io.errors import InputError
-from mlxbatch.job.model_ref import model_problem
-from mlxbatch.job.outdir import output_problems
-from mlxbatch.job.overrides import JobOverrides
-from mlxbatch.job.prompts import PromptRenderer, RenderError
+from mlxbatch.job.check.model_ref import model_problem
+from mlxbatch.job.check.outdir import output_problems
+from mlxbatch.job.rows.prompts import PromptRenderer, RenderError
 from mlxbatch.job.spec import JobSpec, JobSpecError, load_job
+from mlxbatch.job.spec.overrides import JobOverrides
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +186,8 @@ def _constraint_problems(spec: JobSpec) -> list[tuple[str, str]]:
 
     from mlxbatch.engine import GrammarCompiler
     from mlxbatch.errors import MlxbatchError
-    from mlxbatch.job.model_ref import local_model_dir
-    from mlxbatch.job.shortest import shortest_output
+    from mlxbatch.job.check.model_ref import local_model_dir
+    from mlxbatch.job.check.shortest import shortest_output
 
     try:
         path = local_model_dir(spec.model.path)

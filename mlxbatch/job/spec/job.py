@@ -1,11 +1,11 @@
 """JobSpec: the job file, parsed and validated in exactly one place.
 
 Owns the YAML schema: the file as a whole (its top-level keys, keys given twice, the order its sections are parsed
-in) and the ``JobSpec`` assembled from its sections (``job.spec_sections``: each section's keys, types and checks;
-``job.spec_task``: the task and output constraint; ``job.spec_executor``: the executor section).
+in) and the ``JobSpec`` assembled from its sections (``job.spec.sections``: each section's keys, types and checks;
+``job.spec.task``: the task and output constraint; ``job.spec.executor``: the executor section).
 Every problem is reported with its key path and reason (all of them at once) before any model loads; a key given
 twice in one mapping is a problem too (YAML would silently keep the last). Structural checks live here; checks that
-need the input data (template fields no row provides) live in ``job.validate``.
+need the input data (template fields no row provides) live in ``job.check.validate``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 import yaml
 
 from mlxbatch.errors import MlxbatchError
-from mlxbatch.job.overrides import JobOverrides, apply_overrides
-from mlxbatch.job.spec_checker import Checker
-from mlxbatch.job.spec_executor import ExecutorSection, parse_executor, with_executor
-from mlxbatch.job.spec_sections import (
+from mlxbatch.job.spec.checker import Checker
+from mlxbatch.job.spec.executor import ExecutorSection, parse_executor
+from mlxbatch.job.spec.overrides import JobOverrides, apply_overrides
+from mlxbatch.job.spec.sections import (
     SAMPLING_KEYS,
     CheckpointSection,
     EngineSection,
@@ -39,7 +39,7 @@ from mlxbatch.job.spec_sections import (
     parse_sampling,
     resolve_path,
 )
-from mlxbatch.job.spec_task import TaskSection, constraint_from, parse_task
+from mlxbatch.job.spec.task import TaskSection, constraint_from, parse_task
 
 __all__ = ["SAMPLING_KEYS", "CheckpointSection", "EngineSection", "ExecutorSection", "InputSection", "JobSpec",
            "JobSpecError", "ModelSection", "PlanSection", "PromptSection", "SamplingSection", "TaskSection",
@@ -159,3 +159,11 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
         raise JobSpecError(source, c.problems)
     return JobSpec(source, model, inp, prompt, sampling, resolve_path(base, out_path), checkpoint, engine, seed,
                    max_error_rate, plan, task, overwrite, executor, raw=raw, base_dir=base)
+
+
+def with_executor(spec: JobSpec, kind: str | None, address: str | None = None) -> JobSpec:
+    """``spec`` with the command line's choice of executor (``--ray [ADDRESS]`` / ``--local``) applied."""
+    x = spec.executor
+    if kind is None and address is None:
+        return spec
+    return dataclasses.replace(spec, executor=dataclasses.replace(x, kind=kind or x.kind, address=address or x.address))

@@ -4,7 +4,7 @@ Owns three entries of the manifest's metadata: ``job_spec`` (``status.JOB_SPEC_M
 it and what of the model its keys depend on, so ``mlxbatch status`` tells current records from stale ones), ``plan``
 (the plan's parameters of the first run: a resumed run plans the same windows, hence the same order, whatever the
 job file says now) and ``batch_invariant`` (whether every run that checkpointed rows here had it). The folder's
-owner (manifest meta ``job``) is ``job.outdir``'s.
+owner (manifest meta ``job``) is ``job.check.outdir``'s.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import logging
 from pathlib import Path
 
 from mlxbatch.io import CheckpointStore
-from mlxbatch.job.executor import ModelInfo
+from mlxbatch.job.executors.base import ModelInfo
+from mlxbatch.job.report.status import JOB_SPEC_META
 from mlxbatch.job.spec import JobSpec
-from mlxbatch.job.status import JOB_SPEC_META
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 def save_job_meta(store: CheckpointStore, spec: JobSpec, model: ModelInfo) -> None:
     """The job as this run parsed it (command-line changes included) and what of the model its keys depend on
     (identity, whether it takes images, its context), so ``mlxbatch status OUT`` can tell current records from
-    stale ones without the command line or the model. (The folder's owner, ``job.outdir``'s record, is kept
+    stale ones without the command line or the model. (The folder's owner, ``job.check.outdir``'s record, is kept
     apart.)"""
     raw = json.loads(json.dumps(spec.raw or {}, default=str))
     meta = {"source": spec.source, "base_dir": str(spec.base_dir or Path.cwd()), "raw": raw,

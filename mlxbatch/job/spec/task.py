@@ -2,8 +2,8 @@
 constraint: choice / regex / json_schema, or a row column holding one; the gold column; keeping the prompt).
 
 Owns the ``TaskSection``, its parser (reporting to the spec's ``Checker`` like every other section) and
-``constraint_from``, which reads a constraint the same way from the job file and from a row's column (``job.prepare``).
-Kept apart from ``job.spec_sections`` (the other single-machine sections): the task spans three top-level keys and
+``constraint_from``, which reads a constraint the same way from the job file and from a row's column (``job.rows.prepare``).
+Kept apart from ``job.spec.sections`` (the other single-machine sections): the task spans three top-level keys and
 the checks between them (a score task generates no text to constrain).
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxbatch.errors import InvalidRequestError
-from mlxbatch.job.spec_checker import Checker
+from mlxbatch.job.spec.checker import Checker
 from mlxbatch.types import CONSTRAINT_KINDS, OutputConstraint
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.job.model_size import config_sizes, read_config
+from mlxbatch.job.check.model_size import config_sizes, read_config
 from mlxbatch.job.spec import JobSpec
 
 DECODE_PROBE_TOKENS = 24  # generated tokens per row at most while measuring how long rows are
@@ -75,7 +75,7 @@ class Eta:
 
 def _engine(spec: JobSpec, loaded: Any) -> Any:
     from mlxbatch.engine import EngineCore
-    from mlxbatch.job.executor import engine_config
+    from mlxbatch.job.executors.base import engine_config
 
     e = spec.engine
     return EngineCore(loaded, engine_config(e, spec.seed))

@@ -2,7 +2,7 @@
 
 Owns the known keys of each section (an unknown key is reported with the ones expected) and the checks every section
 parser shares (a mapping, a type, a positive number). A parser reports to it and goes on, so every problem of a file
-is found in one pass (``job.spec`` raises them together).
+is found in one pass (``job.spec.job`` raises them together).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from typing import Any
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io import DuplicateIdTracker, InputRow, canonical_params, result_key
 from mlxbatch.io.jsonl import openai_constraint
-from mlxbatch.job.media import ImageError, row_images
-from mlxbatch.job.prompts import DEFAULT_MAX_CHARS, PromptRenderer, PromptTooLongError, RenderError
+from mlxbatch.job.rows.media import ImageError, row_images
+from mlxbatch.job.rows.prompts import DEFAULT_MAX_CHARS, PromptRenderer, PromptTooLongError, RenderError
 from mlxbatch.job.spec import JobSpec, constraint_from
 from mlxbatch.types import SamplingParams
 

@@ -1,6 +1,6 @@
 """Prompt rendering: row fields -> a prompt (text or chat messages), in a bounded Jinja sandbox.
 
-Owns the templates of one job. Templates cannot run code and cannot run away (``job.sandbox``): a row that lacks
+Owns the templates of one job. Templates cannot run code and cannot run away (``job.rows.sandbox``): a row that lacks
 a field, holds a null the template prints, divides by zero, adds a number to a text, or asks for too much work
 fails with a ``RenderError`` naming the problem; a prompt longer than ``max_chars`` characters raises
 ``PromptTooLong`` as soon as it passes that length (nothing that long is kept or tokenized). ``fields()`` lists the
@@ -17,7 +17,7 @@ import jinja2
 from jinja2 import meta
 
 from mlxbatch.errors import MlxbatchError
-from mlxbatch.job.sandbox import BoundedSandbox, PromptTooLong, null
+from mlxbatch.job.rows.sandbox import BoundedSandbox, PromptTooLong, null
 from mlxbatch.job.spec import PromptSection
 
 DEFAULT_MAX_CHARS = 1 << 23  # 8 Mi characters, when the model's context is not known

@@ -6,7 +6,7 @@ Owns the plan report and the prediction of the run's prefill tokens (what report
   window's text rows are planned along their token trie: each window's floor is its trie's node count, summed in
   ``distinct_tokens`` (the whole job's floor when it is one window; across windows the prefix cache carries shared
   prefixes, so a windowed run can compute less);
-  each row's prefill is predicted in the run's submission order by ``job.reuse_model`` (the engine's reuse rules);
+  each row's prefill is predicted in the run's submission order by ``job.plan.reuse_model`` (the engine's reuse rules);
 - ``task: score`` rows prefill their context once; when every candidate is one token that is all (the context's
   last logits score them), else each candidate is prefilled after it and every candidate but the first recomputes
   the context's last token (its logits predict the candidate's first token);
@@ -16,7 +16,7 @@ Owns the plan report and the prediction of the run's prefill tokens (what report
 - ``plan.enabled: false`` (longest first, LRU cache) is predicted with the same reuse rules in that order, and
   ``engine.prefix_cache: false`` as no reuse.
 Rows are kept as compact ``array('i')`` token sequences (4 bytes a token); memory holds one window.
-The ETA comes from ``job.calibrate``: a short real run of the model on this machine (a FLOPs estimate without
+The ETA comes from ``job.plan.calibrate``: a short real run of the model on this machine (a FLOPs estimate without
 weights).
 """
 
@@ -30,14 +30,14 @@ from typing import Any
 
 from mlxbatch.engine import PromptEncoder, is_vlm_folder, plan, reuse_step_here, submission_order
 from mlxbatch.io import InputFormat, open_reader, resolve_inputs
-from mlxbatch.job.calibrate import Eta, estimate, measured_eta
-from mlxbatch.job.feed import window_floor_saving
-from mlxbatch.job.model_ref import local_model_dir
-from mlxbatch.job.model_size import config_sizes
-from mlxbatch.job.prepare import PreparedRow, RowPreparer
-from mlxbatch.job.reuse_model import BlockCacheModel, ReuseModel
+from mlxbatch.job.check.model_ref import local_model_dir
+from mlxbatch.job.check.model_size import config_sizes
+from mlxbatch.job.check.validate import input_spec
+from mlxbatch.job.plan.calibrate import Eta, estimate, measured_eta
+from mlxbatch.job.plan.reuse_model import BlockCacheModel, ReuseModel
+from mlxbatch.job.rows.feed import window_floor_saving
+from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.spec import JobSpec
-from mlxbatch.job.validate import input_spec
 
 __all__ = ["Eta", "PlanReport", "as_dict", "plan_job"]
 

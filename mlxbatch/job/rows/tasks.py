@@ -23,8 +23,8 @@ import pyarrow as pa
 from mlxbatch.engine import EngineCore
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io import ResultRecord
-from mlxbatch.job.media import encode_row
-from mlxbatch.job.prepare import PreparedRow
+from mlxbatch.job.rows.media import encode_row
+from mlxbatch.job.rows.prepare import PreparedRow
 from mlxbatch.job.spec import JobSpec, TaskSection
 from mlxbatch.types import FinishReason, OutputConstraint, RequestOutput, SamplingParams
 

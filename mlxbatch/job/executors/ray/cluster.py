@@ -23,7 +23,7 @@ import ray
 from ray.exceptions import RayError
 
 from mlxbatch.engine import resolve_path
-from mlxbatch.job.executor import ExecutorError
+from mlxbatch.job.executors.base import ExecutorError
 from mlxbatch.job.spec import JobSpec
 
 

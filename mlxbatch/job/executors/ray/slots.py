@@ -3,10 +3,10 @@
 Owns ``Slot`` (one actor as the driver sees it: the units it took and has not sent yet, the rows in flight, its
 counters, the prefill floor of the order it got its rows in, its summary for report.json and progress.json) and
 the rules that hand rows out: a window's rows cut into units (``units_of``: prefix-local or random,
-``job.partition``), an actor's next rows (``next_rows``: its own unit first, then whole units from the queue while
+``job.executors.ray.partition``), an actor's next rows (``next_rows``: its own unit first, then whole units from the queue while
 they keep it within an even share of what is left once the input is all read) and, at the end, the tail of the
 busiest actor's unsent rows for an idle one (``steal``, cut at a weak link). Nothing here imports Ray: the Ray
-executor (``job.ray_exec``) keeps the queue and the slots and talks to the actors.
+executor (``job.executors.ray.executor``) keeps the queue and the slots and talks to the actors.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from mlxbatch.job.feed import Submit
-from mlxbatch.job.partition import prefix_units, random_units, row_cost, split_for_steal
+from mlxbatch.job.executors.ray.partition import prefix_units, random_units, row_cost, split_for_steal
+from mlxbatch.job.rows.feed import Submit
 
 if TYPE_CHECKING:
-    from mlxbatch.job.ray_actor import ActorInfo
+    from mlxbatch.job.executors.ray.actor import ActorInfo
 
 
 @dataclasses.dataclass

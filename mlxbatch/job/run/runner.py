@@ -1,15 +1,15 @@
 """The job loop: read -> prepare -> skip done -> executor -> checkpoint -> final outputs.
 
 Owns one run of a job. The output folder is checked and locked before anything in it changes or a model loads
-(``job.outdir``). Rows stream in with bounded memory (at most a few batches in flight) to an executor
-(``job.executor``: this process's engine, or engine actors on a Ray cluster), finished results are
+(``job.check.outdir``). Rows stream in with bounded memory (at most a few batches in flight) to an executor
+(``job.executors``: this process's engine, or engine actors on a Ray cluster), finished results are
 checkpointed in atomic shards every N rows or T seconds, and only when every row is done (and every shard still
 matches its checksum: a shard that does not is set aside and its rows redone) are the final Parquet, the OpenAI
 Batch output, the run report and the success marker written, all under the lock. SIGINT/SIGTERM finish the
-current shard and stop cleanly (``job.stopping``: a second signal exits at once, still safe); past
-``max_error_rate`` (``job.error_rate``: rows in input order, earlier runs included, and all rows at the end) the job
+current shard and stop cleanly (``job.run.stopping``: a second signal exits at once, still safe); past
+``max_error_rate`` (``job.run.error_rate``: rows in input order, earlier runs included, and all rows at the end) the job
 stops with a clear error, keeping what finished. What the run keeps in the manifest besides rows (the job as parsed,
-the first run's plan, batch invariance) is ``job.run_meta``'s.
+the first run's plan, batch invariance) is ``job.run.run_meta``'s.
 """
 
 from __future__ import annotations
@@ -42,13 +42,12 @@ from mlxbatch.io import (
     write_openai_batch_output,
     write_report,
 )
-from mlxbatch.job.error_rate import ErrorRate
-from mlxbatch.job.executor import Executor, ExecutorError, open_executor
-from mlxbatch.job.feed import Resumed, RowFeed
-from mlxbatch.job.outdir import claim_output, prepare_output
-from mlxbatch.job.prepare import PreparedRow, RowPreparer
-from mlxbatch.job.progress import Progress
-from mlxbatch.job.report import (
+from mlxbatch.job.check.outdir import claim_output, prepare_output
+from mlxbatch.job.check.validate import input_spec
+from mlxbatch.job.executors import open_executor
+from mlxbatch.job.executors.base import Executor, ExecutorError
+from mlxbatch.job.report.progress import Progress
+from mlxbatch.job.report.report import (
     WORK_RUN_META,
     RunStats,
     earlier_work,
@@ -56,11 +55,13 @@ from mlxbatch.job.report import (
     summarize_results,
     work_of,
 )
-from mlxbatch.job.run_meta import follow_saved_plan, record_invariance, save_job_meta
+from mlxbatch.job.rows.feed import Resumed, RowFeed
+from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
+from mlxbatch.job.rows.tasks import output_columns, prompt_text, record_for
+from mlxbatch.job.run.error_rate import ErrorRate
+from mlxbatch.job.run.run_meta import follow_saved_plan, record_invariance, save_job_meta
+from mlxbatch.job.run.stopping import StopSignals
 from mlxbatch.job.spec import JobSpec
-from mlxbatch.job.stopping import StopSignals
-from mlxbatch.job.tasks import output_columns, prompt_text, record_for
-from mlxbatch.job.validate import input_spec
 from mlxbatch.types import RequestOutput
 
 log = logging.getLogger(__name__)

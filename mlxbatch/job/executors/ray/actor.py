@@ -5,7 +5,7 @@ which every import of this module runs first, preloads OpenBLAS before MLX). ``a
 is sent and steps the engine until a share of what it holds has finished (or a time budget passes), then returns the
 finished rows and the engine's counters; the driver sends the next rows with its next call, so an actor holds at
 most the driver's in-flight bound and rows arrive in the order the driver sends them (plan order). Nothing here
-imports Ray: the driver (``job.ray_exec``) makes the class remote, and the class works in-process too.
+imports Ray: the driver (``job.executors.ray.executor``) makes the class remote, and the class works in-process too.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from mlxbatch.job.executor import RowDone, RowEngine, engine_config, model_spec, tokenizer_fingerprint
+from mlxbatch.job.executors.base import RowDone, engine_config, model_spec, tokenizer_fingerprint
+from mlxbatch.job.executors.local import RowEngine
+from mlxbatch.job.rows.tasks import RowTask
 from mlxbatch.job.spec import EngineSection, ModelSection
-from mlxbatch.job.tasks import RowTask
 
 MIN_ADVANCE_S = 0.05  # an advance call returns early (enough finished) only after this long
 

@@ -10,7 +10,7 @@ recorded). A folder without a recorded job falls back to the newest record of ea
 
 Strictly read-only and lock-free, so it works while a run is writing the folder: it reads the shard files
 directly and skips (and reports) any that do not open as a complete Arrow file; repairing is left to the
-next run. A distributed run's progress file (``job.actor_progress``) adds a line per engine actor.
+next run. A distributed run's progress file (``job.executors.ray.progress``) adds a line per engine actor.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import pyarrow as pa
 
 from mlxbatch.errors import MlxbatchError
 from mlxbatch.io import InputFormat, open_reader, resolve_inputs
-from mlxbatch.job.actor_progress import progress_lines, read_progress
-from mlxbatch.job.prepare import RowPreparer
+from mlxbatch.job.check.validate import input_spec
+from mlxbatch.job.executors.ray.progress import progress_lines, read_progress
+from mlxbatch.job.rows.prepare import RowPreparer
 from mlxbatch.job.spec import JobSpec, load_job, parse_job
-from mlxbatch.job.validate import input_spec
 
 JOB_SPEC_META = "job_spec"  # manifest metadata the runner writes: the job as the last run parsed it
 

@@ -1,20 +1,17 @@
 """The job file's ``executor`` section: where rows run, this process or engine actors on a Ray cluster.
 
 Owns the section's keys, defaults and checks (``parse_executor``, reporting to the spec's ``Checker`` like every
-other section) and the command line's choice of executor (``with_executor``: ``--ray [ADDRESS]`` / ``--local``).
-Kept apart from ``job.spec_sections`` (the single-machine sections) so each module stays one concept.
+other section). The command line's choice of executor (``with_executor``) is applied in ``job.spec.job``.
+Kept apart from ``job.spec.sections`` (the single-machine sections) so each module stays one concept.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from mlxbatch.job.spec_checker import Checker
-
-if TYPE_CHECKING:
-    from mlxbatch.job.spec import JobSpec
+from mlxbatch.job.spec.checker import Checker
 
 
 @dataclass(frozen=True)
@@ -62,11 +59,3 @@ def parse_executor(c: Checker, raw: dict[str, Any]) -> ExecutorSection:
             c.bad(f"executor.{name}", f"must be >= 0, got {value}")
     c.positive("executor.start_timeout_s", section.start_timeout_s)
     return section
-
-
-def with_executor(spec: JobSpec, kind: str | None, address: str | None = None) -> JobSpec:
-    """``spec`` with the command line's choice of executor (``--ray [ADDRESS]`` / ``--local``) applied."""
-    x = spec.executor
-    if kind is None and address is None:
-        return spec
-    return dataclasses.replace(spec, executor=dataclasses.replace(x, kind=kind or x.kind, address=address or x.address))

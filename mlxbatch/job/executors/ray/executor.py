@@ -1,17 +1,17 @@
 """The Ray executor: one job's rows over engine actors on a Ray cluster, with this process as the only writer.
 
 Owns the driver side of a distributed run. Each window of the plan is cut into prefix-local units
-(``job.partition``) and queued largest first; an actor with room takes the next unit and its rows go to it in plan
+(``job.executors.ray.partition``) and queued largest first; an actor with room takes the next unit and its rows go to it in plan
 order, at most ``4 x max_num_seqs`` in flight per actor (``ray_actor.EngineActor.advance``: one call out per actor,
 the next sent as soon as one returns). Finished rows come back here and the run loop checkpoints them, so shards,
 keys and final outputs are a single-machine run's. An idle actor with nothing queued takes the tail of the busiest
 actor's unsent rows (cut at a weak link), so a window ends together. The books of each actor and these rules of who
-gets which rows are ``job.ray_slots``'s; this module starts the actors, talks to them and handles their failures.
+gets which rows are ``job.executors.ray.slots``'s; this module starts the actors, talks to them and handles their failures.
 
 Failures: an actor that dies (or whose call fails) loses only the rows it held unreturned; they go to the front of
 the queue for the others, and a replacement actor starts while ``max_restarts`` allows. A result for a row that was
 given to another actor is dropped, so no row is recorded twice. The driver's own death leaves the checkpoint: the
-next run, with or without Ray, resumes it. ``progress.json`` (``job.actor_progress``) shows each actor while the
+next run, with or without Ray, resumes it. ``progress.json`` (``job.executors.ray.progress``) shows each actor while the
 run goes.
 """
 
@@ -30,15 +30,15 @@ import ray
 from ray.exceptions import RayError
 
 from mlxbatch.engine import common_prefix_len
-from mlxbatch.job.actor_progress import clear_progress, write_progress
-from mlxbatch.job.engine_stats import merge_engine_stats
-from mlxbatch.job.executor import ExecutorError, Finished, ModelInfo, tokenizer_fingerprint
-from mlxbatch.job.feed import Failed, Resumed, RowFeed, Submit
-from mlxbatch.job.ray_actor import ActorInfo, Advance, EngineActor
-from mlxbatch.job.ray_cluster import connected, driver_tokenizer, fitting_actors, kill
-from mlxbatch.job.ray_slots import Slot, next_rows, units_of
+from mlxbatch.job.executors.base import ExecutorError, Finished, ModelInfo, tokenizer_fingerprint
+from mlxbatch.job.executors.engine_stats import merge_engine_stats
+from mlxbatch.job.executors.ray.actor import ActorInfo, Advance, EngineActor
+from mlxbatch.job.executors.ray.cluster import connected, driver_tokenizer, fitting_actors, kill
+from mlxbatch.job.executors.ray.progress import clear_progress, write_progress
+from mlxbatch.job.executors.ray.slots import Slot, next_rows, units_of
+from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed, Submit
+from mlxbatch.job.rows.tasks import RowTask
 from mlxbatch.job.spec import JobSpec
-from mlxbatch.job.tasks import RowTask
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Stopping a run: SIGINT/SIGTERM, a second signal, and a stop asked for from another thread.
 
 Owns a run's stop flag and its signal handlers. The first SIGINT/SIGTERM only sets the flag: the run loop
-(``job.runner``) sees it, aborts what is in flight, checkpoints what finished and raises ``JobInterrupted``. A second
+(``job.run.runner``) sees it, aborts what is in flight, checkpoints what finished and raises ``JobInterrupted``. A second
 signal leaves at once (``os._exit``) when ``exit_on_second`` is set (the command line: shards are atomic, nothing is
 corrupted); otherwise (notebooks, ``run_job``) it raises ``KeyboardInterrupt`` in the loop, which stops without
 waiting and keeps the process. Handlers are installed only on the main thread, and the previous ones are put back

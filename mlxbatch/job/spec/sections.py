@@ -1,10 +1,10 @@
 """The job file's sections: a dataclass and a parser for each (model, input, prompt, sampling, checkpoint, engine,
-plan), each reporting its problems to a ``Checker`` (``job.spec_checker``).
+plan), each reporting its problems to a ``Checker`` (``job.spec.checker``).
 
 Owns what each section's keys mean: their types, defaults and checks. A parser reports problems to the checker and
 returns its section (with defaults where a value was bad), so every problem of a file is found in one pass.
-``job.spec`` owns the file as a whole (top-level keys, keys given twice, the order sections are parsed in) and
-assembles the ``JobSpec``; ``job.spec_task`` holds the task and output constraint, ``job.spec_executor`` the
+``job.spec.job`` owns the file as a whole (top-level keys, keys given twice, the order sections are parsed in) and
+assembles the ``JobSpec``; ``job.spec.task`` holds the task and output constraint, ``job.spec.executor`` the
 executor section.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbatch.config import EngineConfig
-from mlxbatch.job.spec_checker import Checker
+from mlxbatch.job.spec.checker import Checker
 from mlxbatch.types import SamplingParams
 
 SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} - {"constraint"}  # constraints: output.*

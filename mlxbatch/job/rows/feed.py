@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from mlxbatch.engine import PromptEncoder, plan, submission_order
 from mlxbatch.io import InputRow
-from mlxbatch.job.prepare import PreparedRow, RowPreparer
+from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 
 
 @dataclass(frozen=True)

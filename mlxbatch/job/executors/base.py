@@ -1,0 +1,97 @@
+"""The executor boundary: where a job's rows run, as the run loop sees it.
+
+Owns the contract between the job loop and whatever runs rows: ``take(feed)`` pulls rows from the feed as capacity
+allows and submits them (it returns the feed's error rows for the loop to record), ``poll()`` returns finished
+rows, ``busy`` says whether any row taken is still unreturned, ``in_flight`` counts the rows engines hold (the
+progress bar shows it), ``abort()`` drops what is in flight, ``stats()`` is the engine report. Also the named types
+that cross it (``RowDone``, ``Finished``, ``ModelInfo``) and what every implementation builds an engine from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mlxbatch.config import EngineConfig
+from mlxbatch.engine import LoadedModel, ModelSpec, PromptEncoder
+from mlxbatch.errors import MlxbatchError
+from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed
+from mlxbatch.job.rows.prepare import PreparedRow
+from mlxbatch.job.spec import EngineSection, ModelSection
+from mlxbatch.types import RequestOutput
+
+
+class ExecutorError(MlxbatchError):
+    """Rows cannot run any more (e.g. every engine actor died); finished rows are checkpointed."""
+
+
+@dataclass(frozen=True)
+class RowDone:
+    """One row back from an engine: its output, or why the engine refused it."""
+
+    key: str
+    output: RequestOutput | None
+    error: str | None = None
+    error_kind: str | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A finished row as the run loop records it; ``worker`` names the engine actor that ran it (Ray only)."""
+
+    prep: PreparedRow
+    output: RequestOutput | None
+    index: int  # the row's input position (the error rate is judged in input order)
+    error: str | None = None
+    error_kind: str | None = None
+    worker: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the run loop needs of the model: the identity for result keys, the dtype, the tokenizer, whether it
+    takes images, its context length (row preparation refuses prompts far beyond it) and the engine's reuse step
+    (the feed plans with it: ``EngineCore.reuse_step``)."""
+
+    identity: str
+    dtype: str
+    tokenizer: Any
+    takes_images: bool
+    context_length: int
+    reuse_step: int = 1
+
+    @classmethod
+    def of(cls, loaded: LoadedModel) -> ModelInfo:
+        return cls(loaded.identity, loaded.dtype, loaded.tokenizer, loaded.vlm is not None, loaded.context_length)
+
+
+class Executor(Protocol):
+    model: ModelInfo
+
+    def take(self, feed: RowFeed) -> list[Failed | Resumed]: ...
+    def poll(self) -> list[Finished]: ...
+    @property
+    def busy(self) -> bool: ...
+    @property
+    def in_flight(self) -> int: ...
+    def abort(self) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+    def shutdown(self) -> None: ...
+
+
+def model_spec(m: ModelSection) -> ModelSpec:
+    return ModelSpec(m.path, m.dtype, m.adapter, m.trust_remote_code)
+
+
+def engine_config(e: EngineSection, seed: int) -> EngineConfig:
+    return EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                        prefill_chunk_size=e.prefill_chunk_size, kv_memory_fraction=e.kv_memory_fraction,
+                        prefix_cache=e.prefix_cache, batch_invariant=e.batch_invariant, seed=seed)
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A digest of how ``tokenizer`` encodes a text and a chat prompt: the driver and every engine must agree."""
+    probe = PromptEncoder(tokenizer).encode_many(["mlxbatch probe: Ünïcödé 123 <b>", [{"role": "user", "content": "x"}]])
+    return hashlib.sha256(json.dumps([len(getattr(tokenizer, "_tokenizer", tokenizer)), probe]).encode()).hexdigest()[:16]

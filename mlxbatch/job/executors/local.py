@@ -1,0 +1,129 @@
+"""The single-machine executor: one engine in this process.
+
+``RowEngine`` turns ``RowTask``s into ``RowDone``s on one ``EngineCore``; the local executor and each Ray actor
+(``job.executors.ray.actor``) own one. ``LocalExecutor`` keeps at most ``4 x max_num_seqs`` rows in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from mlxbatch.config import EngineConfig
+from mlxbatch.engine import REGISTRY, EngineCore, LoadedModel
+from mlxbatch.errors import InvalidRequestError
+from mlxbatch.job.executors.base import Finished, ModelInfo, RowDone, engine_config, model_spec
+from mlxbatch.job.executors.ray.progress import clear_progress
+from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed, Submit
+from mlxbatch.job.rows.media import ImageError
+from mlxbatch.job.rows.tasks import RowTask, submit
+from mlxbatch.job.spec import JobSpec
+
+
+class RowEngine:
+    """One engine running row tasks: refused rows come back as errors (kind ``request``, ``constraint`` or
+    ``image``) on the next ``step``, never as exceptions."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.core = EngineCore(loaded, config)
+        self._refused: list[RowDone] = []
+        self.busy_s = 0.0  # time spent stepping
+
+    def submit(self, task: RowTask) -> None:
+        try:
+            submit(self.core, task)
+        except InvalidRequestError as exc:
+            kind = "constraint" if exc.field == "constraint" else "request"
+            self._refused.append(RowDone(task.key, None, f"{task.row_id}: {exc}", kind))
+        except ImageError as exc:
+            self._refused.append(RowDone(task.key, None, f"{task.row_id}: {exc}", "image"))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._refused) or self.core.has_unfinished
+
+    def step(self) -> list[RowDone]:
+        done, self._refused = self._refused, []
+        if self.core.has_unfinished:
+            t0 = time.perf_counter()
+            done += [RowDone(d.request_id, d.output) for d in self.core.step() if d.output is not None]
+            self.busy_s += time.perf_counter() - t0
+        return done
+
+    def abort(self, key: str) -> None:
+        self.core.abort(key)
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+class LocalExecutor:
+    """The single-machine path: one engine in this process."""
+
+    def __init__(self, spec: JobSpec, loaded: LoadedModel) -> None:
+        self.engine = RowEngine(loaded, engine_config(spec.engine, spec.seed))
+        self.model = dataclasses.replace(ModelInfo.of(loaded), reuse_step=self.engine.core.reuse_step)
+        self.max_inflight = 4 * spec.engine.max_num_seqs
+        self._pending: dict[str, Submit] = {}
+
+    def take(self, feed: RowFeed) -> list[Failed | Resumed]:
+        if len(self._pending) > self.max_inflight // 2:
+            return []
+        other: list[Failed | Resumed] = []
+        for item in feed.take(self.max_inflight - len(self._pending)):
+            if not isinstance(item, Submit):
+                other.append(item)
+                continue
+            self._pending[item.prep.key] = item
+            self.engine.submit(RowTask.of(item.prep, item.token_ids, item.cache_tokens))
+        return other
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def poll(self) -> list[Finished]:
+        if not self._pending:
+            return []
+        out = []
+        for d in self.engine.step():
+            row = self._pending.pop(d.key, None)
+            if row is not None:
+                out.append(Finished(row.prep, d.output, row.index, d.error, d.error_kind))
+        return out
+
+    def abort(self) -> None:
+        for key in list(self._pending):
+            self.engine.abort(key)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+@contextmanager
+def open_local_executor(spec: JobSpec) -> Iterator[LocalExecutor]:
+    """A ``LocalExecutor`` on the job's model (shared through the registry), released when the block ends."""
+    clear_progress(spec.output)  # a distributed run's leftover: this run owns the folder now
+    ms, user = model_spec(spec.model), f"job:{spec.output}"
+    loaded = REGISTRY.acquire(ms, user)
+    try:
+        executor = LocalExecutor(spec, loaded)
+        try:
+            yield executor
+        finally:
+            executor.shutdown()
+    finally:
+        REGISTRY.release(ms, user)
