@@ -95,8 +95,8 @@ class CorruptAfterFirstPass(JobRunner):
 
     passes = 0
 
-    def _generate(self, store, loaded, is_openai, *args):
-        stats = super()._generate(store, loaded, is_openai, *args)
+    def _generate(self, *args, **kwargs):
+        stats = super()._generate(*args, **kwargs)
         CorruptAfterFirstPass.passes += 1
         if CorruptAfterFirstPass.passes == 1:
             flip_a_generated_byte(self.spec.output)

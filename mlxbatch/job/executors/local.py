@@ -76,7 +76,8 @@ class LocalExecutor:
         if len(self._pending) > self.max_inflight // 2:
             return []
         other: list[Failed | Resumed] = []
-        for item in feed.take(self.max_inflight - len(self._pending)):
+        # wait for the feed's next window only when the engine has nothing to do meanwhile
+        for item in feed.take(self.max_inflight - len(self._pending), wait=not self._pending):
             if not isinstance(item, Submit):
                 other.append(item)
                 continue

@@ -1,26 +1,34 @@
-"""The job's row feed: input rows -> engine submissions, in the plan's order.
+"""The job's row feed: input rows -> engine submissions, in the plan's order, prepared beside the engine.
 
-Owns reading ahead. Rows are read in windows of ``window`` input rows. Each row is prepared; rows finished by an
-earlier run are skipped, rows that cannot run come back as errors, and the prompts of the rest are tokenized in
-batches (``engine.inputs``, exactly as the engine would). Each window's runnable rows are planned
-(``engine.planner``): rows sharing a prefix reach the engine back to back in trie order, each with the plan's
-retention (how much of its prompt later rows reuse), and rows sharing nothing come after them, longest first.
+Owns reading ahead. Rows are read in windows of ``window`` input rows (``WindowReader``, the only reader of the
+input in a run). Each row is prepared; rows finished by an earlier run are skipped, rows that cannot run come back as
+errors, and the prompts of the rest are tokenized in batches (``engine.inputs``, exactly as the engine would). Each
+window's runnable rows are planned (``engine.planner``): rows sharing a prefix reach the engine back to back in trie
+order, each with the plan's retention (how much of its prompt later rows reuse), and rows sharing nothing come after
+them, longest first. Every row read is recorded once in the run's ``ExpectedSpool`` (its id, key and kept
+columns): the final Parquet is written from it, without reading the input again.
 
-Windows are cut by input position, counting every row. A resumed run plans a window's rows done by an earlier run
-with the others and then skips them (``plan(skip=)``): the trie order puts larger subtrees first, so it depends on
-every row, and the rows left follow the first run's plan. Memory holds one window. Every item carries its row's input position (``index``, 0-based, every row
-counted); rows done by an earlier run come back as ``Resumed`` items saying whether their result is an error, so
-the runner can judge the error rate on rows in input order, across runs.
+``RowFeed`` hands the windows out. With ``background`` (the run's default) a thread reads, prepares, tokenizes and
+plans the next window while the engine runs the current one (tokenizers release the GIL; so does MLX while the
+device works), at most ``ahead`` windows ahead; a failure there (an unreadable input) is raised where the rows are
+taken. Windows are cut by input position, counting every row. A resumed run plans a window's rows done by an earlier
+run with the others and then skips them (``plan(skip=)``): the trie order puts larger subtrees first, so it depends
+on every row, and the rows left follow the first run's plan. Every item carries its row's input position
+(``index``, 0-based, every row counted); rows done by an earlier run come back as ``Resumed`` items saying whether
+their result is an error, so the runner can judge the error rate on rows in input order, across runs.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
 from collections.abc import Iterator, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlxbatch.engine import PromptEncoder, plan, submission_order
 from mlxbatch.io import InputRow
+from mlxbatch.io.expected import ExpectedSpool
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 
 
@@ -76,10 +84,25 @@ def window_floor_saving(distinct_tokens: int, prompt_tokens: int) -> float:
     return round(1 - distinct_tokens / prompt_tokens, 4) if prompt_tokens else 0.0
 
 
-class RowFeed:
+@dataclass
+class Window:
+    """One window of input rows, prepared and planned: its items in plan order and what it adds to the feed's
+    counts."""
+
+    items: list[Submit | Failed | Resumed] = field(default_factory=list)
+    skipped: int = 0  # rows done by an earlier run
+    planned_rows: int = 0
+    prompt_tokens: int = 0
+    distinct_tokens: int = 0
+    last: bool = False  # the input ends with this window
+
+
+class WindowReader:
+    """Reads the input a window at a time: the one reader of a run's rows (and the one writer of its spool)."""
+
     def __init__(self, rows: Iterator[InputRow], preparer: RowPreparer, tokenizer: object, done: Set[str],
                  window: int, planned: bool = True, done_errors: Set[str] = frozenset(),
-                 min_step_tokens: int = 1) -> None:
+                 min_step_tokens: int = 1, spool: ExpectedSpool | None = None, keep_urls: bool = False) -> None:
         self._rows = rows
         self._preparer = preparer
         self._encoder = PromptEncoder(tokenizer)
@@ -88,25 +111,110 @@ class RowFeed:
         self.window = window
         self.planned = planned
         self.min_step_tokens = min_step_tokens  # the engine's reuse step (``plan(min_step_tokens=)``)
+        self._spool = spool
+        self._keep_urls = keep_urls  # OpenAI Batch input: each row's endpoint goes to the spool
         self._read = 0  # rows read so far: the next row's input position
+
+    def next_window(self, stop: threading.Event | None = None) -> Window:
+        w = Window()
+        runnable: list[tuple[int, PreparedRow]] = []
+        imaged: list[tuple[int, PreparedRow]] = []  # decoded only when submitted (pictures are big): not planned
+        done: list[PreparedRow] = []  # text rows done by an earlier run: planned with the rest, not submitted
+        for _ in range(self.window):
+            if stop is not None and stop.is_set():
+                return w
+            row = next(self._rows, None)
+            if row is None:
+                w.last = True
+                if self._spool is not None:
+                    self._spool.close()
+                break
+            index, self._read = self._read, self._read + 1
+            prep = self._preparer.prepare(row)
+            if self._spool is not None:
+                self._spool.add(prep.row_id, prep.key, prep.inputs,
+                                row.fields.get("url") if self._keep_urls else None)
+            if prep.key in self._done:
+                w.skipped += 1
+                w.items.append(Resumed(index, prep.key in self._done_errors))
+                if prep.error is None and prep.prompt is not None and not prep.images:
+                    done.append(prep)
+            elif prep.error is not None or prep.prompt is None:
+                w.items.append(Failed(prep, prep.error or "no prompt", prep.error_kind or "input", index))
+            elif prep.images:
+                imaged.append((index, prep))
+            else:
+                runnable.append((index, prep))
+        encoded = self._encoder.encode_many([p.prompt for _, p in runnable])  # type: ignore[misc]
+        rows: list[tuple[PreparedRow, list[int], int]] = []
+        for (index, prep), ids in zip(runnable, encoded):
+            if isinstance(ids, str):
+                w.items.append(Failed(prep, f"{prep.row_id}: {ids}", "request", index))
+            elif not ids:
+                w.items.append(Failed(prep, f"{prep.row_id}: the prompt is empty (it renders to no tokens)",
+                                      "request", index))
+            else:
+                rows.append((prep, ids, index))
+        if rows:
+            self._plan(w, rows, done)
+        w.items.extend(Submit(prep, None, None, index) for index, prep in imaged)
+        return w
+
+    def _plan(self, w: Window, rows: list[tuple[PreparedRow, list[int], int]], done: list[PreparedRow]) -> None:
+        # the first run planned these rows with the ones done since: the order of a trie's rows depends on every
+        # row (larger subtrees first), so the done rows are planned too, then skipped
+        done_ids = [ids for ids in self._encoder.encode_many([d.prompt for d in done])  # type: ignore[misc]
+                    if ids and not isinstance(ids, str)] if done else []
+        seqs = [ids for _, ids, _ in rows]
+        p = plan(seqs + done_ids, skip=range(len(seqs), len(seqs) + len(done_ids)),
+                 min_step_tokens=self.min_step_tokens)
+        w.planned_rows, w.prompt_tokens, w.distinct_tokens = len(rows), p.total_tokens, p.distinct_tokens
+        if self.planned:
+            w.items.extend(Submit(rows[s.index][0], rows[s.index][1], s.cache_tokens, rows[s.index][2])
+                           for s in submission_order(p))
+        else:  # planning off: longest first, every full block offered to the cache (LRU)
+            w.items.extend(Submit(prep, ids, None, index)
+                           for prep, ids, index in sorted(rows, key=lambda r: -len(r[1])))
+
+
+class _ReaderFailed:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class RowFeed:
+    """The windows of a ``WindowReader`` as a stream of items in plan order; see the module docstring."""
+
+    def __init__(self, rows: Iterator[InputRow], preparer: RowPreparer, tokenizer: object, done: Set[str],
+                 window: int, planned: bool = True, done_errors: Set[str] = frozenset(),
+                 min_step_tokens: int = 1, spool: ExpectedSpool | None = None, keep_urls: bool = False,
+                 background: bool = False, ahead: int = 1) -> None:
+        self._reader = WindowReader(rows, preparer, tokenizer, done, window, planned, done_errors, min_step_tokens,
+                                    spool, keep_urls)
+        self.window = window
+        self.planned = planned
         self._queue: deque[Submit | Failed | Resumed] = deque()
         self.exhausted = False  # the input is read to the end (the queue may still hold rows)
         self.skipped = 0  # rows done by an earlier run
         self.stats = PlanStats(window, planned)
+        self._background = background
+        self._ready: queue.Queue[Window | _ReaderFailed] = queue.Queue(maxsize=max(1, ahead))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @property
     def finished(self) -> bool:
         return self.exhausted and not self._queue
 
-    def take(self, max_submits: int) -> list[Submit | Failed | Resumed]:
-        """The next items in plan order, with at most ``max_submits`` rows to submit (errors come along)."""
+    def take(self, max_submits: int, wait: bool = True) -> list[Submit | Failed | Resumed]:
+        """The next items in plan order, with at most ``max_submits`` rows to submit (errors come along).
+        ``wait`` False: only what is ready now (the next window may still be in preparation)."""
         out: list[Submit | Failed | Resumed] = []
         n = 0
         while n < max_submits:
             if not self._queue:
-                if self.exhausted:
+                if self.exhausted or not self._next_window(wait or not out):
                     break
-                self._read_window()
                 continue
             item = self._queue.popleft()
             out.append(item)
@@ -117,62 +225,62 @@ class RowFeed:
         """The rest of the current window in plan order, or the next whole window when none is left: the rows one
         partitioning covers (engines sharing a job split a window, never a prefix group across two windows)."""
         if not self._queue and not self.exhausted:
-            self._read_window()
+            self._next_window(True)
         out = list(self._queue)
         self._queue.clear()
         return out
 
-    def _read_window(self) -> None:
-        runnable: list[tuple[int, PreparedRow]] = []
-        imaged: list[tuple[int, PreparedRow]] = []  # decoded only when submitted (pictures are big): not planned
-        done: list[PreparedRow] = []  # text rows done by an earlier run: planned with the rest, not submitted
-        for _ in range(self.window):
-            row = next(self._rows, None)
-            if row is None:
-                self.exhausted = True
-                break
-            index, self._read = self._read, self._read + 1
-            prep = self._preparer.prepare(row)
-            if prep.key in self._done:
-                self.skipped += 1
-                self._queue.append(Resumed(index, prep.key in self._done_errors))
-                if prep.error is None and prep.prompt is not None and not prep.images:
-                    done.append(prep)
-            elif prep.error is not None or prep.prompt is None:
-                self._queue.append(Failed(prep, prep.error or "no prompt", prep.error_kind or "input", index))
-            elif prep.images:
-                imaged.append((index, prep))
-            else:
-                runnable.append((index, prep))
-        encoded = self._encoder.encode_many([p.prompt for _, p in runnable])  # type: ignore[misc]
-        rows: list[tuple[PreparedRow, list[int], int]] = []
-        for (index, prep), ids in zip(runnable, encoded):
-            if isinstance(ids, str):
-                self._queue.append(Failed(prep, f"{prep.row_id}: {ids}", "request", index))
-            elif not ids:
-                self._queue.append(Failed(prep, f"{prep.row_id}: the prompt is empty (it renders to no tokens)",
-                                          "request", index))
-            else:
-                rows.append((prep, ids, index))
-        if not rows:
-            self._queue.extend(Submit(prep, None, None, index) for index, prep in imaged)
-            return
-        # the first run planned these rows with the ones done since: the order of a trie's rows depends on every
-        # row (larger subtrees first), so the done rows are planned too, then skipped
-        done_ids = [ids for ids in self._encoder.encode_many([d.prompt for d in done])  # type: ignore[misc]
-                    if ids and not isinstance(ids, str)] if done else []
-        seqs = [ids for _, ids, _ in rows]
-        p = plan(seqs + done_ids, skip=range(len(seqs), len(seqs) + len(done_ids)),
-                 min_step_tokens=self.min_step_tokens)
-        st = self.stats
-        st.windows += 1
-        st.rows += len(rows)
-        st.prompt_tokens += p.total_tokens
-        st.distinct_tokens += p.distinct_tokens
-        if self.planned:
-            self._queue.extend(Submit(rows[s.index][0], rows[s.index][1], s.cache_tokens, rows[s.index][2])
-                               for s in submission_order(p))
-        else:  # planning off: longest first, every full block offered to the cache (LRU)
-            self._queue.extend(Submit(prep, ids, None, index)
-                               for prep, ids, index in sorted(rows, key=lambda r: -len(r[1])))
-        self._queue.extend(Submit(prep, None, None, index) for index, prep in imaged)
+    def close(self) -> None:
+        """Stop reading ahead (the run is over or stopping)."""
+        self._stop.set()
+        if self._thread is not None:
+            while self._thread.is_alive():  # unblock a reader waiting to hand over a window
+                try:
+                    self._ready.get_nowait()
+                except queue.Empty:
+                    self._thread.join(0.05)
+
+    def _next_window(self, block: bool) -> bool:
+        """Move the next window's items into the queue; False when none is ready and ``block`` is off."""
+        if not self._background:
+            w: Window | _ReaderFailed = self._reader.next_window()
+        else:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._read_ahead, name="mlxbatch-feed", daemon=True)
+                self._thread.start()
+            try:
+                w = self._ready.get(block=block)
+            except queue.Empty:
+                return False
+        if isinstance(w, _ReaderFailed):
+            self.exhausted = True
+            raise w.exc
+        self.exhausted = w.last
+        self.skipped += w.skipped
+        if w.planned_rows:
+            st = self.stats
+            st.windows += 1
+            st.rows += w.planned_rows
+            st.prompt_tokens += w.prompt_tokens
+            st.distinct_tokens += w.distinct_tokens
+        self._queue.extend(w.items)
+        return True
+
+    def _read_ahead(self) -> None:
+        """The reader thread: windows in input order until the input ends, a failure, or ``close``."""
+        try:
+            while not self._stop.is_set():
+                w: Window | _ReaderFailed = self._reader.next_window(self._stop)
+                self._hand_over(w)
+                if w.last:
+                    return
+        except BaseException as exc:  # raised in the consumer's thread, where the rows are taken
+            self._hand_over(_ReaderFailed(exc))
+
+    def _hand_over(self, w: Window | _ReaderFailed) -> None:
+        while not self._stop.is_set():
+            try:
+                self._ready.put(w, timeout=0.1)
+                return
+            except queue.Full:
+                continue

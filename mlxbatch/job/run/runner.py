@@ -28,6 +28,7 @@ from mlxbatch.io import (
     CheckpointError,
     CheckpointStore,
     ExpectedRow,
+    FinalOutputs,
     InputFormat,
     InputRow,
     ResultRecord,
@@ -42,10 +43,11 @@ from mlxbatch.io import (
     write_openai_batch_output,
     write_report,
 )
+from mlxbatch.io.expected import ExpectedSpool
 from mlxbatch.job.check.outdir import claim_output, prepare_output
 from mlxbatch.job.check.validate import input_spec
 from mlxbatch.job.executors import open_executor
-from mlxbatch.job.executors.base import Executor, ExecutorError
+from mlxbatch.job.executors.base import Executor, ExecutorError, ModelInfo
 from mlxbatch.job.report.progress import Progress
 from mlxbatch.job.report.report import (
     WORK_RUN_META,
@@ -112,9 +114,10 @@ class JobRunner:
         """Stop as a first Ctrl-C would: finished rows are checkpointed, then ``run`` raises JobInterrupted."""
         self._stop.request()
 
-    def _rows(self) -> Iterator[InputRow]:
-        rows = open_reader(input_spec(self.spec))
-        limit = self.spec.input.limit
+    @staticmethod
+    def _rows(spec: JobSpec) -> Iterator[InputRow]:
+        rows = open_reader(input_spec(spec))
+        limit = spec.input.limit
         return itertools.islice(rows, limit) if limit is not None else rows
 
     def _open_store(self) -> CheckpointStore:
@@ -141,32 +144,8 @@ class JobRunner:
                 with open_executor(spec) as executor:  # this process's engine, or engine actors on a Ray cluster
                     model = executor.model
                     save_job_meta(store, spec, model)
-                    preparer = RowPreparer(spec, model.identity, is_openai, model.takes_images, model.context_length)
-                    columns = dict(keep_columns=spec.input.columns,
-                                   **output_columns(spec, model.tokenizer, self._input_schema()))
-                    try:
-                        stats = self._generate(store, executor, is_openai)
-                        for _ in range(REDO_PASSES):  # shards that no longer match their checksum: redo their rows
-                            if not store.verify():
-                                break
-                            log.warning("checkpoint shards changed on disk were set aside; redoing their rows")
-                            self._generate(store, executor, is_openai, stats)
-                    except _ErrorBudgetSpent as stop:  # the report of what is on disk, then the error
-                        stats = stop.stats
-                        stats.disk = summarize_checkpointed(store, spec.output, self._expected(preparer), **columns)
-                        stats.accuracy = stats.disk.accuracy
-                        message = f"{stop.message}. Errors by kind (all runs): {stats.disk.errors_by_kind}"
-                        report = stats.report(spec, model, earlier)
-                        write_report(spec.output, {**report, "stopped": message})
-                        self._keep_work(store, stats, report)
-                        raise JobFailed(message) from None
-                    final = finalize(store, spec.output, self._expected(preparer), **columns,
-                                     metadata={"mlxbatch.batch_invariant": str(stats.batch_invariant).lower()})
-                    stats.final_rows = final.rows
-                if is_openai:
-                    # each row's endpoint from the input (input.columns may leave `url` out of the results)
-                    write_openai_batch_output(final.results_path, spec.output,
-                                              urls=(row.fields.get("url") for row in self._rows()))
+                    spec = follow_saved_plan(store, spec)  # a resumed run plans the first run's windows
+                    final, stats = self._rows_to_results(spec, store, executor, is_openai, earlier)
                 stats.disk = summarize_results(final.results_path)
                 stats.accuracy = stats.disk.accuracy
                 report = stats.report(spec, model, earlier)
@@ -181,6 +160,44 @@ class JobRunner:
                 mark_success(spec.output)
             return RunResult(str(spec.output), report)
 
+    def _rows_to_results(self, spec: JobSpec, store: CheckpointStore, executor: Executor, is_openai: bool,
+                         earlier: dict[str, Any] | None) -> tuple[FinalOutputs, RunStats]:
+        """Every row not checkpointed yet, run; then results.parquet (and the OpenAI output) written from the rows
+        as the first pass read them (``ExpectedSpool``): the input is read once."""
+        model = executor.model
+        batch_invariant = record_invariance(store, spec)
+        columns = dict(keep_columns=spec.input.columns, **output_columns(spec, model.tokenizer, self._input_schema()))
+        spool = ExpectedSpool(spec.output)
+        try:
+            try:
+                stats = self._generate(spec, store, executor, is_openai, spool=spool)
+                stats.batch_invariant = batch_invariant
+                for _ in range(REDO_PASSES):  # shards that no longer match their checksum: redo their rows
+                    if not store.verify():
+                        break
+                    log.warning("checkpoint shards changed on disk were set aside; redoing their rows")
+                    self._generate(spec, store, executor, is_openai, stats)
+            except _ErrorBudgetSpent as stop:  # the report of what is on disk, then the error
+                stats = stop.stats
+                stats.batch_invariant = batch_invariant
+                stats.disk = summarize_checkpointed(store, spec.output, self._expected(spec, model, is_openai),
+                                                    **columns)
+                stats.accuracy = stats.disk.accuracy
+                message = f"{stop.message}. Errors by kind (all runs): {stats.disk.errors_by_kind}"
+                report = stats.report(spec, model, earlier)
+                write_report(spec.output, {**report, "stopped": message})
+                self._keep_work(store, stats, report)
+                raise JobFailed(message) from None
+            assert spool.complete, "a pass that ends without an interrupt has read every row"
+            final = finalize(store, spec.output, spool.rows(), **columns,
+                             metadata={"mlxbatch.batch_invariant": str(batch_invariant).lower()})
+            stats.final_rows = final.rows
+            if is_openai:  # each row's endpoint from the input (input.columns may leave `url` out of the results)
+                write_openai_batch_output(final.results_path, spec.output, urls=spool.urls())
+            return final, stats
+        finally:
+            spool.remove()
+
     @staticmethod
     def _keep_work(store: CheckpointStore, stats: RunStats, report: dict[str, Any] | None = None) -> None:
         """A run that finished rows keeps its figures in the manifest (its report's, once written): a later run with
@@ -188,23 +205,23 @@ class JobRunner:
         if stats.finished:
             store.set_meta(WORK_RUN_META, work_of(report) if report is not None else stats.work_figures())
 
-    def _expected(self, preparer: RowPreparer) -> Iterator[ExpectedRow]:
-        """The current rows in input order, with their current input columns (the results show those)."""
-        for row in self._rows():
+    def _expected(self, spec: JobSpec, model: ModelInfo, is_openai: bool) -> Iterator[ExpectedRow]:
+        """The current rows in input order, with their current input columns (the results show those), by reading
+        the input again: only where the run stopped before reading all of it (``max_error_rate``)."""
+        preparer = _preparer(spec, model, is_openai)
+        for row in self._rows(spec):
             prep = preparer.prepare(row)
             yield ExpectedRow(prep.row_id, prep.key, prep.inputs)
 
     def _input_schema(self) -> Any:
         return input_schema(input_spec(self.spec))
 
-    def _generate(self, store: CheckpointStore, executor: Executor, is_openai: bool,
-                  redo_of: RunStats | None = None) -> RunStats:
+    def _generate(self, spec: JobSpec, store: CheckpointStore, executor: Executor, is_openai: bool,
+                  redo_of: RunStats | None = None, spool: ExpectedSpool | None = None) -> RunStats:
         """Run every row whose current key is not checkpointed. ``redo_of``: a second pass adding to those stats
-        (its resumed rows were counted by the first)."""
-        spec = self.spec
+        (its resumed rows were counted by the first). ``spool``: where the pass records every row it reads."""
         model = executor.model
         self._tokenizer = model.tokenizer
-        preparer = RowPreparer(spec, model.identity, is_openai, model.takes_images, model.context_length)
         done = store.done_keys()
         if redo_of is None:
             total = count_rows(input_spec(spec))
@@ -218,11 +235,9 @@ class JobRunner:
         bar.start()
         buffer: list[ResultRecord] = []
         last_flush = time.monotonic()
-        self.spec = follow_saved_plan(store, self.spec)
-        stats.batch_invariant = record_invariance(store, self.spec)
-        feed = RowFeed(self._rows(), preparer, model.tokenizer, done,
-                       window=self.spec.plan.window, planned=self.spec.plan.enabled, done_errors=store.error_keys(),
-                       min_step_tokens=model.reuse_step)
+        feed = RowFeed(self._rows(spec), _preparer(spec, model, is_openai), model.tokenizer, done,
+                       window=spec.plan.window, planned=spec.plan.enabled, done_errors=store.error_keys(),
+                       min_step_tokens=model.reuse_step, spool=spool, keep_urls=is_openai, background=True)
 
         def flush() -> None:
             nonlocal last_flush
@@ -245,14 +260,15 @@ class JobRunner:
                         if isinstance(item, Resumed):
                             errors.finished(item.index, item.error)
                         else:
-                            finish(self._record(item.prep, None, model.identity, item.error, item.kind), item.index)
+                            finish(self._record(spec, item.prep, None, model.identity, item.error, item.kind),
+                                   item.index)
                     if redo_of is None:
                         stats.skipped += feed.skipped - skipped
                     bar.skipped(feed.skipped - skipped)
                 if executor.busy and self._stop.signum is None:
                     for f in executor.poll():
-                        finish(self._record(f.prep, f.output, model.identity, f.error, f.error_kind, f.worker),
-                               f.index)
+                        finish(self._record(spec, f.prep, f.output, model.identity, f.error, f.error_kind,
+                                            f.worker), f.index)
                 now = time.monotonic()
                 if len(buffer) >= spec.checkpoint.every_rows or now - last_flush >= spec.checkpoint.every_seconds:
                     flush()
@@ -277,6 +293,7 @@ class JobRunner:
             flush()  # what finished before the engines were lost is kept
             raise
         finally:
+            feed.close()
             bar.show(stats, executor.in_flight, executor, force=True)
             bar.close()
             stats.engine = executor.stats()  # the executor's whole life: every pass
@@ -285,17 +302,22 @@ class JobRunner:
             self._keep_work(store, stats)  # what finished is checkpointed (interrupted too: it may be every row)
         return stats
 
-    def _record(self, prep: PreparedRow, out: RequestOutput | None, model_identity: str,
+    def _record(self, spec: JobSpec, prep: PreparedRow, out: RequestOutput | None, model_identity: str,
                 error: str | None = None, error_kind: str | None = None, worker: str | None = None) -> ResultRecord:
         params = prep.params_json
-        model = f"{self.spec.model.path}@{model_identity}"
-        prompt = prompt_text(self.spec, prep, self._tokenizer) if self.spec.task.keep_prompt else None
+        model = f"{spec.model.path}@{model_identity}"
+        prompt = prompt_text(spec, prep, self._tokenizer) if spec.task.keep_prompt else None
         if out is None:
             record = ResultRecord.failed(prep.row_id, prep.key, error or "unknown error", error_kind or "error",
                                          inputs=prep.inputs, model=model, params=params,
                                          extra={"rendered_prompt": prompt} if prompt is not None else {})
         else:
-            record = record_for(prep, out, model, self.spec.task, prompt)
+            record = record_for(prep, out, model, spec.task, prompt)
         if worker is not None:  # which engine actor ran it: kept in the shards, never in results.parquet
             record = dataclasses.replace(record, extra={**record.extra, "_worker": worker})
         return record
+
+
+def _preparer(spec: JobSpec, model: ModelInfo, is_openai: bool) -> RowPreparer:
+    """A fresh preparer for one pass over the input (it tracks the ids seen, so each pass needs its own)."""
+    return RowPreparer(spec, model.identity, is_openai, model.takes_images, model.context_length)

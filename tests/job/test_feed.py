@@ -1,0 +1,106 @@
+"""The feed reads the input once, beside the engine: the same items in the background as inline, a reader's failure
+raised where rows are taken, and a run that reads and prepares every row exactly once (its results written from
+the rows as they were read)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from mlxbatch.io import InputError, open_reader
+from mlxbatch.io.expected import ExpectedSpool
+from mlxbatch.job.check.validate import input_spec, validate_job
+from mlxbatch.job.rows.feed import Failed, RowFeed, Submit
+from mlxbatch.job.rows.prepare import RowPreparer
+from mlxbatch.job.run.runner import JobRunner
+from tests.job.jobkit import texts, write_job, write_jsonl
+
+
+def _items(feed: RowFeed) -> list[tuple]:
+    out = []
+    while not feed.finished:
+        for item in feed.take(7):
+            if isinstance(item, Submit):
+                out.append(("submit", item.index, tuple(item.token_ids or ()), item.cache_tokens))
+            elif isinstance(item, Failed):
+                out.append(("failed", item.index, item.kind))
+            else:
+                out.append(("resumed", item.index, item.error))
+    feed.close()
+    return out
+
+
+def test_background_feed_hands_out_what_the_inline_feed_does(tmp_path, tiny_model_path, tiny_loaded):
+    rows = texts(40)
+    path = write_jsonl(tmp_path / "in.jsonl", rows, extra_lines=[b"{not json"])
+    spec = validate_job(write_job(tmp_path, tiny_model_path, path, tmp_path / "out", plan={"window": 9}))
+    done_keys = {RowPreparer(spec, "identity").prepare(r).key for r in list(open_reader(input_spec(spec)))[:5]}
+
+    def feed(background: bool, spool: ExpectedSpool | None = None) -> RowFeed:
+        return RowFeed(open_reader(input_spec(spec)), RowPreparer(spec, "identity"), tiny_loaded.tokenizer,
+                       done_keys, window=9, spool=spool, background=background)
+
+    spool = ExpectedSpool(tmp_path)
+    inline, background = _items(feed(False)), _items(feed(True, spool))
+    assert background == inline
+    assert sum(1 for i in inline if i[0] == "resumed") == 5 and any(i[0] == "failed" for i in inline)
+    assert sorted(i[1] for i in inline) == list(range(41))  # every row once, by input position
+    # the spool holds every row read, in input order, with its key (the final Parquet is written from it)
+    assert spool.complete
+    again = RowPreparer(spec, "identity")
+    assert [(e.row_id, e.key) for e in spool.rows()] == [
+        (p.row_id, p.key) for p in map(again.prepare, open_reader(input_spec(spec)))]
+    spool.remove()
+    assert not spool.path.exists()
+
+
+def test_a_reader_failure_is_raised_where_rows_are_taken(tmp_path, tiny_model_path, tiny_loaded):
+    path = write_jsonl(tmp_path / "in.jsonl", texts(4))
+    spec = validate_job(write_job(tmp_path, tiny_model_path, path, tmp_path / "out"))
+
+    def rows():
+        yield from open_reader(input_spec(spec))
+        raise InputError("the disk went away")
+
+    feed = RowFeed(rows(), RowPreparer(spec, "identity"), tiny_loaded.tokenizer, set(), window=2, background=True)
+    with pytest.raises(InputError, match="the disk went away"):
+        while not feed.finished:
+            feed.take(100)
+    feed.close()
+
+
+def test_close_stops_the_reader_thread(tmp_path, tiny_model_path, tiny_loaded):
+    path = write_jsonl(tmp_path / "in.jsonl", texts(50))
+    spec = validate_job(write_job(tmp_path, tiny_model_path, path, tmp_path / "out"))
+    feed = RowFeed(open_reader(input_spec(spec)), RowPreparer(spec, "identity"), tiny_loaded.tokenizer, set(),
+                   window=2, background=True, ahead=1)
+    assert len(feed.take(1)) == 1  # the thread is reading ahead now, blocked on the full hand-over queue
+    feed.close()
+    assert feed._thread is not None and not feed._thread.is_alive()
+
+
+def test_a_run_reads_and_prepares_each_row_once(tmp_path, tiny_model_path, monkeypatch):
+    """The input is read once per run (count_rows' count aside) and each row rendered and keyed once: the results
+    are written from what that pass recorded."""
+    import mlxbatch.job.run.runner as runner_mod
+
+    rows = texts(30)
+    path = write_jsonl(tmp_path / "in.jsonl", rows, extra_lines=[b"{not json"])
+    job = write_job(tmp_path, tiny_model_path, path, tmp_path / "out", sampling={"temperature": 0, "max_tokens": 3},
+                    plan={"window": 8})
+    spec = validate_job(job)
+    opened, prepared = [], []
+    real_open, real_prepare = runner_mod.open_reader, RowPreparer.prepare
+    monkeypatch.setattr(runner_mod, "open_reader", lambda *a, **kw: opened.append(1) or real_open(*a, **kw))
+    monkeypatch.setattr(RowPreparer, "prepare", lambda self, row: prepared.append(row.row_id) or real_prepare(self, row))
+    JobRunner(spec, progress=False).run()
+    assert len(opened) == 1
+    assert len(prepared) == len(set(prepared)) == 31
+    table = pq.read_table(tmp_path / "out" / "results.parquet")
+    assert table.column("id").to_pylist()[:30] == [r["id"] for r in rows]  # input order
+    assert table.num_rows == 31 and table.column("error_kind").to_pylist()[30] is not None
+    assert not list((tmp_path / "out").glob("*.tmp"))  # the spool is gone
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["rows"]["output"] == 31 and report["rows"]["errors"] == 1
