@@ -127,7 +127,8 @@ def _template_fields(spec: JobSpec, renderer: PromptRenderer, good: list[InputRo
     for name, ids in lacking.items():
         if not ids:
             continue
-        share = " (more than max_error_rate: the run would stop)" if len(ids) > spec.max_error_rate * len(good) else ""
+        share = " (more than max_error_rate: the run would stop)" \
+            if len(ids) > spec.error_limit(openai=False) * len(good) else ""
         warnings.append(f"{spec.source}: prompt: template field {name!r} is missing (or null) in {len(ids)} of the "
                         f"first {len(good)} rows, which will be error rows of kind render{share} (e.g. "
                         f"{', '.join(ids[:3])}); fill it, or handle it in the template ({{{{ {name} | default('') }}}})")
@@ -169,8 +170,8 @@ def _render_problems(spec: JobSpec, renderer: PromptRenderer,
     summary = f"{failed} of the first {len(rows)} rows do not render, e.g. {first}"
     if failed == len(rows):
         return [("prompt", summary)], []
-    stop = f"; more than max_error_rate={spec.max_error_rate}: the run will stop" \
-        if failed > spec.max_error_rate * len(rows) else ""
+    limit = spec.error_limit(openai=False)  # OpenAI inputs are not rendered here
+    stop = f"; more than max_error_rate={limit}: the run will stop" if failed > limit * len(rows) else ""
     return [], [f"{spec.source}: prompt: {summary} (they will be error rows{stop})"]
 
 

@@ -39,6 +39,8 @@ class PreparedRow:
     candidates: tuple[str, ...] | None = None  # task score: the continuations to score
     answer: Any = None  # task score: the right candidate (index or text), when the job names an answer column
     images: tuple[Any, ...] = ()  # io.images.ImageRef of the row's ``images`` column (decoded when it runs)
+    # an OpenAI Batch request: its output is the reply the API gives (one cut by max_tokens is a reply, not an error)
+    api_request: bool = False
 
 
 def row_seed(job_seed: int, row_id: str) -> int:
@@ -183,4 +185,4 @@ class RowPreparer:
             answer = row.fields.get(task.answer_column) if task.answer_column else None
         key = result_key(row.row_id, identity, self.model_identity, pj, params.seed)
         return PreparedRow(row.row_id, key, self._keep(row.fields), rendered.prompt, params, pj,
-                           candidates=candidates, answer=answer, images=images)
+                           candidates=candidates, answer=answer, images=images, api_request=row.request is not None)

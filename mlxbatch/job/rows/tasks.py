@@ -4,7 +4,8 @@ Owns the two task kinds of a job, and ``RowTask``: what one row asks of an engin
 another process; ``submit`` queues it, the plan's retention included for both kinds). ``generate``: text, with ``n`` samples as a list column and, under an output
 constraint, a check that the text really matches (the match in a ``parsed`` column: the JSON value, a struct
 typed from the schema, or the text of a choice / regex); a row whose output still does not match (cut by
-``max_tokens``) is an error row of kind ``truncated`` or ``unparsed`` that keeps its text; with ``output.gold``,
+``max_tokens``) is an error row of kind ``truncated`` or ``unparsed`` that keeps its text (an OpenAI Batch request
+cut by ``max_tokens`` is a reply, as the API gives it: its text, finish reason ``length``); with ``output.gold``,
 ``correct`` compares the text with the row's gold answer. ``score``: the log-likelihood of each candidate
 continuation (``scores``: sums, ``token_logprobs``, ``greedy``), the best candidate as ``text`` and its index as
 ``choice``, and ``correct`` when the row names its answer. Also the result columns' declared types
@@ -123,6 +124,8 @@ def record_for(prep: PreparedRow, out: RequestOutput, model: str, task: TaskSect
         parsed, error, kind = _check(out.text, constraint, out.finish_reason, prep.params.max_tokens)
         if error is None:
             extra["parsed"] = parsed if constraint.kind == "json_schema" else out.text
+        elif kind == "truncated" and prep.api_request:  # the API's reply: its text, finish_reason length
+            error = kind = None
     if task is not None and task.gold_column is not None:
         correct = _gold_correct(out.text, prep.inputs.get(task.gold_column))
         if correct is not None:

@@ -152,7 +152,7 @@ class JobRunner:
                 write_report(spec.output, report)
                 self._keep_work(store, stats, report)
                 write_dataset_card(spec.output)
-                limit = ErrorRate(spec.max_error_rate)
+                limit = ErrorRate(spec.error_limit(is_openai))
                 if limit.exceeded_at_end(final.rows, final.error_rows):
                     raise JobFailed(limit.message(final.rows, final.error_rows, str(spec.output))
                                     + f"; results.parquet holds every row (no _SUCCESS). Errors by kind (all runs): "
@@ -230,7 +230,7 @@ class JobRunner:
             stats = RunStats(total=total, resumed_shards=len(store.shards))
         else:
             stats = redo_of
-        errors = ErrorRate(spec.max_error_rate)
+        errors = ErrorRate(spec.error_limit(is_openai))
         bar = Progress(self.progress and redo_of is None, stats.total)
         bar.start()
         buffer: list[ResultRecord] = []

@@ -45,6 +45,8 @@ __all__ = ["SAMPLING_KEYS", "CheckpointSection", "EngineSection", "ExecutorSecti
            "JobSpecError", "ModelSection", "PlanSection", "PromptSection", "SamplingSection", "TaskSection",
            "constraint_from", "load_job", "parse_job", "with_executor"]
 
+DEFAULT_MAX_ERROR_RATE = 0.1
+
 
 class JobSpecError(MlxbatchError):
     """A job file that cannot run; ``problems`` lists (key path, reason)."""
@@ -66,13 +68,21 @@ class JobSpec:
     checkpoint: CheckpointSection = CheckpointSection()
     engine: EngineSection = EngineSection()
     seed: int = 0
-    max_error_rate: float = 0.1
+    max_error_rate: float | None = None  # None: not set in the job (``error_limit`` applies the default)
     plan: PlanSection = PlanSection()
     task: TaskSection = TaskSection()
     overwrite: bool = False  # output.overwrite: take over a folder holding another job's results or other files
     executor: ExecutorSection = ExecutorSection()  # where rows run: this process or engine actors (Ray)
     raw: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # the mapping it was parsed from
     base_dir: Path | None = field(default=None, compare=False, repr=False)  # relative paths are relative to it
+
+    def error_limit(self, openai: bool) -> float:
+        """The share of rows that may fail: the job's ``max_error_rate``; when the job does not set it,
+        ``DEFAULT_MAX_ERROR_RATE``, except for OpenAI Batch input, which follows the Batch API: the batch completes
+        and its failed requests are listed in ``errors.jsonl`` (1.0: no limit)."""
+        if self.max_error_rate is not None:
+            return self.max_error_rate
+        return 1.0 if openai else DEFAULT_MAX_ERROR_RATE
 
 
 _TOP = {"model", "input", "prompt", "sampling", "output", "checkpoint", "engine", "seed", "max_error_rate", "plan", "task",
@@ -150,8 +160,8 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     engine = parse_engine(c, raw)
     plan = parse_plan(c, raw)
     seed = c.typed(raw, "<top>", "seed", int, 0)
-    max_error_rate = c.typed(raw, "<top>", "max_error_rate", float, 0.1)
-    if not 0 <= max_error_rate <= 1:
+    max_error_rate = c.typed(raw, "<top>", "max_error_rate", float, None)
+    if max_error_rate is not None and not 0 <= max_error_rate <= 1:
         c.bad("max_error_rate", f"must be in [0, 1], got {max_error_rate}")
     executor = parse_executor(c, raw)
     c.problems = [(k.replace("<top>.", ""), r) for k, r in c.problems]
