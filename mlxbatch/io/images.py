@@ -77,7 +77,8 @@ def _one_ref(value: Any, base_dir: Path, i: int, roots: Sequence[Path] = ()) -> 
             except binascii.Error as exc:
                 raise ImageError(f"images[{i}]: data URL is not valid base64: {exc}") from exc
         if value.startswith(("http://", "https://")):
-            raise ImageError(f"{value}: remote images are not fetched (offline jobs); download them first")
+            raise ImageError(f"{value:.200}: remote images are not fetched (jobs run offline); download it and give "
+                             "its local path or a data URL")
         p = Path(value).expanduser()
         p = p if p.is_absolute() else base_dir / p
         allowed = (base_dir, *roots)

@@ -1,8 +1,9 @@
 """Line-oriented JSON inputs: plain JSONL and OpenAI Batch JSONL, parsed one line at a time.
 
 Owns the per-line rules: blank lines are skipped; invalid UTF-8, invalid JSON, a value that is not an object, or
-(OpenAI batch) a request without ``custom_id`` / ``body`` becomes an error row naming ``file:line``, and reading
-goes on. OpenAI Batch bodies are read as vLLM's run-batch reads them: text content parts are joined, and
+(OpenAI batch) a request without ``custom_id`` / ``body`` (or with a content part other than text and image_url)
+becomes an error row naming ``file:line``, and reading goes on. OpenAI Batch bodies are read as vLLM's run-batch
+reads them: text content parts are joined, ``image_url`` parts are the request's images (``request_images``), and
 ``response_format`` (or vLLM's ``guided_*``) is the request's structured-output constraint (``openai_constraint``).
 Memory is bounded by the longest line. Does not own file discovery or format choice (``readers``).
 """
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io.records import InputRow, generated_id, input_row_from_object
@@ -25,6 +27,11 @@ logger = logging.getLogger(__name__)
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
+# Body fields the API lets take several shapes (a message's content as text or parts, ``stop`` a string or a list,
+# ``logprobs`` a flag in chat and a count in completions, ...): their results column is text, the same for every
+# file (a value that is not a string is written as JSON text), never a type guessed from the rows at hand.
+OPENAI_JSON_TEXT_FIELDS = ("messages", "prompt", "stop", "logprobs", "response_format", "tools", "tool_choice",
+                           "logit_bias", "guided_json", "guided_choice")
 _BOM = b"\xef\xbb\xbf"
 _COUNT_CHUNK = 1 << 20
 
@@ -101,12 +108,50 @@ def _openai_problem(obj: dict[str, Any]) -> str | None:
             return "body has neither 'messages' (a list) nor 'prompt'"
     elif not isinstance(body.get("messages"), list):
         return "body.messages must be a list of messages"
+    else:
+        return _parts_problem(body["messages"])
     return None
+
+
+def _image_url(part: dict[str, Any]) -> Any:
+    """The URL of an ``image_url`` part: ``{"image_url": {"url": ...}}`` (the API's), or a bare string."""
+    value = part.get("image_url")
+    return value.get("url") if isinstance(value, dict) else value
+
+
+def _parts_problem(messages: list[Any]) -> str | None:
+    """What is wrong with a message's content parts: only text and image_url parts can be used."""
+    for i, m in enumerate(messages):
+        parts = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(parts, list):
+            continue
+        for j, p in enumerate(parts):
+            kind = p.get("type") if isinstance(p, dict) else None
+            where = f"body.messages[{i}].content[{j}]"
+            if kind == "text" and not isinstance(p.get("text"), str):
+                return f"{where}: a text part needs a 'text' string"
+            if kind == "image_url" and not (isinstance(_image_url(p), str) and _image_url(p)):
+                return f"{where}: an image_url part needs {{\"url\": ...}} (a data URL or a local path)"
+            if kind not in ("text", "image_url"):
+                return f"{where}: unsupported content part type {kind!r:.40} (supported: text, image_url)"
+    return None
+
+
+def request_images(body: dict[str, Any]) -> list[str]:
+    """The images of a chat request, in order: its ``image_url`` parts' URLs (a ``file://`` URL as its path)."""
+    urls = []
+    for m in body.get("messages") or ():
+        parts = m.get("content") if isinstance(m, dict) else None
+        for p in parts if isinstance(parts, list) else ():
+            if isinstance(p, dict) and p.get("type") == "image_url":
+                url = str(_image_url(p))
+                urls.append(unquote(urlsplit(url).path) if url.startswith("file://") else url)
+    return urls
 
 
 def _text_parts_joined(body: dict[str, Any]) -> dict[str, Any]:
     """A body whose messages' text content parts (``[{"type": "text", "text": ...}]``) are joined into one string
-    with newlines, as vLLM's run-batch does. Messages with other parts (images) are left as they are."""
+    with newlines, as vLLM's run-batch does. Messages with image parts are left as they are (``request_images``)."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return body

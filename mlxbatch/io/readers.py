@@ -18,7 +18,14 @@ from pathlib import Path
 import pyarrow as pa
 
 from mlxbatch.io.errors import InputError
-from mlxbatch.io.jsonl import count_lines, is_json_array_document, iter_jsonl, iter_openai_batch, sniff_openai_batch
+from mlxbatch.io.jsonl import (
+    OPENAI_JSON_TEXT_FIELDS,
+    count_lines,
+    is_json_array_document,
+    iter_jsonl,
+    iter_openai_batch,
+    sniff_openai_batch,
+)
 from mlxbatch.io.records import InputRow
 from mlxbatch.io.tabular import (
     PARQUET_SUFFIXES,
@@ -167,12 +174,16 @@ def open_reader(spec: InputSpec) -> Iterator[InputRow]:
 
 def input_schema(spec: InputSpec) -> dict[str, pa.DataType]:
     """The input's own Arrow type of each column, where the input has one (Parquet files, Hugging Face datasets;
-    JSON has none: its values keep their JSON types anyway). Columns whose types differ between files are left
-    out (their type is inferred from the values)."""
+    JSON has none: its values keep their JSON types anyway; an OpenAI Batch file's body fields that the API lets take
+    several shapes are text, ``OPENAI_JSON_TEXT_FIELDS``). Columns whose types differ between files are left out
+    (their type is inferred from the values)."""
     types: dict[str, pa.DataType] = {}
     conflicts: set[str] = set()
     for source in resolve_inputs(spec):
-        schema = arrow_schema(source.path, source.format.value, spec.split)
+        if source.format is InputFormat.OPENAI_BATCH:
+            schema = pa.schema([(name, pa.string()) for name in OPENAI_JSON_TEXT_FIELDS])
+        else:
+            schema = arrow_schema(source.path, source.format.value, spec.split)
         for f in schema or ():
             if types.setdefault(f.name, f.type) != f.type:
                 conflicts.add(f.name)

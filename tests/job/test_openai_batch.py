@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -35,17 +37,31 @@ def batch_job(folder, model, lines, out, **overrides):
     return write_job(folder, model, data, out, input={"path": str(data), "id_column": None}, **overrides)
 
 
+def documented_error_kinds() -> set[str]:
+    """The error kinds README.md lists (the bullets after "an `error_kind`, one of:")."""
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    section = text.split("an `error_kind`, one of:", 1)[1].split("\n\n", 1)[0]
+    return {kind for line in section.splitlines() if line.startswith("- ")
+            for kind in re.findall(r"`([a-z_]+)`", line.split(":", 1)[0])}
+
+
 def test_a_structured_reply_cut_by_max_tokens_is_a_reply_with_finish_reason_length(tmp_path, tiny_model_path):
     """OpenAI answers a response_format request cut by max_tokens with its partial content and finish_reason "length";
-    it went to errors.jsonl (kind truncated)."""
+    it went to errors.jsonl (kind truncated). A schema the grammar compiler refuses is an error of kind constraint,
+    which the README did not list."""
     schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
     lines = [chat("object", "JSON?", max_tokens=2, response_format={"type": "json_object"}),
              chat("schema", "An answer?", max_tokens=3,  # '{"answer":""}' takes more than 3 tokens
                   response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}),
-             chat("guided", "An answer?", max_tokens=3, guided_json=schema)]
+             chat("guided", "An answer?", max_tokens=3, guided_json=schema),
+             chat("bad-schema", "?", response_format={"type": "json_schema",
+                                                      "json_schema": {"name": "b", "schema": {"type": "nonsense"}}})]
     run(batch_job(tmp_path, tiny_model_path, lines, tmp_path / "out"))
     out = {o["custom_id"]: o for o in lines_of(tmp_path / "out" / "openai_output.jsonl")}
-    assert lines_of(tmp_path / "out" / "errors.jsonl") == [] and set(out) == {"object", "schema", "guided"}
+    errors = {e["custom_id"]: e["error"] for e in lines_of(tmp_path / "out" / "errors.jsonl")}
+    assert set(errors) == {"bad-schema"} and set(out) == {"object", "schema", "guided"}
+    assert errors["bad-schema"]["code"] == "constraint" and "invalid JSON schema" in errors["bad-schema"]["message"]
+    assert "constraint" in documented_error_kinds() and {"truncated", "params", "image"} <= documented_error_kinds()
     results = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()}
     for custom_id, reply in out.items():
         assert reply["error"] is None and reply["response"]["status_code"] == 200

@@ -2,7 +2,8 @@
 the encoded prompt (only for rows that run).
 
 Owns the job's image rules. A row's ``images`` column holds paths relative to the input file's folder, raw bytes
-(Parquet), ``{"bytes", "path"}`` structs or data URLs, one or a list (see ``io.images``). Nothing is opened unless
+(Parquet), ``{"bytes", "path"}`` structs or data URLs, one or a list (see ``io.images``); an OpenAI Batch request's
+images are its ``image_url`` parts (data URLs or local paths, ``io.jsonl.request_images``). Nothing is opened unless
 the model takes images (for a text-only model the row is a ``request`` error), and paths must stay inside the input
 file's folder or the job's ``input.image_roots``. The digests of the images' bytes go into the row's result key, so
 a changed picture runs its row again on resume. Decoding happens only when the row is submitted; a missing,
@@ -19,6 +20,7 @@ from mlxbatch.engine import EngineCore
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io import InputRow
 from mlxbatch.io.images import IMAGES_COLUMN, ImageError, ImageRef, describe, image_refs, load_image, ref_digest
+from mlxbatch.io.jsonl import request_images
 
 __all__ = ["ImageError", "encode_row", "row_images"]
 
@@ -29,7 +31,7 @@ def row_images(row: InputRow, takes_images: bool, roots: tuple[str, ...] = ()) -
     Raises InvalidRequestError for images given to a model that takes none (nothing is opened), ImageError (a
     malformed column, a path outside the allowed folders, a file that is missing, not a regular file or too large).
     """
-    value = row.fields.get(IMAGES_COLUMN)
+    value = (request_images(row.request) or None) if row.request is not None else row.fields.get(IMAGES_COLUMN)
     if value is None or (isinstance(value, (list, tuple)) and not value):
         return (), ""
     if not takes_images:

@@ -31,14 +31,14 @@ class PreparedRow:
     row_id: str
     key: str
     inputs: dict[str, Any]  # the input columns kept in the output
-    prompt: str | list[dict[str, str]] | None
+    prompt: str | list[dict[str, Any]] | None
     params: SamplingParams
     params_json: str  # canonical JSON of ``params`` (computed once per distinct parameter set)
     error: str | None = None
     error_kind: str | None = None
     candidates: tuple[str, ...] | None = None  # task score: the continuations to score
     answer: Any = None  # task score: the right candidate (index or text), when the job names an answer column
-    images: tuple[Any, ...] = ()  # io.images.ImageRef of the row's ``images`` column (decoded when it runs)
+    images: tuple[Any, ...] = ()  # io.images.ImageRef of the row's images (decoded when it runs)
     # an OpenAI Batch request: its output is the reply the API gives (one cut by max_tokens is a reply, not an error)
     api_request: bool = False
 

@@ -37,7 +37,7 @@ class PromptTooLongError(RenderError):
 
 @dataclass(frozen=True)
 class RenderedPrompt:
-    prompt: str | list[dict[str, str]]  # what the engine gets: text, or chat messages
+    prompt: str | list[dict[str, Any]]  # what the engine gets: text, or chat messages (content text or parts)
     identity: str  # a stable string of what was rendered: part of the row's result key
 
 
@@ -110,12 +110,22 @@ class PromptRenderer:
     def _from_request(self, request: dict[str, Any]) -> RenderedPrompt:
         if request.get("messages"):
             msgs = request["messages"]
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
-                                                     for m in msgs):
-                raise RenderError("body.messages: expected a list of {role, content} with text content")
-            if sum(len(m["content"]) for m in msgs) > self.max_chars:
+            clean: list[dict[str, Any]] = []
+            chars = 0
+            for m in msgs if isinstance(msgs, list) else [None]:
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, list):  # text and image_url parts (io.jsonl checked them), in their order
+                    content = [{"type": "text", "text": p["text"]} if p.get("type") == "text" else {"type": "image"}
+                               for p in content]  # an image's place; its bytes are the row's images (job.media)
+                    chars += sum(len(p.get("text", "")) for p in content)
+                elif isinstance(content, str):
+                    chars += len(content)
+                else:
+                    raise RenderError("body.messages: expected a list of {role, content} with text content "
+                                      "(or text and image_url parts)")
+                clean.append({"role": str(m.get("role", "user")), "content": content})  # type: ignore[union-attr]
+            if chars > self.max_chars:
                 raise PromptTooLongError(self.max_chars)
-            clean = [{"role": str(m.get("role", "user")), "content": m["content"]} for m in msgs]
             return RenderedPrompt(clean, json.dumps(clean, ensure_ascii=False))
         prompt = request["prompt"]
         if not isinstance(prompt, str):
