@@ -117,6 +117,28 @@ def test_openai_batch_rows_and_error_rows(tmp_path: Path) -> None:
     assert all(r.request is None for r in (r3, r4, r5, r6))
 
 
+def test_openai_content_parts_text_and_images_only(tmp_path: Path) -> None:
+    """image_url parts are the request's images (a file:// URL as its path); another part type (audio) is a line
+    error naming the part, not a render error later."""
+    from mlxbatch.io.jsonl import request_images
+
+    def parts(*ps):
+        return {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": list(ps)}]}
+
+    text = {"type": "text", "text": "What is it?"}
+    path = write_jsonl(tmp_path / "batch.jsonl", [
+        _batch_line("img", parts(text, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                                 {"type": "image_url", "image_url": {"url": "file:///pics/a%20b.png"}})),
+        _batch_line("audio", parts(text, {"type": "input_audio", "input_audio": {"data": "..."}})),
+        _batch_line("no-url", parts(text, {"type": "image_url", "image_url": {}})),
+    ])
+    img, audio, no_url = open_reader(InputSpec(path))
+    assert img.ok and request_images(img.request) == ["data:image/png;base64,AA==", "/pics/a b.png"]
+    assert audio.error == (f"{path}:2: invalid batch request: body.messages[1].content[1]: unsupported content part "
+                           "type 'input_audio' (supported: text, image_url)") and audio.row_id == "audio"
+    assert "body.messages[1].content[1]: an image_url part needs" in no_url.error
+
+
 def test_openai_batch_format_can_be_forced_and_keeps_malformed_lines(tmp_path: Path) -> None:
     path = tmp_path / "b.jsonl"
     path.write_text('{"nope\n' + json.dumps(_batch_line("x", {"prompt": "p"}, url="/v1/completions")) + "\n")
