@@ -103,7 +103,7 @@ def test_the_executor_section_is_checked_with_key_paths(tmp_path):
                     "executor.resources.mac", "executor.workers"}
 
 
-def test_the_progress_file_says_when_its_driver_stopped_updating(tmp_path):
+def test_the_progress_file_says_when_its_driver_stopped_updating_or_stopped(tmp_path):
     actor = {"name": "actor-0", "state": "ready", "host": "h", "pid": 7, "rows": 3, "errors": 1, "in_flight": 2,
              "queued": 4, "generated_tokens": 9, "prefill_tokens": 30, "floor_tokens": 20}
     write_progress(tmp_path, {"executor": "ray", "state": "running", "actors": [actor]})
@@ -111,7 +111,9 @@ def test_the_progress_file_says_when_its_driver_stopped_updating(tmp_path):
     assert "1/1 actors live" in lines[0] and "may have stopped" not in lines[0]
     assert "actor-0" in lines[2] and "3 rows (1 errors), 2 in flight" in lines[2] and "prefill/floor 1.50" in lines[2]
     old = {**read_progress(tmp_path), "updated_at": time.time() - 3600}
-    assert "may have stopped" in progress_lines(old)[0]
+    assert "may be stuck" in progress_lines(old)[0]  # its driver still holds the folder
+    gone = progress_lines({**old, "driver": {"host": "h", "pid": 99}}, running=False)[0]
+    assert "stopped, the driver (pid 99 on h) is not running" in gone and "actors live" not in gone
 
 
 def test_a_single_machine_run_never_imports_ray(tmp_path, tiny_model_path):
@@ -134,6 +136,7 @@ def test_the_plan_s_retention_reaches_the_engine_for_generate_and_score_rows(tin
     from mlxbatch.types import SamplingParams
 
     actor = EngineActor("actor-0", ModelSection(str(tiny_model_path)), EngineSection(max_num_seqs=4), seed=0)
+    actor.info()  # loads the model
     core, seen = actor.engine.core, {}
 
     def spying(name):

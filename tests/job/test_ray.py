@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -177,7 +181,9 @@ def test_a_killed_driver_leaves_a_job_the_next_run_resumes_with_or_without_ray(c
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert not (out / "_SUCCESS").exists() and read_progress(out)["state"] == "running"  # left behind
-        assert "distributed run" in read_status(out)["summary"]
+        summary = read_status(out)["summary"]  # said "2/2 actors live, running" for a minute after the kill
+        assert "distributed run" in summary and "the driver" in summary and "is not running" in summary, summary
+        assert "actors live" not in summary and ", running" not in summary, summary
     done_before = len(shard_records(out))  # the manifest may lag: a renamed shard is adopted on the next open
     rc, err = finish(cli(["run", str(job), "--no-progress"]))  # the job file says local: the single machine
     assert rc == 0, err
@@ -226,9 +232,88 @@ def test_actors_the_cluster_cannot_place_are_given_up_with_a_clear_error(cluster
     data = write_jsonl(tmp_path / "in.jsonl", grouped_rows(2, 2))
     job = _job(tmp_path, "no-room", tiny_model_path, data,
                executor={**RAY, "resources": {"a-mac-we-do-not-have": 1}, "start_timeout_s": 2})
-    with pytest.raises(ExecutorError, match="did not load the model within 2 s"):
+    with pytest.raises(ExecutorError, match="got no room on the cluster within 2 s"):
         JobRunner(validate_job(job), progress=False).run()
     assert read_progress(job.parent / "out")["state"] == "stopped"
+
+
+def test_a_replacement_the_cluster_cannot_place_is_logged_and_given_up(cluster, data, tiny_model_path):
+    """An actor lost with its node: the replacement could not be placed and waited silently until the end. Its wait
+    is logged, and it is given up after start_timeout_s like any actor (here the last one: the run stops, exit 1,
+    with what finished checkpointed). The room goes to another actor that was waiting for it, as on a shrunk
+    cluster."""
+    root, path, _, _ = data
+    job = _job(root, "no-room-left", tiny_model_path, path, engine=SLOW,
+               executor={**RAY, "actors": 1, "num_cpus": 2, "start_timeout_s": 30})  # the whole cluster
+    out = job.parent / "out"
+    proc = cli(["run", str(job), "--ray", cluster, "--no-progress"])
+
+    def working():
+        actors = (read_progress(out) or {}).get("actors", [])
+        return next((a for a in actors if a["state"] == "ready" and a["rows"] >= 5), None)
+
+    target = wait_for(working, proc)
+    assert target is not None, finish(proc)[1]
+
+    @ray.remote(num_cpus=2)
+    class Squatter:
+        def ping(self) -> int:
+            return 1
+
+    squatter = Squatter.remote()  # waits for the CPUs the actor holds, ahead of any replacement
+    try:
+        os.kill(target["pid"], signal.SIGKILL)
+        assert ray.get(squatter.ping.remote(), timeout=120) == 1
+        rc, err = finish(proc)
+    finally:
+        ray.kill(squatter)
+    assert rc == 1, err
+    assert "actor-1 (replacing actor-0) is still waiting for room on the cluster" in err, err
+    assert "actor-1: got no room on the cluster within 30 s" in err and "every engine actor is gone" in err, err
+    assert 5 <= manifest_rows(out) < N
+    exactly_once(out)
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="stops the Ray processes it started by their pids (/proc)")
+def test_ray_without_an_address_joins_the_cluster_ray_start_runs_on_this_machine(tmp_path_factory, tiny_model_path):
+    """``ray start --head`` then ``--ray`` with no address failed in seconds with Ray's "When connecting to an existing
+    cluster, num_cpus and num_gpus must not be provided": it must join that cluster, as ``ray.init()`` does, and
+    leave it running."""
+    temp = tmp_path_factory.mktemp("h")  # short: Ray's socket paths live under it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(temp)}
+    with socket.socket() as s:  # the dashboard's port: free, so clusters of other runs on this machine do not clash
+        s.bind(("127.0.0.1", 0))
+        dashboard_port = s.getsockname()[1]
+    ray_cli = Path(sys.executable).parent / "ray"
+    try:
+        started = subprocess.run([str(ray_cli), "start", "--head", "--num-cpus=2", "--port=0",
+                                  "--include-dashboard=false", f"--dashboard-port={dashboard_port}",
+                                  "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=300)
+        assert started.returncode == 0, started.stdout + started.stderr
+        address = re.search(r"ray start --address='([^']+)'", started.stdout + started.stderr).group(1)
+        data = write_jsonl(temp / "in.jsonl", grouped_rows(1, 2))
+        job = _job(temp, "joins", tiny_model_path, data, executor={"actors": 1, "num_cpus": 1})
+        rc, err = finish(cli(["run", str(job), "--ray", "--no-progress"], env))
+        assert rc == 0, err
+        report = json.loads((job.parent / "out" / "report.json").read_text())
+        assert report["engine"]["executor"]["address"] == address and report["rows"]["output"] == 6
+        assert processes_mentioning(str(temp))  # the cluster it joined runs on
+    finally:
+        _stop_processes_mentioning(str(temp))
+
+
+def _stop_processes_mentioning(text: str) -> None:
+    """SIGTERM, then SIGKILL after a grace, for the processes of a cluster this test started (never ``ray stop``:
+    it stops every Ray cluster of the user on this machine)."""
+    for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):  # gcs_server outlives SIGTERM: no long wait
+        for pid in processes_mentioning(text):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while processes_mentioning(text) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="looks for leftover Ray processes in /proc")

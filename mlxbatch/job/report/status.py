@@ -27,7 +27,7 @@ import pyarrow as pa
 from mlxbatch.errors import MlxbatchError
 from mlxbatch.io import InputFormat, open_reader, resolve_inputs
 from mlxbatch.job.check.validate import input_spec
-from mlxbatch.job.executors.ray.progress import progress_lines, read_progress
+from mlxbatch.job.executors.ray.progress import driver_running, progress_lines, read_progress
 from mlxbatch.job.rows.prepare import RowPreparer
 from mlxbatch.job.spec import JobSpec, load_job, parse_job
 
@@ -180,7 +180,7 @@ def _summary(out_dir: Path, current: list[_Record], stale: int, outside: int, li
                      f"{', '.join(unreadable)}")
     progress = read_progress(out_dir)  # a distributed run: per engine actor
     if progress is not None and not complete:
-        lines += progress_lines(progress)
+        lines += progress_lines(progress, running=driver_running(out_dir, progress))
     if report and finished:
         work = report.get("last_work_run") or {}
         lines.append(f"  last run that did work: {work.get('finished', report['rows'].get('finished_this_run'))} "

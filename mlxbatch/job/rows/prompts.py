@@ -116,7 +116,7 @@ class PromptRenderer:
                 content = m.get("content") if isinstance(m, dict) else None
                 if isinstance(content, list):  # text and image_url parts (io.jsonl checked them), in their order
                     content = [{"type": "text", "text": p["text"]} if p.get("type") == "text" else {"type": "image"}
-                               for p in content]  # an image's place; its bytes are the row's images (job.media)
+                               for p in content]  # an image's place; its bytes are the row's images (job.rows.media)
                     chars += sum(len(p.get("text", "")) for p in content)
                 elif isinstance(content, str):
                     chars += len(content)

@@ -1,7 +1,9 @@
 """One engine actor of a distributed run: an mlxbatch engine owning one device, inside a Ray worker process.
 
-Owns the remote side of the Ray executor's protocol. The model loads once, in ``__init__`` (``import mlxbatch``,
-which every import of this module runs first, preloads OpenBLAS before MLX). ``advance(tasks)`` queues the rows it
+Owns the remote side of the Ray executor's protocol. ``placed()`` answers as soon as the actor's process runs on a
+node (so the driver can tell an actor the cluster has no room for from one loading its model); the model loads once,
+on the first ``info()`` (``import mlxbatch``, which every import of this module runs first, preloads OpenBLAS before
+MLX). ``advance(tasks)`` queues the rows it
 is sent and steps the engine until a share of what it holds has finished (or a time budget passes), then returns the
 finished rows and the engine's counters; the driver sends the next rows with its next call, so an actor holds at
 most the driver's in-flight bound and rows arrive in the order the driver sends them (plan order). Nothing here
@@ -40,6 +42,14 @@ class ActorInfo:
 
 
 @dataclass(frozen=True)
+class Placed:
+    """An actor's process is running on a node (its model is not loaded yet)."""
+
+    host: str
+    pid: int
+
+
+@dataclass(frozen=True)
 class Advance:
     done: list[RowDone]
     stats: dict[str, Any]  # the engine's counters (EngineCore.stats)
@@ -48,13 +58,22 @@ class Advance:
 
 class EngineActor:
     def __init__(self, name: str, model: ModelSection, engine: EngineSection, seed: int) -> None:
-        from mlxbatch.engine import load_model
-
         self.name = name
-        self.loaded = load_model(model_spec(model))
-        self.engine = RowEngine(self.loaded, engine_config(engine, seed))
+        self._setup = (model, engine, seed)
+        self.loaded: Any = None
+        self.engine: Any = None  # RowEngine, once info() loaded the model
+
+    def placed(self) -> Placed:
+        return Placed(socket.gethostname(), os.getpid())
 
     def info(self) -> ActorInfo:
+        """What this actor runs; loads the model on the first call."""
+        if self.engine is None:
+            from mlxbatch.engine import load_model
+
+            model, engine, seed = self._setup
+            self.loaded = load_model(model_spec(model))
+            self.engine = RowEngine(self.loaded, engine_config(engine, seed))
         dev = self.engine.core.worker.device
         m = self.loaded
         return ActorInfo(self.name, socket.gethostname(), os.getpid(), dev.kind, dev.blas, m.identity, m.dtype,

@@ -1,8 +1,9 @@
 """A Ray cluster for the Ray executor: connecting (or starting one on this machine), sizing the actor pool, and the
 model's tokenizer for the driver.
 
-Owns the driver's side of Ray's process: ``connected`` joins the cluster at an address (or ``$RAY_ADDRESS``, or
-starts a local one with enough logical CPUs for the actors) and leaves it afterwards only if it joined; Ray's own
+Owns the driver's side of Ray's process: ``connected`` joins the cluster at an address (or ``$RAY_ADDRESS``, or,
+as ``ray.init()`` does, the cluster ``ray start`` runs on this machine, or starts a local one with enough logical
+CPUs for the actors) and leaves it afterwards only if it joined; Ray's own
 SIGTERM handler is undone so the run loop's signal handling stays in charge. The driver loads the tokenizer
 only (no weights): it tokenizes and plans, the actors run the model.
 """
@@ -25,6 +26,8 @@ from ray.exceptions import RayError
 from mlxbatch.engine import resolve_path
 from mlxbatch.job.executors.base import ExecutorError
 from mlxbatch.job.spec import JobSpec
+
+log = logging.getLogger(__name__)
 
 
 def kill(handle: Any) -> None:
@@ -80,16 +83,26 @@ def connected(address: str | None, actors: int | None, num_cpus: float) -> Itera
         return
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "namespace": "mlxbatch"}
+    local: dict[str, Any] = {}  # how to start a local cluster, if this run starts one
     if address is None and not os.environ.get("RAY_ADDRESS"):
         need = math.ceil((actors or 1) * num_cpus)
-        kwargs.update(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False)
+        local = {"num_cpus": max(os.cpu_count() or 1, need), "include_dashboard": False}
     target = address or os.environ.get("RAY_ADDRESS")
     why = unreachable(target) if target else None
     if why is not None:
         raise ExecutorError(f"could not connect to the Ray cluster at {target}: {why}; start one there "
                             "(`ray start --head`) or leave the address out to run a local cluster")
     try:
-        ray.init(address=address, **kwargs)
+        try:
+            ray.init(address=address, **kwargs, **local)
+        except ValueError:
+            if not local:
+                raise
+            # ray.init() without an address joins the cluster `ray start` runs on this machine, and then refuses
+            # num_cpus (the cluster's resources are its own): join it as ray.init() does, with nothing to size
+            ray.init(address=None, **kwargs)
+            log.info("joined the Ray cluster already running on this machine (%s); it keeps running after the "
+                     "run", ray.get_runtime_context().gcs_address)
     except Exception as exc:  # a bad address, no cluster there, a temp dir Ray cannot use, ...
         where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
         raise ExecutorError(f"could not connect to {where}: {type(exc).__name__}: {exc}") from exc

@@ -9,7 +9,9 @@ actor's unsent rows (cut at a weak link), so a window ends together. The books o
 gets which rows are ``job.executors.ray.slots``'s; this module starts the actors, talks to them and handles their failures.
 
 Failures: an actor that dies (or whose call fails) loses only the rows it held unreturned; they go to the front of
-the queue for the others, and a replacement actor starts while ``max_restarts`` allows. A result for a row that was
+the queue for the others, and a replacement actor starts while ``max_restarts`` allows. An actor is seen placed on a
+node (``placed()``) apart from loading its model (``info()``): one still waiting for room on the cluster (a node
+stopped) is logged, and one not ready within ``start_timeout_s`` is given up. A result for a row that was
 given to another actor is dropped, so no row is recorded twice. The driver's own death leaves the checkpoint: the
 next run, with or without Ray, resumes it. ``progress.json`` (``job.executors.ray.progress``) shows each actor while the
 run goes.
@@ -27,12 +29,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import RayError, RayTaskError
 
 from mlxbatch.engine import common_prefix_len
 from mlxbatch.job.executors.base import ExecutorError, Finished, ModelInfo, tokenizer_fingerprint
 from mlxbatch.job.executors.engine_stats import merge_engine_stats
-from mlxbatch.job.executors.ray.actor import ActorInfo, Advance, EngineActor
+from mlxbatch.job.executors.ray.actor import ActorInfo, Advance, EngineActor, Placed
 from mlxbatch.job.executors.ray.cluster import connected, driver_tokenizer, fitting_actors, kill
 from mlxbatch.job.executors.ray.progress import clear_progress, write_progress
 from mlxbatch.job.executors.ray.slots import Slot, next_rows, units_of
@@ -43,6 +45,7 @@ from mlxbatch.job.spec import JobSpec
 log = logging.getLogger(__name__)
 
 ADVANCE_BUDGET_S = 0.5  # an actor reports back at least this often
+ROOM_WAIT_LOG_S = 30.0  # an actor without room on the cluster this long (at most a third of start_timeout_s): logged
 PROGRESS_EVERY_S = 1.0
 POLL_WAIT_S = 0.05
 
@@ -65,16 +68,40 @@ class RayExecutor:
             self._start()
 
     # -- actors -----------------------------------------------------------------------------------
-    def _start(self) -> None:
+    def _start(self, replacing: str | None = None) -> None:
         x, name = self.spec.executor, f"actor-{len(self.slots)}"
         options = {"num_cpus": x.num_cpus, "num_gpus": x.num_gpus, "max_restarts": 0, "max_task_retries": 0}
         if x.resources:
             options["resources"] = dict(x.resources)
         handle = ray.remote(EngineActor).options(**options).remote(name, self.spec.model, self.spec.engine,
                                                                      self.spec.seed)
-        slot = Slot(name, handle)
-        slot.call = handle.info.remote()
+        slot = Slot(name, handle, replacing=replacing)
+        slot.call = handle.placed.remote()  # answers once the cluster has room for it; then info() loads the model
         self.slots.append(slot)
+
+    def _needs(self) -> str:
+        x = self.spec.executor
+        wanted = {"CPU": x.num_cpus, "GPU": x.num_gpus, **x.resources}
+        return ", ".join(f"{k}={v:g}" for k, v in wanted.items() if v > 0)
+
+    def _check_starting(self) -> None:
+        """Actors not ready yet: a wait for room on the cluster is logged once; past ``start_timeout_s`` (no room,
+        or the model still not loaded) the actor is given up."""
+        timeout = self.spec.executor.start_timeout_s
+        for slot in self.slots:
+            if slot.state != "starting":
+                continue
+            waited = time.monotonic() - slot.started
+            if waited > timeout:
+                why = (f"got no room on the cluster within {timeout:.0f} s (it needs {self._needs()})"
+                       if slot.placed is None else f"did not load the model within {timeout:.0f} s")
+                self._lost(slot, why, replace=False)
+            elif slot.placed is None and not slot.waiting_logged and waited > min(ROOM_WAIT_LOG_S, timeout / 3):
+                slot.waiting_logged = True
+                who = f"{slot.name} (replacing {slot.replacing})" if slot.replacing else slot.name
+                log.warning("%s is still waiting for room on the cluster after %.0f s (it needs %s): a node may have "
+                            "stopped, or other work holds its resources; the other actors go on, and it is given up "
+                            "after start_timeout_s=%.0f s", who, waited, self._needs(), timeout)
 
     def await_ready(self) -> None:
         """Wait until every actor loaded the model; those that did not within ``start_timeout_s`` are given up."""
@@ -115,7 +142,7 @@ class RayExecutor:
                     requeued)
         if replace and self.restarts_left > 0:
             self.restarts_left -= 1
-            self._start()
+            self._start(replacing=slot.name)
         if all(s.state == "dead" for s in self.slots):
             raise ExecutorError(f"every engine actor is gone (last: {slot.name}: {why}); finished rows are "
                                 f"checkpointed in {self.spec.output}: run the job again to resume")
@@ -176,17 +203,17 @@ class RayExecutor:
                 try:
                     result = ray.get(ref)
                 except RayError as exc:
-                    self._lost(slot, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}")
+                    self._lost(slot, _failure(exc))
                     continue
-                if isinstance(result, ActorInfo):
+                if isinstance(result, Placed):
+                    slot.placed = result
+                    slot.call = slot.handle.info.remote()  # the model loads now
+                elif isinstance(result, ActorInfo):
                     self._ready(slot, result)
                 else:
                     finished += self._returned(slot, result)
                     self._send(slot)  # the next rows go out before this process writes anything
-        timeout = self.spec.executor.start_timeout_s
-        for slot in self.slots:
-            if slot.state == "starting" and time.monotonic() - slot.started > timeout:
-                self._lost(slot, f"did not load the model within {timeout:.0f} s (no room on the cluster?)", False)
+        self._check_starting()
         self._dispatch()
         if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
             self.write_progress("running")
@@ -232,7 +259,19 @@ class RayExecutor:
             "actors": actors})
 
     def shutdown(self) -> None:
+        for slot in self.slots:
+            if slot.state == "starting" and slot.placed is None:
+                log.warning("%s never got room on the cluster (it needs %s); the run ended without it", slot.name,
+                            self._needs())
         self.abort()
+
+
+def _failure(exc: RayError) -> str:
+    """Why an actor's call failed, in a line: the actor's own exception (e.g. its model did not load), or Ray's."""
+    cause = exc.cause if isinstance(exc, RayTaskError) else None
+    err: BaseException = cause if isinstance(cause, BaseException) else exc
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
 @contextmanager

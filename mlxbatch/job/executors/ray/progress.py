@@ -2,7 +2,9 @@
 
 Owns the file's name, its shape and its life. The Ray driver rewrites it (atomically) about once a second while it
 runs; it is removed when the run completes (a complete folder looks exactly like a single-machine run's) and by
-the next run of either kind. A driver that died leaves it behind with an old ``updated_at``: ``status`` says so.
+the next run of either kind. A driver that died leaves it behind: ``status`` tells by the output folder's lock (held
+by every run while it lives, released by the kernel when it dies, ``io.lock``) and says the run stopped, not that
+its actors are live.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from mlxbatch.io import PROGRESS_NAME
 from mlxbatch.io.atomic import atomic_write_json
+from mlxbatch.io.lock import lock_holder
 
 STALE_S = 60.0  # no update for this long: the driver has probably stopped
 
@@ -33,15 +36,30 @@ def read_progress(out_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def progress_lines(p: dict[str, Any]) -> list[str]:
-    """Human-readable lines: one for the run, one per actor."""
+def driver_running(out_dir: Path, p: dict[str, Any]) -> bool:
+    """Whether the driver that wrote ``p`` still runs: it holds the output folder's lock (written with its pid)."""
+    holder = lock_holder(out_dir)
+    pid = (p.get("driver") or {}).get("pid")
+    return holder is not None and (not holder.isdigit() or pid is None or int(holder) == pid)
+
+
+def progress_lines(p: dict[str, Any], running: bool = True) -> list[str]:
+    """Human-readable lines: one for the run, one per actor. ``running``: its driver still runs (``driver_running``);
+    if not, the run stopped whatever the file says, and its actors (the driver's) went with it."""
     age = time.time() - float(p.get("updated_at", 0))
     actors = p.get("actors", [])
     live = sum(a["state"] != "dead" for a in actors)
-    head = (f"  distributed run ({p.get('executor', 'ray')}, {live}/{len(actors)} actors live, "
-            f"{p.get('state', 'running')}, updated {age:.0f} s ago)")
-    if age > STALE_S and p.get("state") == "running":
-        head += ": no update for a while, the driver may have stopped (run the job again to resume)"
+    executor = p.get("executor", "ray")
+    if not running:
+        driver = p.get("driver") or {}
+        who = f" (pid {driver['pid']} on {driver.get('host') or '?'})" if driver.get("pid") else ""
+        head = (f"  distributed run ({executor}): stopped, the driver{who} is not running (last update {age:.0f} s "
+                f"ago); run the job again to resume. As it last wrote:")
+    else:
+        head = (f"  distributed run ({executor}, {live}/{len(actors)} actors live, {p.get('state', 'running')}, "
+                f"updated {age:.0f} s ago)")
+        if age > STALE_S and p.get("state") == "running":
+            head += ": no update for a while, the driver may be stuck"
     lines = [head, f"    rows: {p.get('rows_done', 0)} done, {p.get('rows_queued', 0)} queued on the driver"]
     for a in actors:
         ratio = a["prefill_tokens"] / a["floor_tokens"] if a.get("floor_tokens") else None

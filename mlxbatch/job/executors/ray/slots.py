@@ -20,7 +20,7 @@ from mlxbatch.job.executors.ray.partition import prefix_units, random_units, row
 from mlxbatch.job.rows.feed import Submit
 
 if TYPE_CHECKING:
-    from mlxbatch.job.executors.ray.actor import ActorInfo
+    from mlxbatch.job.executors.ray.actor import ActorInfo, Placed
 
 
 @dataclasses.dataclass
@@ -30,7 +30,10 @@ class Slot:
     name: str
     handle: Any
     state: str = "starting"  # starting | ready | dead
-    call: Any = None  # the pending info() / advance() call
+    call: Any = None  # the pending placed() / info() / advance() call
+    replacing: str | None = None  # the lost actor this one replaces
+    placed: Placed | None = None  # its process runs on a node (the cluster had room for it)
+    waiting_logged: bool = False  # its wait for room on the cluster was logged
     info: ActorInfo | None = None
     units: deque[list[Submit]] = dataclasses.field(default_factory=deque)  # taken, not sent yet (plan order)
     in_flight: dict[str, Submit] = dataclasses.field(default_factory=dict)  # sent, not returned (in send order)
@@ -50,9 +53,9 @@ class Slot:
         return sum(len(u) for u in self.units)
 
     def summary(self) -> dict[str, Any]:
-        i = self.info
+        i, p = self.info, self.placed
         prefill = int(self.engine.get("profile", {}).get("prefill_tokens", 0))
-        return {"name": self.name, "state": self.state, "host": i.host if i else None, "pid": i.pid if i else None,
+        return {"name": self.name, "state": self.state, "host": p.host if p else None, "pid": p.pid if p else None,
                 "device": i.device if i else None, "blas": i.blas if i else None, "rows": self.rows,
                 "errors": self.errors, "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
                 "floor_tokens": self.floor_tokens, "prefill_tokens": prefill,
