@@ -1,12 +1,14 @@
 """``dtype: auto`` keeps the weights' stored floating dtype on a GPU, whatever the config's label says (an fp16
-checkpoint labelled bf16 is not re-cast, which would double a load's memory); on the CPU it is float32. The GPU
-branch runs here with the device injected."""
+checkpoint labelled bf16 is not re-cast, which would double a load's memory); on the CPU it is float32. Each branch
+runs on every machine: the GPU branch with the device injected, the CPU branch with MLX's default device set to the
+CPU for the load (a Mac's default is its GPU, where the stored dtype is kept)."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
+import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
@@ -39,6 +41,17 @@ def test_auto_keeps_the_stored_dtype_on_a_gpu(fp16_labelled_bf16, monkeypatch):
     assert loaded.identity != asked.identity  # the dtype is part of every result key
 
 
-def test_auto_is_float32_on_the_cpu(fp16_labelled_bf16):
+@pytest.fixture()
+def on_the_cpu():
+    """MLX's default device is the CPU for the test (it is already on a CPU-only machine; a Mac's is its GPU)."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(before)
+
+
+def test_auto_is_float32_on_the_cpu(fp16_labelled_bf16, on_the_cpu):
     loaded = load_model(ModelSpec(str(fp16_labelled_bf16)))
     assert loaded.dtype == "float32" and dtypes(loaded) == {"float32"}
