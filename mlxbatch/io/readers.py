@@ -1,7 +1,8 @@
 """Input selection and streaming: ``InputSpec`` -> files -> ``InputRow`` stream, with bounded memory.
 
-Owns the input spec, glob / folder expansion (sorted, so the row order is deterministic), format detection and
-the cheap row count for progress bars. The per-format parsing lives in ``jsonl`` and ``tabular``. Rows are never
+Owns the input spec, glob / folder expansion (sorted, so the row order is deterministic; hidden files in a folder
+are not input: macOS Finder's ``.DS_Store`` and the AppleDouble ``._name`` files it writes beside every file copied
+to an exFAT or network drive), format detection and the cheap row count for progress bars. The per-format parsing lives in ``jsonl`` and ``tabular``. Rows are never
 deduplicated here (see ``keys.DuplicateIdTracker``).
 """
 
@@ -132,7 +133,8 @@ def resolve_inputs(spec: InputSpec) -> list[ResolvedInput]:
     resolved: list[ResolvedInput] = []
     for path in paths:
         if path.is_dir() and fmt is not InputFormat.HF:
-            files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in _suffixes(fmt))
+            files = sorted(p for p in path.iterdir()
+                           if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in _suffixes(fmt))
             if not files:
                 raise InputError(f"{path}: folder holds no {fmt.value} files ({', '.join(_suffixes(fmt))})")
             resolved.extend(ResolvedInput(f, fmt) for f in files)

@@ -61,6 +61,35 @@ def test_glob_reads_sorted_files_one_after_another(tmp_path: Path) -> None:
     assert [r.row_id for r in open_reader(InputSpec(tmp_path, format="jsonl", id_column="id"))] == ["a1", "b1", "b2"]
 
 
+APPLE_DOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(64)  # a resource fork: not text
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "auto"])
+def test_hidden_files_in_an_input_folder_or_glob_are_not_input(tmp_path: Path, fmt: str) -> None:
+    """Finder writes AppleDouble ``._name`` files next to every file it copies to an exFAT or network drive (and
+    ``.DS_Store``): they are not rows, as the ``hf`` folder reader already says."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "a.jsonl", [{"id": "a1"}])
+    write_jsonl(data / "b.jsonl", [{"id": "b1"}])
+    for hidden in ("._a.jsonl", "._b.jsonl", ".DS_Store"):
+        (data / hidden).write_bytes(APPLE_DOUBLE)
+    write_jsonl(data / ".draft.jsonl", [{"id": "draft"}])
+    folder = InputSpec(str(data), format="jsonl", id_column="id")
+    pattern = InputSpec(str(data / "*.jsonl"), format=fmt, id_column="id")
+    for spec in (folder, pattern):
+        rows = list(open_reader(spec))
+        assert [(r.row_id, r.error) for r in rows] == [("a1", None), ("b1", None)]
+        assert count_rows(spec) == 2
+    only_hidden = tmp_path / "only"
+    only_hidden.mkdir()
+    (only_hidden / "._a.jsonl").write_bytes(APPLE_DOUBLE)
+    with pytest.raises(InputError, match="holds no jsonl files"):
+        open_reader(InputSpec(str(only_hidden), format="jsonl"))
+    (row,) = open_reader(InputSpec(str(data / ".draft.jsonl"), id_column="id"))  # named: read
+    assert row.row_id == "draft"
+
+
 def test_count_rows_counts_newlines(tmp_path: Path) -> None:
     path = tmp_path / "n.jsonl"
     path.write_bytes(b'{"a":1}\n{"a":2}\n{"a":3}')
