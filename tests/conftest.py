@@ -42,6 +42,22 @@ def tiny_loaded(tiny_model_path: Path):
     return load_model(ModelSpec(str(tiny_model_path)))
 
 
+@pytest.fixture(scope="session")
+def tiny64_model_path() -> Path:
+    """The tiny model with head dim 64 (the tiny one's is 32): the head dim of most real models, for which Metal and
+    CUDA run MLX's fused attention kernels. As fast on a CPU."""
+    from mlxbatch.models.random_model import build_random_model
+
+    return build_random_model(CACHE / "tiny64-qwen2-v1", "tiny64")
+
+
+@pytest.fixture(scope="session")
+def tiny64_loaded(tiny64_model_path: Path):
+    from mlxbatch.engine.model.loader import ModelSpec, load_model
+
+    return load_model(ModelSpec(str(tiny64_model_path)))
+
+
 @pytest.fixture()
 def engine(tiny_loaded):
     from mlxbatch.engine import Engine, EngineConfig

@@ -1,6 +1,8 @@
 """Random-weight models in Hugging Face layout, for tests and benchmarks.
 
-Owns the recipe for a tiny (or 0.5B-shaped) qwen2 model and a small byte-level BPE tokenizer trained on
+Owns the recipe for a tiny (or 0.5B-shaped) qwen2 model (``tiny64``: the tiny one with head dim 64, the head dim
+of most real models, for which Metal and CUDA run MLX's fused attention kernels; the tiny one's 32 takes the unfused
+fallback) and a small byte-level BPE tokenizer trained on
 local text. The folder it writes loads through ``mlx_lm.load`` exactly like a real checkpoint; speed does
 not depend on weight values, quality does. Nothing here is used on the generation path.
 """
@@ -34,11 +36,13 @@ class ModelShape:
     tie_word_embeddings: bool = False
 
 
-TINY = ModelShape(128, 2, 4, 2, 256)
+TINY = ModelShape(128, 2, 4, 2, 256)  # head dim 32
+TINY64 = ModelShape(128, 2, 2, 1, 256)  # head dim 64, grouped-query attention (2 query heads per KV head)
 SMALL = ModelShape(256, 4, 8, 2, 512)
+SMALL64 = ModelShape(512, 8, 8, 2, 1408)  # head dim 64, ~25M parameters: `mlxbatch doctor`'s model on a GPU
 QWEN2_0_5B = ModelShape(896, 24, 14, 2, 4864, vocab_size=151936, max_position_embeddings=32768,
                         tie_word_embeddings=True)
-SHAPES = {"tiny": TINY, "small": SMALL, "0.5b": QWEN2_0_5B}
+SHAPES = {"tiny": TINY, "tiny64": TINY64, "small": SMALL, "small64": SMALL64, "0.5b": QWEN2_0_5B}
 
 
 def _corpus_files(limit: int = 60) -> list[str]:

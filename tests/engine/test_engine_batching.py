@@ -33,12 +33,15 @@ def reference_tokens(loaded, prompt: str, max_tokens: int) -> list[int]:
     return out
 
 
-def test_greedy_batched_equals_one_at_a_time(engine, tiny_loaded):
+@pytest.mark.parametrize("model", ["tiny_loaded", "tiny64_loaded"])  # head dim 64: fused attention on a GPU
+def test_greedy_batched_equals_one_at_a_time(model, request):
+    loaded = request.getfixturevalue(model)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    batched = engine.generate(PROMPTS, params)
-    alone = Engine(tiny_loaded, EngineConfig(max_num_seqs=1, warm_up=False))
+    with Engine(loaded, EngineConfig(max_num_seqs=16, prefill_chunk_size=64, max_num_batched_tokens=256)) as engine:
+        batched = engine.generate(PROMPTS, params)
+    alone = Engine(loaded, EngineConfig(max_num_seqs=1, warm_up=False))
     for prompt, out in zip(PROMPTS, batched):
-        ref = reference_tokens(tiny_loaded, prompt, 24)
+        ref = reference_tokens(loaded, prompt, 24)
         assert list(out.token_ids) == ref, prompt
         single = alone.generate([prompt], params)[0]
         assert single.token_ids == out.token_ids

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from mlxbatch import SamplingParams
 from mlxbatch.engine import Engine, EngineConfig
 
@@ -41,10 +43,12 @@ def run(loaded, prompts, cache: bool, **cfg):
     return outs, eng.stats()
 
 
-def test_cache_on_equals_cache_off_and_computes_the_shared_prefix_once(tiny_loaded):
+@pytest.mark.parametrize("model", ["tiny_loaded", "tiny64_loaded"])  # head dim 64: fused attention on a GPU
+def test_cache_on_equals_cache_off_and_computes_the_shared_prefix_once(model, request):
+    loaded = request.getfixturevalue(model)
     for prompts in (label_like(24), fewshot_like(24)):
-        off, off_stats = run(tiny_loaded, prompts, cache=False, max_num_seqs=4)
-        on, on_stats = run(tiny_loaded, prompts, cache=True, max_num_seqs=4)
+        off, off_stats = run(loaded, prompts, cache=False, max_num_seqs=4)
+        on, on_stats = run(loaded, prompts, cache=True, max_num_seqs=4)
         assert [o.token_ids for o in on] == [o.token_ids for o in off]
         computed_on = on_stats["profile"]["prefill_tokens"]
         computed_off = off_stats["profile"]["prefill_tokens"]

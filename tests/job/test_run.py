@@ -141,3 +141,21 @@ def test_local_hf_dataset_with_a_chosen_split(tmp_path, tiny_model_path):
                     input={"path": str(tmp_path / "ds"), "id_column": "id", "format": "hf", "split": "validation"})
     run(job)
     assert list(results(tmp_path / "out")) == [r["id"] for r in rows[:4]]
+
+
+def test_a_short_greedy_job_on_the_head_dim_64_model_gives_mlx_lms_tokens(tmp_path, tiny64_model_path, tiny64_loaded):
+    """Head dim 64 takes MLX's fused attention on Metal and CUDA (the tiny model's 32 does not): a job's greedy
+    outputs there are those of mlx-lm's own generation loop on the same prompts."""
+    from mlx_lm import stream_generate
+
+    rows = texts(12)
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    job = write_job(tmp_path, tiny64_model_path, data, tmp_path / "out", prompt={"chat_template": False},
+                    sampling={"temperature": 0, "max_tokens": 10})
+    run(job)
+    got = results(tmp_path / "out")
+    for r in rows:
+        prompt = f"Summarise: {r['text']}\n"
+        want = list(stream_generate(tiny64_loaded.model, tiny64_loaded.tokenizer, prompt, max_tokens=10))
+        assert got[r["id"]]["generated_tokens"] == len(want)
+        assert got[r["id"]]["text"] == "".join(x.text for x in want), r["id"]  # mlx-lm's streamed text
