@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets up mlxbatch in ./.venv: system OpenBLAS (Linux, for MLX's CPU backend), then the package with the
 # right MLX backend for this machine. Usage: bash scripts/setup.sh   (MLXBATCH_BACKEND=cpu|cuda13|metal to force,
-# PYTHON=/path/to/python3.12 to pick the interpreter). scripts/check_platform.py picks the newest Python 3.11+ and
+# PYTHON=/path/to/python3.12 to pick the interpreter, MLXBATCH_EXTRAS=vlm,ray to add optional extras). On a Mac it
+# installs what the README's first job and the tests need (mlxbatch + dev tools): mlx-vlm (images) pulls mlx-audio,
+# opencv, fastapi and transformers 5.x, and Ray is 68 MB, so they come only when asked for. On Linux (CI) all come. scripts/check_platform.py picks the newest Python 3.11+ and
 # says what is wrong (Python too old, Intel Mac, Rosetta, macOS older than 14) before pip can fail opaquely.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +22,12 @@ if [ -z "$runner" ]; then
   exit 1
 fi
 PY=$("$runner" scripts/check_platform.py) || exit 1
+extras=${MLXBATCH_EXTRAS:-}
+for x in ${extras//,/ }; do  # pip only warns about an unknown extra, then goes on
+  case "$x" in vlm|ray|dev|kernel-check) ;; *)
+    echo "mlxbatch setup: MLXBATCH_EXTRAS: unknown extra '$x' (the extras: vlm, ray, dev, kernel-check)" >&2; exit 1 ;;
+  esac
+done
 
 backend=${MLXBATCH_BACKEND:-}
 if [ -z "$backend" ]; then
@@ -45,11 +53,17 @@ if [ -e .venv ] && ! "$PY" scripts/check_platform.py --venv .venv; then rm -rf .
 [ -x .venv/bin/python ] || { echo "mlxbatch setup: creating .venv with $("$PY" -V 2>&1) ($PY)"; "$PY" -m venv .venv; }
 .venv/bin/python -m pip install -q --upgrade pip
 case "$backend" in
-  metal) extra="dev,vlm,ray" ;;
+  metal) extra="dev" ;;
   cuda13) extra="cuda13,dev,vlm,ray" ;;
   *) extra="cpu,dev,vlm,ray"
      # a Linux x86-64 CPU machine (CI): NVRTC, to compile the engine's CUDA kernels in the tests
      if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then extra="$extra,kernel-check"; fi ;;
 esac
+extra="$extra${extras:+,$extras}"
 .venv/bin/python -m pip install -q -e ".[$extra]"
-echo "mlxbatch setup: done (backend: $backend). Try: .venv/bin/mlxbatch generate --model smollm2 'Name three colours.'"
+echo "mlxbatch setup: done (backend: $backend, extras: $extra). Try: .venv/bin/mlxbatch generate --model smollm2 'Name three colours.'"
+case ",$extra," in *,vlm,*) ;; *) missing="vlm (images: Qwen2-VL through mlx-vlm, HEIC photos)" ;; esac
+case ",$extra," in *,ray,*) ;; *) missing="${missing:+$missing, }ray (mlxbatch run --ray)" ;; esac
+if [ -n "${missing:-}" ]; then
+  echo "mlxbatch setup: not installed: $missing. Add them with MLXBATCH_EXTRAS=vlm,ray bash scripts/setup.sh"
+fi

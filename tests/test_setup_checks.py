@@ -181,3 +181,46 @@ def test_setup_sh_without_python_311_names_what_to_install(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     assert "no usable Python 3.11+ found" in r.stderr and "(Python 3.10.13, x86_64) is too old" in r.stderr
     assert "apt-get install python3.12" in r.stderr
+
+
+def fake_python(path: Path, log: Path) -> Path:
+    """A Python 3.12 (arm64) as setup sees it: answers the probe, makes a venv whose python logs its arguments."""
+    venv_python = f'#!/bin/sh\necho "$*" >> {log}\n'
+    path.write_text("#!/bin/sh\n"
+                    'case "$2" in *platform.machine*) echo 3.12.4 arm64; exit 0;; esac\n'
+                    'if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; '
+                    f"printf '%s' '{venv_python}' > \"$3/bin/python\"; chmod +x \"$3/bin/python\"; exit 0; fi\n"
+                    "exit 1\n")
+    path.chmod(0o755)
+    return path
+
+
+def setup_install(tmp_path: Path, extras: str | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """scripts/setup.sh on a Mac (macOS 15.1, arm64) up to its pip install, which a fake venv Python records."""
+    project = tmp_path / "project"
+    (project / "scripts").mkdir(parents=True)
+    for name in ("setup.sh", "check_platform.py"):
+        shutil.copy(ROOT / "scripts" / name, project / "scripts" / name)
+    uname = '#!/bin/sh\ncase "$1" in -m) echo arm64;; *) echo Darwin;; esac'
+    bin_dir = fake_commands(tmp_path / "fakebin", {"uname": uname, "sysctl": "1", "sw_vers": "15.1"})
+    for tool in ("dirname", "rm", "mkdir", "chmod", "sh"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    os.symlink(sys.executable, bin_dir / "python3")
+    log = tmp_path / "pip.log"
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "PYTHON": str(fake_python(bin_dir / "python3.12", log))}
+    if extras is not None:
+        env["MLXBATCH_EXTRAS"] = extras
+    r = subprocess.run(["/bin/bash", str(project / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
+                       timeout=120)
+    return r, log.read_text().splitlines() if log.exists() else []
+
+
+def test_setup_sh_on_a_mac_installs_what_the_first_job_needs_and_names_the_extras(tmp_path):
+    r, pip = setup_install(tmp_path / "plain")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert pip[-1] == "-m pip install -q -e .[dev]"  # no mlx-vlm (mlx-audio, opencv, transformers 5) and no Ray
+    assert "MLXBATCH_EXTRAS=vlm,ray" in r.stdout  # how to add them
+    r, pip = setup_install(tmp_path / "all", "vlm,ray")
+    assert r.returncode == 0 and pip[-1] == "-m pip install -q -e .[dev,vlm,ray]", r.stdout + r.stderr
+    r, pip = setup_install(tmp_path / "typo", "vml")
+    assert r.returncode == 1 and "MLXBATCH_EXTRAS: unknown extra 'vml'" in r.stderr and pip == []
