@@ -9,6 +9,7 @@ distribution found":
 - macOS: MLX ships wheels for Apple silicon (arm64) and macOS >= 14 only. An Intel Mac, a terminal running under
   Rosetta 2 and an x86_64 Python on an Apple silicon Mac are each named as such, with the fix.
 - ``.venv``: one whose Python is older than 3.11 (or, on a Mac, not arm64, or no longer runs) is rebuilt.
+- Notes that do not stop setup: macOS 14 runs MLX but cannot wire memory (``WIRED_MACOS``), and setup says so.
 
 Usage (by setup.sh; it runs under any python3 >= 3.7, even the Command Line Tools' 3.9):
     python3 scripts/check_platform.py              # prints the chosen interpreter; exit 1 with the reason
@@ -27,6 +28,10 @@ from dataclasses import dataclass, field
 
 MIN_PYTHON = (3, 11)
 MIN_MACOS = (14, 0)
+# MLX wires the model's weights and KV (mx.set_wired_limit) through Metal residency sets, a macOS 15 API: before it
+# the call does nothing. The same rule is mlxbatch.bench.doctor.WIRED_MACOS (this script runs before mlxbatch is
+# installed; tests/test_setup_checks.py checks the two agree).
+WIRED_MACOS = (15, 0)
 PREFERRED = ("python3.13", "python3.12", "python3.11")
 EXTRA_DIRS = ("/opt/homebrew/bin", "/usr/local/bin")  # Homebrew on Apple silicon, Homebrew on Intel / python.org
 # printed by a candidate interpreter: "3.12.4 arm64"
@@ -142,6 +147,16 @@ def host_problems(host: Host) -> list[str]:
     return []
 
 
+def host_notes(host: Host) -> list[str]:
+    """What this machine runs without (it does not stop setup): macOS 14 has no wired memory for MLX."""
+    if host.is_mac and host.macos is not None and MIN_MACOS <= tuple(host.macos[:2]) < WIRED_MACOS:
+        return [f"macOS {'.'.join(map(str, host.macos))} runs mlxbatch, but MLX can wire memory only on macOS 15 or "
+                "newer: here the model's weights and KV are not wired, so under memory pressure macOS may compress "
+                "or swap them out between steps (slower steps, never wrong outputs). Leave memory free (close other "
+                "apps; engine.kv_memory_fraction lower) or update to macOS 15. See docs/mac.md."]
+    return []
+
+
 def python_problem(py: Interpreter, host: Host) -> str | None:
     """Why ``py`` cannot build mlxbatch's environment on ``host`` (None when it can)."""
     if tuple(py.version[:2]) < MIN_PYTHON:
@@ -208,6 +223,8 @@ def main(argv: Sequence[str], probe: Probe | None = None, out=sys.stdout, err=sy
     else:
         found = [py for py in map(probe.interpreter, probe.candidates()) if py is not None]
     choice = choose(host, found, forced)
+    for note in host_notes(host) if choice.python is not None else []:
+        print(f"mlxbatch setup: note: {note}", file=err)
     for problem in choice.problems:
         print(f"mlxbatch setup: {problem}", file=err)
     if choice.python is None:

@@ -67,6 +67,18 @@ def test_machines_mlx_cannot_run_on_are_named(host, words):
     assert words in problems(host, [py("/opt/homebrew/bin/python3.12", "3.12.4")])
 
 
+def test_macos_14_is_accepted_with_what_it_lacks_said(tmp_path):
+    """MLX wires memory through Metal residency sets, which macOS 14 does not have: setup goes on and says so."""
+    (note,) = cp.host_notes(cp.Host("Darwin", "arm64", True, (14, 6, 1)))
+    assert "macOS 14.6.1" in note and "wired" in note and "macOS 15" in note and "docs/mac.md" in note
+    assert cp.host_notes(cp.Host("Darwin", "arm64", True, (15, 0))) == [] == cp.host_notes(LINUX)
+    on_path = fake_commands(tmp_path / "bin", {"python3.12": "3.12.4 arm64"})
+    probe = cp.Probe(mac_run(macos="14.6"), path_env=str(on_path), extra_dirs=[])
+    out, err = _Capture(), _Capture()
+    assert cp.main([], probe, out, err) == 0 and out.text.strip()  # an interpreter is chosen: setup goes on
+    assert err.text.startswith("mlxbatch setup: note: macOS 14.6 ")
+
+
 def test_an_x86_64_python_on_apple_silicon_is_named_with_the_fix():
     text = problems(MAC, [py("/usr/local/bin/python3.12", "3.12.4", "x86_64")])
     assert "Intel (x86_64) build, which runs under Rosetta 2" in text and "/opt/homebrew" in text
