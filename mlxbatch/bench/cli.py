@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 SECTION_MODULES = {"engine": "engine", "job": "job", "nsample": "tasks", "score": "tasks", "gpu": "suite"}
 IN_PROCESS = tuple(SECTION_MODULES)  # each registers itself (harness.SECTIONS) when its module is imported
 STANDALONE = {"constraints": "mlxbatch.bench.constraints", "vlm": "mlxbatch.bench.vlm"}
-SHAPES = ("tiny", "small", "0.5b")  # mlxbatch.models.random_model.SHAPES (checked by the tests; kept light here)
+SHAPES = ("tiny", "tiny64", "small", "small64", "0.5b")  # mlxbatch.models.random_model.SHAPES (checked by the tests; kept light here)
 EXIT_USAGE = 64  # bad usage, as every mlxbatch command (argparse's own 2 is an invalid job file in mlxbatch.cli)
 
 
