@@ -1,4 +1,4 @@
-"""The command line: ``mlxbatch run | validate | plan | status | show | generate | info | bench``.
+"""The command line: ``mlxbatch run | validate | plan | status | show | generate | info | doctor | bench``.
 
 Owns process-level concerns only: logging set-up (once, here), exit codes and messages. Exit codes: 0 done,
 1 error, 2 invalid job file, 3 too many row errors, 64 command-line usage error (an unknown option, a bad option
@@ -238,6 +238,23 @@ def info() -> None:
     if d.kind == "cuda":
         out["kernel_launch"] = d.kernel_launch  # direct, unless MLX_USE_CUDA_GRAPHS=1 was set
     click.echo(json.dumps({**out, "blas": d.blas}, indent=2))
+
+
+@main.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@click.option("--quick", is_flag=True, help="Small engine runs (seconds, not half a minute), e.g. in CI.")
+@click.option("--no-run", "no_run", is_flag=True, help="The machine checks only: no model is built or run.")
+@click.option("--model", default=None, help="The runs' model: a random-weight shape (tiny64, small64, ...; built "
+              "once) or a model folder (default: tiny64 on a CPU, small64 on a GPU).")
+def doctor_cmd(as_json: bool, quick: bool, no_run: bool, model: str | None) -> None:
+    """What a new machine runs first (paste the table into an issue): versions, device, memory, wired limit, BLAS,
+    the engine against mlx-lm on the same prompts (about 30 s), and forced out-of-memory steps. Exit 1 on a FAIL."""
+    from mlxbatch.bench.doctor import Verdict, doctor, render
+    from mlxbatch.bench.doctor import as_json as to_json
+
+    checks = doctor(quick=quick, run=not no_run, model=model)
+    click.echo(json.dumps(to_json(checks), indent=2, default=str) if as_json else render(checks))
+    sys.exit(1 if any(c.verdict is Verdict.FAIL for c in checks) else 0)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False,

@@ -1,0 +1,164 @@
+"""The engine runs of ``mlxbatch doctor``: the engine against mlx-lm on the same prompts, and forced out-of-memory steps.
+
+Owns what the doctor measures on the device (``doctor`` judges it). Both runs use a random-weight model built
+locally (``tiny64`` on a CPU, ``small64`` on a GPU: head dim 64, MLX's fused attention on Metal and CUDA) and token-id
+prompts from the bench's workloads, so nothing is downloaded:
+
+- ``compare_with_mlx_lm``: one greedy run of the engine (its default configuration: the path a job takes on this
+  device) and one of ``mlx_lm.batch_generate`` on the same prompts, EOS ignored, same concurrency. A warm-up of both
+  sizes the main run to about ``RunSize.seconds``.
+- ``forced_oom``: the same rows with ``batch_invariant`` (each row's bits independent of its batch), once unforced and
+  once per forced failure: a step's launch raises ``MemoryError`` as a device out of memory does, the engine must
+  shrink the batch, recompute the rows it dropped and give the unforced run's tokens. The failure is forced the way
+  the tests force it (tests/conftest.py ``fail_launch_at``): the engine has no public seam for it, so this reaches
+  into its runner's ``_launch``; a renamed runner makes this check say so instead of passing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxbatch.bench import workloads as wl
+from mlxbatch.bench.harness import Bench, agreement, log
+from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class RunSize:
+    model: str  # a random_model shape (built once into the cache folder) or a model folder
+    rows: int  # rows of the warm-up; the main run scales them towards ``seconds``
+    min_len: int
+    max_len: int
+    max_tokens: int
+    concurrency: int
+    seconds: float  # about how long the main engine + mlx-lm runs take together (0: run the warm-up size)
+    max_rows: int = 4096
+
+
+def pick_size(on_gpu: bool, quick: bool, model: str | None = None) -> RunSize:
+    """``quick``: a few seconds on a CPU (CI, the tests). Otherwise about 30 s: a larger model on a GPU."""
+    if quick:
+        return RunSize(model or "tiny64", 8, 16, 48, 8, 8, 0.0)
+    if on_gpu:
+        return RunSize(model or "small64", 64, 64, 512, 128, 128, 30.0)
+    return RunSize(model or "tiny64", 32, 32, 256, 48, 32, 30.0)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The engine and mlx-lm's ``batch_generate`` on the same prompts (greedy, EOS ignored)."""
+
+    model: str
+    dtype: str
+    rows: int
+    prompt_tokens: int
+    max_tokens: int
+    concurrency: int
+    engine_s: float
+    engine_tokens: int
+    mlx_lm_s: float
+    mlx_lm_tokens: int
+    same_rows: int  # rows whose generated tokens equal mlx-lm's
+    kv_budget_bytes: int  # what the engine took for KV (its default share of the free memory)
+
+    @property
+    def engine_tps(self) -> float:
+        return self.engine_tokens / self.engine_s
+
+    @property
+    def mlx_lm_tps(self) -> float:
+        return self.mlx_lm_tokens / self.mlx_lm_s
+
+
+@dataclass(frozen=True)
+class ForcedOOM:
+    rows: int
+    failed_launch: tuple[int, ...]  # the step launch forced to fail, one engine run each
+    equal_rows: tuple[int, ...]  # per forced run: rows whose tokens and logprobs equal the unforced run's
+    preemptions: tuple[int, ...]  # per forced run: the engine's count (the failed step's shrink)
+    problem: str = ""  # why the check could not run
+
+
+def open_bench(size: RunSize, cache_dir: Path, seed: int = 0) -> Bench:
+    """The model loaded once (bfloat16 on a GPU, float32 on a CPU, as the bench) and a tokenizer without EOS."""
+    return Bench(argparse.Namespace(model=size.model, dtype="auto", cache_dir=str(cache_dir),
+                                    concurrency=size.concurrency, seed=seed))
+
+
+def _prompts(b: Bench, size: RunSize, rows: int) -> wl.Workload:
+    return b.workload("unique", rows, min_len=size.min_len, max_len=size.max_len, max_tokens=size.max_tokens)
+
+
+def compare_with_mlx_lm(b: Bench, size: RunSize) -> Comparison:
+    c, prefill = size.concurrency, min(8, size.concurrency)
+    w = _prompts(b, size, size.rows)
+    log(f"doctor: warm-up, {w.rows} rows of {size.min_len}-{size.max_len} tokens, {w.max_tokens} new each")
+    t0 = time.perf_counter()
+    b.run_b1(w, c, prefill)
+    b.run_engine(w, max_num_seqs=c)
+    warm_s = time.perf_counter() - t0
+    if size.seconds > 0:  # both paths' cost grows about linearly in rows past the warm-up's size
+        rows = int(min(size.max_rows, max(size.rows, size.rows * size.seconds / max(warm_s, 1e-3))))
+        w = _prompts(b, size, rows)
+    log(f"doctor: {w.rows} rows through mlx-lm's batch_generate, then the engine")
+    ref = b.run_b1(w, c, prefill, name="mlx-lm")
+    eng = b.run_engine(w, max_num_seqs=c)
+    same, _ = agreement(eng.tokens, ref.tokens, w.max_tokens)
+    return Comparison(b.args.model, b.loaded.dtype, w.rows, w.prompt_tokens, w.max_tokens, c, eng.wall_s,
+                      eng.gen_tokens, ref.wall_s, ref.gen_tokens, same, int(eng.extra["kv_budget_bytes"]))
+
+
+def _arm_failure(engine: Engine, at: int) -> bool:
+    """Make the engine's ``at``-th step launch raise ``MemoryError`` (False: the runner has no ``_launch`` here)."""
+    runner = engine.core.runner
+    real = getattr(runner, "_launch", None)
+    if real is None:
+        return False
+    calls = {"n": 0}
+
+    def launch(out):
+        calls["n"] += 1
+        if calls["n"] == at:
+            raise MemoryError("forced by mlxbatch doctor")
+        return real(out)
+
+    runner._launch = launch
+    return True
+
+
+def _greedy_bits(b: Bench, prompts: list[list[int]], params: SamplingParams, fail_at: int | None) \
+        -> tuple[list[tuple], int] | None:
+    engine = Engine(b.loaded, EngineConfig(warm_up=False, batch_invariant=True, max_num_seqs=4, seed=0))
+    try:
+        if fail_at is not None and not _arm_failure(engine, fail_at):
+            return None
+        outs = engine.generate(prompts, params)
+        preemptions = int(engine.stats()["preemptions"])
+    finally:
+        engine.close()
+    return [(o.token_ids, tuple((lp.token_id, lp.logprob) for lp in o.logprobs or ())) for o in outs], preemptions
+
+
+def forced_oom(b: Bench, rows: int = 12, fail_at: tuple[int, ...] = (3, 9)) -> ForcedOOM:
+    """``rows`` greedy rows, four at a time: unforced, then with launch 3 (prefills in flight) and 9 (decodes)
+    failing for lack of memory. Equal tokens and logprobs are what the engine promises (README: batch invariance)."""
+    rng = random.Random(7)
+    prompts = [b.vocab.draw(rng, rng.randint(16, 64)) for _ in range(rows)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    log(f"doctor: {rows} rows unforced, then with step launch {' / '.join(map(str, fail_at))} out of memory")
+    ref = _greedy_bits(b, prompts, params, None)
+    assert ref is not None
+    equal, preempted = [], []
+    for at in fail_at:
+        got = _greedy_bits(b, prompts, params, at)
+        if got is None:
+            return ForcedOOM(rows, fail_at, (), (), "the engine's runner has no _launch to force a failure into "
+                             "(mlxbatch/bench/doctor_runs.py needs updating to the engine's new seam)")
+        equal.append(sum(x == y for x, y in zip(got[0], ref[0])))
+        preempted.append(got[1])
+    return ForcedOOM(rows, fail_at, tuple(equal), tuple(preempted))
