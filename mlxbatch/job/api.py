@@ -8,7 +8,8 @@ job (``sampling={"temperature": 0.7}``), ``limit``, ``output`` and ``sets`` (``[
 Unlike the command line it never ends the process: off the main thread no signal handler is installed (stop a run
 with ``JobRunner.request_stop``); on the main thread (a notebook's kernel) the first interrupt stops the run
 after checkpointing what finished, and a second one stops it at once, still keeping finished rows, and raises
-``JobInterrupted`` instead of exiting. Run it again to resume.
+``JobInterrupted`` instead of exiting. Run it again to resume. On a Mac the run holds a sleep assertion, as the
+command line does (``awake.keep_awake``): a notebook's overnight job does not freeze when the Mac idles.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbatch.job.check.validate import check_spec
+from mlxbatch.job.run.awake import keep_awake
 from mlxbatch.job.run.runner import JobRunner
 from mlxbatch.job.spec import JobSpec, load_job, parse_job
 from mlxbatch.job.spec.overrides import JobOverrides
@@ -68,6 +70,7 @@ def run_job(job: str | PathLike[str] | Mapping[str, Any], *, limit: int | None =
     Raises JobSpecError (an invalid job), JobFailed (``max_error_rate``), JobInterrupted, or another MlxbatchError.
     """
     spec = load_spec(job, JobOverrides(sets=tuple(sets), merge=sections, limit=limit, output=output))
-    result = JobRunner(spec, progress=progress, exit_on_second_signal=False,
-                       resume_hint="To resume, call run_job again with the same job and changes.").run()
+    with keep_awake():  # macOS: no idle sleep while the job runs (caffeinate)
+        result = JobRunner(spec, progress=progress, exit_on_second_signal=False,
+                           resume_hint="To resume, call run_job again with the same job and changes.").run()
     return JobResult(Path(result.out_dir), result.report)

@@ -68,3 +68,17 @@ def test_mlxbatch_run_keeps_a_mac_awake_until_it_exits(tmp_path, tiny_model_path
     (line,) = caffeinate.read_text().splitlines()  # one assertion for the whole run
     pid, *args = line.split()
     assert args == ["-i", "-w", str(os.getpid())] and not alive(int(pid))
+
+
+def test_run_job_keeps_a_mac_awake_until_it_returns(tmp_path, tiny_model_path, caffeinate, monkeypatch):
+    """The notebook entry point holds the same assertion as the command line: a notebook's overnight job too."""
+    import mlxbatch
+
+    monkeypatch.setattr(awake, "_platform", lambda: "darwin")
+    data = write_jsonl(tmp_path / "rows.jsonl", texts(6))
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", sampling={"temperature": 0, "max_tokens": 3})
+    result = mlxbatch.run_job(job)
+    assert result.report["rows"]["output"] == 6
+    (line,) = caffeinate.read_text().splitlines()
+    pid, *args = line.split()
+    assert args == ["-i", "-w", str(os.getpid())] and not alive(int(pid))  # stopped when run_job returned
