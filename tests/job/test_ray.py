@@ -376,3 +376,65 @@ def test_an_address_where_no_cluster_answers_fails_fast_and_says_so(monkeypatch)
         listening.listen()
         assert unreachable(f"127.0.0.1:{listening.getsockname()[1]}") is None
     assert unreachable("auto") is None
+
+
+def test_a_mac_without_rays_cluster_switch_is_told_to_set_it(monkeypatch):
+    """Ray refuses clusters of several machines on macOS unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1: a failed
+    connection from a Mac names it (macOS injected); elsewhere, or with it set, the message stays as it was."""
+    import socket
+
+    from mlxbatch.job.executors.base import ExecutorError
+    from mlxbatch.job.executors.ray import cluster as ray_cluster
+
+    monkeypatch.setattr(ray_cluster.ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    for platform, named in (("darwin", True), ("linux", False)):
+        monkeypatch.setattr(ray_cluster, "_node_platform", lambda p=platform: p)
+        with pytest.raises(ExecutorError) as err:
+            with ray_cluster.connected(address, 1, 1.0):
+                pass
+        assert ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1" in str(err.value)) == named, err.value
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")
+    assert ray_cluster.mac_cluster_hint("darwin") == ""
+
+
+def test_one_actor_per_mac_by_default():
+    from mlxbatch.job.executors.ray.cluster import NodeFacts, plan_actors
+    from mlxbatch.job.spec import ExecutorSection
+
+    def nodes(*platforms):
+        return [NodeFacts(f"n{i}", p, {"CPU": 10.0, "memory": 1e10}) for i, p in enumerate(platforms)]
+
+    x = ExecutorSection(kind="ray")
+    plan = plan_actors(x, nodes("darwin", "darwin", "darwin"))
+    assert plan.count == 3 and len(plan.bundles) == 3 and plan.bundles[0] == {"CPU": 1.0}
+    assert plan_actors(x, nodes("linux", "linux")).count == 20  # elsewhere: what the resources fit, as before
+    assert plan_actors(ExecutorSection(kind="ray", actors=2), nodes("darwin")).count == 2  # asked for: as asked
+    mixed = plan_actors(x, nodes("darwin", "linux"))
+    assert mixed.count == 20 and mixed.bundles == [] and mixed.macs == 1
+
+
+def test_a_mac_runs_one_engine_actor_not_one_per_core(cluster, tmp_path, tiny_model_path, monkeypatch):
+    """The module's cluster has 2 CPUs: 0.5 CPU per actor fits 4 actors, one per half core. With the node's
+    platform injected as macOS (its task answers "darwin"), one actor runs every row, through a placement group
+    that is gone afterwards."""
+    from ray.util import placement_group_table
+
+    from mlxbatch.job.executors.ray import cluster as ray_cluster
+    from mlxbatch.job.spec import ExecutorSection
+
+    x = ExecutorSection(kind="ray", num_cpus=0.5)
+    assert ray_cluster.plan_actors(x, ray_cluster.cluster_nodes()).count == 4  # this Linux node, as it is
+    monkeypatch.setattr(ray_cluster, "_node_platform", lambda: "darwin")
+    assert [n.platform for n in ray_cluster.cluster_nodes()] == ["darwin"]
+    rows = grouped_rows(2, 4)
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    job = _job(tmp_path, "mac", tiny_model_path, data,
+               executor={"kind": "ray", "num_cpus": 0.5, "start_timeout_s": 240})
+    report = JobRunner(validate_job(job), progress=False).run().report
+    (actor,) = report["engine"]["executor"]["actors"]
+    assert actor["rows"] == len(rows) == report["rows"]["output"]
+    assert all(g["state"] == "REMOVED" for g in placement_group_table().values())

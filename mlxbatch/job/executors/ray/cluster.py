@@ -6,6 +6,14 @@ as ``ray.init()`` does, the cluster ``ray start`` runs on this machine, or start
 CPUs for the actors) and leaves it afterwards only if it joined; Ray's own
 SIGTERM handler is undone so the run loop's signal handling stays in charge. The driver loads the tokenizer
 only (no weights): it tokenizes and plans, the actors run the model.
+
+Sizing (``actor_plan``): ``executor.actors`` when set; otherwise as many actors as the cluster's resources fit, except
+on Macs. A Mac has one GPU that every process on it shares, and Ray counts no GPU there, so resources would give one
+actor per CPU core, each loading the model and budgeting KV from the same free memory as if alone. On a cluster of
+Macs (every node's ``sys.platform`` asked by a task pinned to it) the default is one actor per Mac, its engine's
+budget the host's, placed by a placement group that spreads one bundle per Mac (a replacement actor takes the bundle
+its predecessor left). Ray itself refuses multi-machine clusters on macOS unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1``
+is set (for ``ray start`` on every Mac and for the driver); a failed connection from a Mac without it names it.
 """
 
 from __future__ import annotations
@@ -15,8 +23,10 @@ import math
 import os
 import signal
 import socket
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +35,12 @@ from ray.exceptions import RayError
 
 from mlxbatch.engine import resolve_path
 from mlxbatch.job.executors.base import ExecutorError
-from mlxbatch.job.spec import JobSpec
+from mlxbatch.job.spec import ExecutorSection, JobSpec
+
+log = logging.getLogger(__name__)
+
+MAC_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's own switch (ray._private.ray_constants)
+PROBE_NODE_TIMEOUT_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +52,101 @@ def kill(handle: Any) -> None:
         pass
 
 
-def fitting_actors(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> int:
-    """As many actors as the cluster's resources hold (at least one)."""
-    total = ray.cluster_resources()
+def fitting_actors(num_cpus: float, num_gpus: float, resources: dict[str, float], total: Mapping[str, float]) -> int:
+    """As many actors as the cluster's resources (``total``) hold (at least one)."""
     wanted = {"CPU": num_cpus, "GPU": num_gpus, **resources}
     fits = [int(total.get(name, 0) // amount) for name, amount in wanted.items() if amount > 0]
     return max(1, min(fits, default=1))
+
+
+def mac_cluster_hint(platform: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """What to add to a failed connection's message on a Mac without Ray's cluster switch ("" elsewhere)."""
+    env = os.environ if env is None else env
+    if (platform or _node_platform()) != "darwin" or env.get(MAC_CLUSTER_ENV, "").lower() in ("1", "true"):
+        return ""
+    return (f"; on macOS, Ray serves or joins a cluster of several machines only with {MAC_CLUSTER_ENV}=1 set, for "
+            "`ray start` on every Mac and for this command (README: Distributed runs)")
+
+
+def _node_platform() -> str:
+    """This process's platform (the driver's, or a node's when run there as a task)."""
+    return sys.platform
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    node_id: str
+    platform: str  # sys.platform on that node ("darwin", "linux", "" when it did not answer)
+    resources: dict[str, float]
+
+
+@dataclass(frozen=True)
+class ActorPlan:
+    """How many engine actors to start, and the options each gets beyond the executor section's."""
+
+    count: int
+    bundles: list[dict[str, float]] = field(default_factory=list)  # one per Mac: a STRICT_SPREAD placement group
+    macs: int = 0  # Mac nodes in the cluster
+
+
+def plan_actors(x: ExecutorSection, nodes: list[NodeFacts]) -> ActorPlan:
+    """The sizing rule (pure: ``nodes`` are what ``cluster_nodes`` found)."""
+    macs = [n for n in nodes if n.platform == "darwin"]
+    if x.actors is not None:
+        if macs and x.actors > len(macs):
+            log.warning("executor.actors=%d on %d Mac(s): actors on one Mac share its GPU, and each takes its KV "
+                        "budget from the same free memory as if alone; leave executor.actors out (one per Mac) or "
+                        "lower engine.kv_memory_fraction", x.actors, len(macs))
+        return ActorPlan(x.actors, macs=len(macs))
+    if macs and len(macs) == len(nodes):
+        bundle = {"CPU": x.num_cpus or 0.01, **({"GPU": x.num_gpus} if x.num_gpus else {}), **x.resources}
+        return ActorPlan(len(macs), [dict(bundle) for _ in macs], len(macs))
+    if macs:
+        log.warning("the cluster mixes %d Mac(s) with other machines: sizing by resources (their actors compute in "
+                    "other dtypes, and the driver refuses those whose model identity differs)", len(macs))
+    total: dict[str, float] = {}
+    for n in nodes:
+        for name, amount in n.resources.items():
+            total[name] = total.get(name, 0.0) + amount
+    return ActorPlan(fitting_actors(x.num_cpus, x.num_gpus, x.resources, total), macs=len(macs))
+
+
+def cluster_nodes() -> list[NodeFacts]:
+    """Every live node of the cluster with its platform (a zero-CPU task pinned to each node asks it)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(num_cpus=0, max_retries=0)(_node_platform)
+    live = [n for n in ray.nodes() if n.get("Alive")]
+    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+            for n in live]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PROBE_NODE_TIMEOUT_S)
+    done = set(ready)
+    out = []
+    for n, ref in zip(live, refs):
+        try:
+            platform = ray.get(ref) if ref in done else ""
+        except RayError:
+            platform = ""
+        out.append(NodeFacts(n["NodeID"], platform, dict(n.get("Resources") or {})))
+    return out
+
+
+@contextmanager
+def actor_plan(x: ExecutorSection) -> Iterator[tuple[ActorPlan, dict[str, Any]]]:
+    """The plan and the actor options it adds (one per Mac: a placement group, removed afterwards)."""
+    plan = plan_actors(x, cluster_nodes())
+    if not plan.bundles:
+        yield plan, {}
+        return
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group(plan.bundles, strategy="STRICT_SPREAD", name="mlxbatch-one-actor-per-mac")
+    log.info("one engine actor on each of the %d Mac(s) of the cluster", plan.count)
+    try:
+        yield plan, {"scheduling_strategy": PlacementGroupSchedulingStrategy(group), "num_cpus": plan.bundles[0]["CPU"]}
+    finally:
+        remove_placement_group(group)
 
 
 def driver_tokenizer(spec: JobSpec) -> Any:
@@ -91,7 +195,7 @@ def connected(address: str | None, actors: int | None, num_cpus: float) -> Itera
     why = unreachable(target) if target else None
     if why is not None:
         raise ExecutorError(f"could not connect to the Ray cluster at {target}: {why}; start one there "
-                            "(`ray start --head`) or leave the address out to run a local cluster")
+                            f"(`ray start --head`) or leave the address out to run a local cluster{mac_cluster_hint()}")
     try:
         try:
             ray.init(address=address, **kwargs, **local)
@@ -105,7 +209,8 @@ def connected(address: str | None, actors: int | None, num_cpus: float) -> Itera
                      "run", ray.get_runtime_context().gcs_address)
     except Exception as exc:  # a bad address, no cluster there, a temp dir Ray cannot use, ...
         where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
-        raise ExecutorError(f"could not connect to {where}: {type(exc).__name__}: {exc}") from exc
+        hint = mac_cluster_hint() if target else ""
+        raise ExecutorError(f"could not connect to {where}: {type(exc).__name__}: {exc}{hint}") from exc
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)

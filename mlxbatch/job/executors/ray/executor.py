@@ -35,7 +35,7 @@ from mlxbatch.engine import common_prefix_len
 from mlxbatch.job.executors.base import ExecutorError, Finished, ModelInfo, tokenizer_fingerprint
 from mlxbatch.job.executors.engine_stats import merge_engine_stats
 from mlxbatch.job.executors.ray.actor import ActorInfo, Advance, EngineActor, Placed
-from mlxbatch.job.executors.ray.cluster import connected, driver_tokenizer, fitting_actors, kill
+from mlxbatch.job.executors.ray.cluster import ActorPlan, actor_plan, connected, driver_tokenizer, kill
 from mlxbatch.job.executors.ray.progress import clear_progress, write_progress
 from mlxbatch.job.executors.ray.slots import Slot, next_rows, units_of
 from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed, Submit
@@ -51,10 +51,12 @@ POLL_WAIT_S = 0.05
 
 
 class RayExecutor:
-    def __init__(self, spec: JobSpec, tokenizer: Any, address: str | None) -> None:
+    def __init__(self, spec: JobSpec, tokenizer: Any, address: str | None, plan: ActorPlan,
+                 placement: dict[str, Any] | None = None) -> None:
         self.spec, self.tokenizer, self.address = spec, tokenizer, address
         x = spec.executor
-        self.n_actors = x.actors or fitting_actors(x.num_cpus, x.num_gpus, x.resources)
+        self.n_actors = plan.count  # cluster.plan_actors: executor.actors, one per Mac, or what resources fit
+        self._placement = placement or {}
         self.restarts_left = self.n_actors if x.max_restarts is None else x.max_restarts
         self.limit = 4 * spec.engine.max_num_seqs
         self.slots: list[Slot] = []
@@ -73,6 +75,7 @@ class RayExecutor:
         options = {"num_cpus": x.num_cpus, "num_gpus": x.num_gpus, "max_restarts": 0, "max_task_retries": 0}
         if x.resources:
             options["resources"] = dict(x.resources)
+        options.update(self._placement)  # on Macs: the actor takes a free bundle of one-per-Mac placement group
         handle = ray.remote(EngineActor).options(**options).remote(name, self.spec.model, self.spec.engine,
                                                                      self.spec.seed)
         slot = Slot(name, handle, replacing=replacing)
@@ -279,8 +282,8 @@ def open_ray_executor(spec: JobSpec) -> Iterator[RayExecutor]:
     x = spec.executor
     clear_progress(spec.output)
     tokenizer = driver_tokenizer(spec)
-    with connected(x.address, x.actors, x.num_cpus) as address:
-        executor = RayExecutor(spec, tokenizer, address)
+    with connected(x.address, x.actors, x.num_cpus) as address, actor_plan(x) as (plan, placement):
+        executor = RayExecutor(spec, tokenizer, address, plan, placement)
         ok = False
         try:
             executor.await_ready()
