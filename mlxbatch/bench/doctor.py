@@ -188,7 +188,7 @@ def run_checks(on_gpu: bool, quick: bool, model: str | None, cache_dir: Path) ->
     ratio = cmp.engine_tps / cmp.mlx_lm_tps
     # a first token that differs is a near-tie at most, and rare; many are a wrong path. Later tokens part ways more
     # often in bfloat16 (a row differs from its first near-tie on), so whole rows are shown, not judged
-    verdict = Verdict.OK if ratio >= 0.8 and cmp.same_first >= 0.9 * cmp.rows else Verdict.WARN
+    verdict = Verdict.OK if ratio >= 0.8 and cmp.same_first >= 0.75 * cmp.rows else Verdict.WARN  # H100: 92%
     if cmp.same_first < 0.5 * cmp.rows:
         verdict = Verdict.FAIL
     speed = Check("engine vs mlx-lm", f"{cmp.engine_tps:,.0f} vs {cmp.mlx_lm_tps:,.0f} tok/s ({ratio:.2f}x); the "
