@@ -82,7 +82,8 @@ class NodeFacts:
 
 @dataclass(frozen=True)
 class ActorPlan:
-    """How many engine actors to start, and the options each gets beyond the executor section's."""
+    """How many engine actors to start and, on a cluster of Macs, the bundles of the placement group that puts one on
+    each Mac (``actor_plan`` makes it and the actor options that use it)."""
 
     count: int
     bundles: list[dict[str, float]] = field(default_factory=list)  # one per Mac: a STRICT_SPREAD placement group
