@@ -90,8 +90,10 @@ def _done_line(report: dict[str, Any], out_dir: str) -> str:
         else:  # scoring generates nothing: its speed is in rows and prompt tokens
             parts.append(f"{this['rows_per_s']} rows/s, {this['prompt_tokens_per_s']} prompt tok/s")
     acc = report.get("accuracy")
-    if acc and acc.get("accuracy") is not None:
-        parts.append(f"accuracy {acc['accuracy']:.1%} ({acc['correct']}/{acc['answered']})")
+    if acc and acc.get("rows"):
+        from mlxbatch.job.report.metrics import summary_line
+
+        parts.append(summary_line(acc))
     return ", ".join(parts) + f" -> {out_dir}/results.parquet"
 
 
@@ -121,6 +123,8 @@ def run(job_file: Path, progress: bool | None, sets: tuple[str, ...], limit: int
     except MlxbatchError as exc:
         _fail(exc)
     click.echo(_done_line(result.report, result.out_dir))
+    if (result.report.get("accuracy") or {}).get("warning"):
+        click.echo(f"warning: {result.report['accuracy']['warning']}", err=True)
 
 
 @main.command()

@@ -86,10 +86,11 @@ Recompute = Mapping[str, Callable[[Mapping[str, Any], Mapping[str, Any]], Any]] 
 def _recomputed(extra_rows: list[dict[str, Any]], rows: list[dict[str, Any]], columns: dict[str, Any],
                 recompute: Recompute) -> None:
     """Set each ``recompute`` column of ``extra_rows`` from the row's current inputs and its result (``text``,
-    ``error`` and its other extra values); a missing row's result has ``text`` None."""
+    ``error``, ``finish_reason`` and its other extra values); a missing row's result has ``text`` None."""
     texts, errors = columns["text"].to_pylist(), columns["error"].to_pylist()
-    for extra, inputs, text, error in zip(extra_rows, rows, texts, errors):
-        result = {**extra, "text": text, "error": error}
+    finishes = columns["finish_reason"].to_pylist()
+    for extra, inputs, text, error, finish in zip(extra_rows, rows, texts, errors, finishes):
+        result = {**extra, "text": text, "error": error, "finish_reason": finish}
         for name, value in recompute.items():
             extra[name] = value(inputs, result)
 
@@ -142,8 +143,8 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
     ``metadata`` goes into the Parquet schema's key-value metadata (e.g. ``mlxbatch.batch_invariant``).
     ``recompute`` names extra columns (declared in ``extra_types``) whose values are computed again for every row
     from its current inputs and its checkpointed result, ``value(inputs, result)`` with ``result`` the row's
-    ``text``, ``error`` and extra values: values that depend on input columns outside the key (e.g. ``correct``
-    against a gold column edited since the row ran).
+    ``text``, ``error``, ``finish_reason`` and extra values: values that depend on input columns outside the key
+    (e.g. ``correct`` against a gold column edited since the row ran).
     """
     out = Path(out_dir)
     spool = InputsSpool(out / INPUTS_SPOOL)

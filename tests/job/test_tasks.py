@@ -30,18 +30,30 @@ def test_score_job_scores_candidates_and_reports_accuracy(tmp_path, tiny_model_p
     rows = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()}
     assert rows["d"]["error_kind"] == "candidates" and "non-empty list" in rows["d"]["error"]
     assert rows["e"]["error_kind"] == "request" and "context" in rows["e"]["error"]
+    assert rows["d"]["correct"] is False and rows["e"]["correct"] is False  # error rows are graded wrong
+    assert rows["d"]["target"] == 0 and rows["e"]["target"] == 0
+    assert all(r["params"] == "{}" for r in rows.values())  # a score row samples nothing
     eng = Engine(tiny_loaded, EngineConfig(warm_up=False))
-    right = 0
+    right = right_norm = 0
     for q in QUESTIONS[:3]:
         r = rows[q["id"]]
-        want = [c.cumulative_logprob for c in eng.score([("Q: " + q["q"], q["options"])])[0].completions]
+        outs = eng.score([("Q: " + q["q"], q["options"])])[0].completions
+        want = [c.cumulative_logprob for c in outs]
         assert r["scores"] == pytest.approx(want, abs=1e-4)
+        assert r["candidates"] == q["options"] and r["candidate_tokens"] == [len(c.logprobs) for c in outs]
+        assert r["candidate_bytes"] == [len(o.encode()) for o in q["options"]]
         best = max(range(len(want)), key=want.__getitem__)
-        assert r["choice"] == best and r["text"] == q["options"][best] and len(r["greedy"]) == len(want)
+        norm = max(range(len(want)), key=lambda i: want[i] / len(q["options"][i].strip()))  # lm-eval's acc_norm
+        assert r["choice"] == best and r["choice_norm"] == norm and len(r["greedy"]) == len(want)
+        assert r["text"] == q["options"][best].strip()  # comparable with a text answer
         gold = q["gold"] if isinstance(q["gold"], int) else [o.strip() for o in q["options"]].index(q["gold"].strip())
-        assert r["correct"] == (best == gold)
+        assert r["target"] == gold and r["correct"] == (best == gold) and r["correct_norm"] == (norm == gold)
         right += best == gold
-    assert report["accuracy"] == {"answered": 3, "correct": right, "accuracy": round(right / 3, 4)}
+        right_norm += norm == gold
+    acc = report["accuracy"]
+    assert (acc["rows"], acc["correct"], acc["answered"], acc["errors"]) == (5, right, 3, 2)
+    assert acc["accuracy"] == right / 5 and acc["accuracy_of_answered"] == right / 3
+    assert acc["acc_norm"] == right_norm / 5
 
 
 def test_n_samples_become_a_list_column(tmp_path, tiny_model_path):

@@ -1,9 +1,10 @@
 """Run statistics and the run report (report.json).
 
 Owns what the report says and where each figure comes from:
-- **On disk, all runs.** ``rows`` (output / ok / errors), ``errors_by_kind``, ``tokens`` and ``accuracy`` are
-  read from the final results.parquet, so they describe the results as they are, whichever runs made them (a
-  resume that redid nothing still reports the 26 error rows an earlier run wrote). A run stopped by
+- **On disk, all runs.** ``rows`` (output / ok / errors), ``errors_by_kind``, ``tokens`` and ``accuracy`` (the
+  evaluation figures, ``report.metrics``) are read from the final results.parquet, so they describe the results as
+  they are, whichever runs made them (a resume that redid nothing still reports the 26 error rows an earlier run
+  wrote). A run stopped by
   ``max_error_rate`` before every row finished counts the current rows checkpointed so far
   (``summarize_checkpointed``) and says why it stopped (``stopped``).
 - **This run.** ``this_run``: rows finished and resumed, its errors, tokens, speed and wall time.
@@ -29,22 +30,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mlxbatch.io import CheckpointStore, ExpectedRow, ResultRecord, finalize
+from mlxbatch.job.report.metrics import evaluate
 from mlxbatch.job.spec import JobSpec
 
 _CHECKPOINTED_NAME = ".checkpointed.parquet.tmp"  # summarize_checkpointed's file (a leftover is a temporary file)
 WORK_RUN_META = "last_work_run"  # manifest metadata: the figures of the last run that finished rows
 _RUN_FIGURES = ("generated_tokens_per_s", "prompt_tokens_per_s", "rows_per_s", "wall_s", "prefix_reuse", "plan",
                 "vision_cache", "engine")
-
-
-def accuracy(results: Path) -> dict[str, Any] | None:
-    """Correct / answered over the final results' ``correct`` column (None when the job checks no answers)."""
-    if "correct" not in pq.read_schema(results).names:
-        return None
-    col = pq.read_table(results, columns=["correct"]).column("correct")
-    answered = len(col) - col.null_count
-    right = pc.sum(col.cast("int64")).as_py() or 0
-    return {"answered": answered, "correct": right, "accuracy": round(right / answered, 4) if answered else None}
 
 
 @dataclass(frozen=True)
@@ -80,7 +72,8 @@ def summarize_results(results: Path, *, with_missing: bool = True) -> DiskSummar
     if not with_missing:
         missing = kinds.pop("missing", 0)
         rows, errors = rows - missing, errors - missing
-    return DiskSummary(rows, errors, dict(kinds.most_common()), prompt, generated, accuracy(results))
+    return DiskSummary(rows, errors, dict(kinds.most_common()), prompt, generated,
+                       evaluate(results, with_missing=with_missing))
 
 
 def summarize_checkpointed(store: CheckpointStore, out_dir: Path, expected: Iterable[ExpectedRow],

@@ -1,9 +1,11 @@
 """``mlxbatch show``: a look at a job's results: a few rows and a summary.
 
 Owns what a user checks first after a run: for a few rows, the prompt (when ``output.keep_prompt`` kept it; a long
-one as its start and its end, where the row's own text is), the output and the error; then the rows' finish reasons, error kinds, the distribution of labels (the ``parsed``
-values of choice / regex outputs, or the chosen candidate of a score task) and the accuracy against a gold
-column. Reads results.parquet only (streamed by row group); loads no model.
+one as its start and its end, where the row's own text is), the output and the error; then the rows' finish
+reasons, error kinds, the distribution of labels (the ``parsed`` values of choice / regex outputs, or the chosen
+candidate of a score task) and the evaluation figures of a graded job (``report.metrics``: accuracy over every row,
+its standard error, acc_norm, the majority baseline). Reads results.parquet only (streamed by row group); loads no
+model.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mlxbatch.errors import MlxbatchError
+from mlxbatch.job.report.metrics import evaluate, summary_line
 
 TOP_LABELS = 12
 _WIDTH = 400
@@ -57,13 +60,12 @@ def show(target: Path, n: int = 5) -> str:
     names = pf.schema_arrow.names
     label_col = "parsed" if "parsed" in names and pa.types.is_string(pf.schema_arrow.field("parsed").type) else \
         "text" if "choice" in names else None
-    wanted = [c for c in ("id", "rendered_prompt", "text", "finish_reason", "error", "error_kind", "correct",
-                          label_col) if c is not None and c in names]
+    wanted = [c for c in ("id", "rendered_prompt", "text", "finish_reason", "error", "error_kind", label_col)
+              if c is not None and c in names]
     rows = finish = 0
     finishes: collections.Counter[str] = collections.Counter()
     kinds: collections.Counter[str] = collections.Counter()
     labels: collections.Counter[str] = collections.Counter()
-    right = answered = 0
     lines: list[str] = []
     for batch in pf.iter_batches(columns=list(dict.fromkeys(wanted))):
         for r in batch.to_pylist():
@@ -73,9 +75,6 @@ def show(target: Path, n: int = 5) -> str:
                 kinds[r.get("error_kind") or "error"] += 1
             elif label_col is not None and r.get(label_col) is not None:
                 labels[str(r[label_col])] += 1
-            if r.get("correct") is not None:
-                answered += 1
-                right += bool(r["correct"])
             if rows <= n:
                 lines.append(f"--- {r['id']}")
                 if r.get("rendered_prompt") is not None:
@@ -88,12 +87,17 @@ def show(target: Path, n: int = 5) -> str:
     lines.append("finish reasons: " + ", ".join(f"{k} {v}" for k, v in finishes.most_common()) if finish else
                  "finish reasons: -")
     lines.append("errors: " + (", ".join(f"{k} {v}" for k, v in kinds.most_common()) if kinds else "none"))
-    if labels:
+    acc = evaluate(path)
+    if acc is not None and acc["rows"]:  # a graded job: its answers' labels (a score row's by position when the
+        # rows' candidates differ), its figures and its warning
+        lines.append("labels: " + ", ".join(f"{k!r} {v}" for k, v in acc["predicted_labels"].items()))
+        lines.append(summary_line(acc))
+        if acc.get("warning"):
+            lines.append(f"warning: {acc['warning']}")
+    elif labels:
         top = labels.most_common(TOP_LABELS)
         rest = sum(labels.values()) - sum(v for _, v in top)
         lines.append("labels: " + ", ".join(f"{k!r} {v}" for k, v in top) + (f", others {rest}" if rest else ""))
-    if answered:
-        lines.append(f"accuracy: {right / answered:.1%} ({right} of {answered} rows with an answer)")
     if "rendered_prompt" not in names:
         lines.append("(prompts are not kept: set output.keep_prompt: true to store what the model saw)")
     folder = path.parent  # an output folder (its manifest) whose last run did not complete

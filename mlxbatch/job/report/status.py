@@ -28,6 +28,7 @@ from mlxbatch.errors import MlxbatchError
 from mlxbatch.io import InputFormat, open_reader, resolve_inputs
 from mlxbatch.job.check.validate import input_spec
 from mlxbatch.job.executors.ray.progress import driver_running, progress_lines, read_progress
+from mlxbatch.job.report.metrics import summary_line
 from mlxbatch.job.rows.prepare import RowPreparer
 from mlxbatch.job.spec import JobSpec, load_job, parse_job
 
@@ -186,6 +187,8 @@ def _summary(out_dir: Path, current: list[_Record], stale: int, outside: int, li
         lines.append(f"  last run that did work: {work.get('finished', report['rows'].get('finished_this_run'))} "
                      f"rows, {report.get('generated_tokens_per_s')} tok/s, {report.get('wall_s')} s "
                      f"(finished at {work.get('finished_at', report.get('finished_at'))})")
+        if (report.get("accuracy") or {}).get("rows"):  # the figures of the results on disk, as `run` printed them
+            lines.append(f"  {summary_line(report['accuracy'])}")
     return {"complete": complete, "outdated": finished and not complete, "rows_done": done, "total_rows": total, "percent": percent,
             "checkpointed_rows": done, "stale_records": stale, "records_outside_input": outside, "shards": shards,
             "errors": errors,

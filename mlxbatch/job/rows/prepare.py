@@ -24,6 +24,9 @@ from mlxbatch.types import SamplingParams
 
 CHARS_PER_TOKEN_BOUND = 64  # no tokenizer packs more characters into a token on average, even on whitespace runs
 _INT_PARAMS = frozenset(("top_k", "max_tokens", "min_tokens", "n", "seed", "logprobs"))
+# A score row's ``params`` column: it samples nothing, so no generation parameter applies to it. Its key keeps the
+# job's sampling parameters as before (a folder written earlier resumes as it is).
+SCORE_PARAMS = "{}"
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class PreparedRow:
     inputs: dict[str, Any]  # the input columns kept in the output
     prompt: str | list[dict[str, Any]] | None
     params: SamplingParams
-    params_json: str  # canonical JSON of ``params`` (computed once per distinct parameter set)
+    params_json: str  # canonical JSON of ``params`` (once per distinct set); a score row's: SCORE_PARAMS
     error: str | None = None
     error_kind: str | None = None
     candidates: tuple[str, ...] | None = None  # task score: the continuations to score
@@ -140,7 +143,10 @@ class RowPreparer:
         p = params or self.spec.sampling.params
         pj = self._canonical(p)
         key = result_key(row.row_id, f"<error {row.source}:{row.position}> {error}", self.model_identity, pj, p.seed)
-        return PreparedRow(row.row_id, key, self._keep(row.fields), None, p, pj, error, kind)
+        return PreparedRow(row.row_id, key, self._keep(row.fields), None, p, self._shown(pj), error, kind)
+
+    def _shown(self, params_json: str) -> str:
+        return SCORE_PARAMS if self.spec.task.kind == "score" else params_json
 
     def prepare(self, row: InputRow) -> PreparedRow:
         if row.generated_id:  # made up by the reader: never a real row's id, never a duplicate
@@ -184,5 +190,5 @@ class RowPreparer:
             identity += "\x00candidates:" + "\x00".join(candidates)  # other candidates: another result
             answer = row.fields.get(task.answer_column) if task.answer_column else None
         key = result_key(row.row_id, identity, self.model_identity, pj, params.seed)
-        return PreparedRow(row.row_id, key, self._keep(row.fields), rendered.prompt, params, pj,
+        return PreparedRow(row.row_id, key, self._keep(row.fields), rendered.prompt, params, self._shown(pj),
                            candidates=candidates, answer=answer, images=images, api_request=row.request is not None)

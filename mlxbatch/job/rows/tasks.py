@@ -1,14 +1,16 @@
 """What a row asks of the engine, and what the engine's output becomes in the results.
 
 Owns the two task kinds of a job, and ``RowTask``: what one row asks of an engine (it crosses to an engine in
-another process; ``submit`` queues it, the plan's retention included for both kinds). ``generate``: text, with ``n`` samples as a list column and, under an output
-constraint, a check that the text really matches (the match in a ``parsed`` column: the JSON value, a struct
-typed from the schema, or the text of a choice / regex); a row whose output still does not match (cut by
-``max_tokens``) is an error row of kind ``truncated`` or ``unparsed`` that keeps its text (an OpenAI Batch request
-cut by ``max_tokens`` is a reply, as the API gives it: its text, finish reason ``length``); with ``output.gold``,
-``correct`` compares the text with the row's gold answer. ``score``: the log-likelihood of each candidate
-continuation (``scores``: sums, ``token_logprobs``, ``greedy``), the best candidate as ``text`` and its index as
-``choice``, and ``correct`` when the row names its answer. Also the result columns' declared types
+another process; ``submit`` queues it, the plan's retention included for both kinds). ``generate``: text, with ``n``
+samples as a list column and, under an output constraint, a check that the text really matches (the match in a
+``parsed`` column: the JSON value, a struct typed from the schema, or the text of a choice / regex); a row whose
+output still does not match (cut by ``max_tokens``) is an error row of kind ``truncated`` or ``unparsed`` that keeps
+its text (an OpenAI Batch request cut by ``max_tokens`` is a reply, as the API gives it: its text, finish reason
+``length``); with ``output.gold``, ``correct`` grades the text (``rows.grade``). ``score``: the log-likelihood of
+each candidate continuation, with what any metric needs kept per row (``candidates`` as scored, ``scores``: their
+sums, ``candidate_tokens``, ``candidate_bytes``, ``token_logprobs``, ``greedy``), the best candidate's index as
+``choice`` (``choice_norm``: the best per character, for acc_norm) and its label as ``text``, and ``correct`` /
+``correct_norm`` / ``target`` when the row names its answer. Also the result columns' declared types
 (``output_columns``) and the prompt text a row's model saw (``output.keep_prompt``).
 """
 
@@ -24,6 +26,7 @@ import pyarrow as pa
 from mlxbatch.engine import EngineCore
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.io import ResultRecord
+from mlxbatch.job.rows import grade
 from mlxbatch.job.rows.media import encode_row
 from mlxbatch.job.rows.prepare import PreparedRow
 from mlxbatch.job.spec import JobSpec, TaskSection
@@ -84,37 +87,38 @@ def _check(text: str, constraint: OutputConstraint, finish: FinishReason | None,
     return None, why or f"the output does not match the {constraint.kind}", "truncated" if cut else "unparsed"
 
 
-def _correct(answer: Any, text: str, choice: int) -> bool | None:
-    """Whether a score row's best candidate (``text``, at index ``choice``) is its answer (an index or a text)."""
-    if answer is None:
-        return None
-    if isinstance(answer, int) and not isinstance(answer, bool):
-        return answer == choice
-    return str(answer) in (text, text.strip())
-
-
-def _gold_correct(text: str, gold: Any) -> bool | None:
-    if gold is None:
-        return None
-    return text.strip().casefold() == str(gold).strip().casefold()
+def _score_extra(prep: PreparedRow, out: RequestOutput) -> dict[str, Any]:
+    """A score row's columns: everything a metric needs, per candidate, and the picks."""
+    cands = prep.candidates or ()
+    sums = [c.cumulative_logprob or 0.0 for c in out.completions]
+    choice, choice_norm = grade.choices(cands, sums)
+    extra: dict[str, Any] = {
+        "candidates": list(cands), "scores": sums,
+        "candidate_tokens": [len(c.logprobs or ()) for c in out.completions],
+        "candidate_bytes": [len(c.encode("utf-8")) for c in cands],
+        "token_logprobs": [[lp.logprob for lp in c.logprobs or ()] for c in out.completions],
+        "greedy": [bool(c.greedy) for c in out.completions], "choice": choice, "choice_norm": choice_norm}
+    if prep.answer is not None:
+        result = {**extra, "text": grade.label(cands[choice]), "error": None}
+        extra |= {"target": grade.score_target(prep.answer, result),
+                  "correct": grade.score_correct(prep.answer, result),
+                  "correct_norm": grade.score_correct(prep.answer, result, "choice_norm")}
+    return extra
 
 
 def record_for(prep: PreparedRow, out: RequestOutput, model: str, task: TaskSection | None = None,
                prompt: str | None = None) -> ResultRecord:
-    """The result record of a finished row (``prompt``: the text the model saw, kept with output.keep_prompt)."""
+    """The result record of a finished row (``prompt``: the text the model saw, kept with output.keep_prompt).
+    A score row's ``params`` is ``{}``: it samples nothing (its key still holds the job's sampling parameters, as
+    it always did, so folders written before resume as they are)."""
     t = out.timings
     common = dict(row_id=prep.row_id, key=prep.key, inputs=prep.inputs, prompt_tokens=out.prompt_tokens,
                   latency_s=t.total, ttft_s=t.time_to_first_token, model=model, params=prep.params_json)
     extra: dict[str, Any] = {} if prompt is None else {"rendered_prompt": prompt}
     if prep.candidates is not None:
-        sums = [c.cumulative_logprob or 0.0 for c in out.completions]
-        choice = max(range(len(sums)), key=sums.__getitem__)
-        extra |= {"scores": sums, "token_logprobs": [[lp.logprob for lp in c.logprobs or ()] for c in out.completions],
-                  "greedy": [bool(c.greedy) for c in out.completions], "choice": choice}
-        correct = _correct(prep.answer, prep.candidates[choice], choice)
-        if correct is not None:
-            extra["correct"] = correct
-        return ResultRecord(**common, text=prep.candidates[choice], finish_reason="stop", extra=extra)
+        extra |= _score_extra(prep, out)
+        return ResultRecord(**common, text=grade.label(prep.candidates[extra["choice"]]), finish_reason="stop",
+                            extra=extra)
     error = kind = None
     if len(out.completions) > 1:
         extra["samples"] = [c.text for c in out.completions]
@@ -126,13 +130,14 @@ def record_for(prep: PreparedRow, out: RequestOutput, model: str, task: TaskSect
             extra["parsed"] = parsed if constraint.kind == "json_schema" else out.text
         elif kind == "truncated" and prep.api_request:  # the API's reply: its text, finish_reason length
             error = kind = None
+    finish = out.finish_reason.value if out.finish_reason else None
     if task is not None and task.gold_column is not None:
-        correct = _gold_correct(out.text, prep.inputs.get(task.gold_column))
-        if correct is not None:
-            extra["correct"] = correct and error is None
-    return ResultRecord(**common, text=out.text, finish_reason=out.finish_reason.value if out.finish_reason else None,
-                        generated_tokens=out.generated_tokens, logprobs=out.logprobs, error=error, error_kind=kind,
-                        extra=extra)
+        result = {"text": out.text, "error": error, "finish_reason": finish}
+        for name, value in grade.recompute_columns("generate", task.gold_column, task.extract,
+                                                   task.grade_truncated).items():
+            extra[name] = result[name] = value(prep.inputs, result)
+    return ResultRecord(**common, text=out.text, finish_reason=finish, generated_tokens=out.generated_tokens,
+                        logprobs=out.logprobs, error=error, error_kind=kind, extra=extra)
 
 
 def prompt_text(spec: JobSpec, prep: PreparedRow, tokenizer: Any) -> str | None:
@@ -188,7 +193,9 @@ def schema_type(schema: Any, root: dict[str, Any] | None = None, depth: int = 0)
 
 def output_columns(spec: JobSpec, tokenizer: Any, input_types: dict[str, pa.DataType]) -> dict[str, Any]:
     """finalize's column declarations for this job: the input's own types, ``parsed`` typed from the constraint
-    (present whenever a constraint is), ``correct`` with a gold column, token strings next to logprob ids."""
+    (present whenever a constraint is), the grading columns with an answer column (recomputed for every row from
+    the input as it is now: the answer column is not part of the result key, so a gold value edited, or
+    ``output.gold`` added, after the row ran reruns nothing), token strings next to logprob ids."""
     task = spec.task
     extra: dict[str, pa.DataType] = {}
     if task.kind == "generate" and (task.constraint is not None or task.constraint_column is not None):
@@ -196,41 +203,17 @@ def output_columns(spec: JobSpec, tokenizer: Any, input_types: dict[str, pa.Data
         per_row = task.constraint_column is not None
         extra["parsed"] = schema_type(json.loads(str(c.value))) if c is not None and c.kind == "json_schema" \
             and not per_row else pa.string()
-    if task.gold_column is not None or task.answer_column is not None:
-        extra["correct"] = pa.bool_()
     if task.keep_prompt:
         extra["rendered_prompt"] = pa.string()
-    recompute = {"correct": gold_check(task.gold_column)} if task.gold_column is not None else \
-        {"correct": answer_check(task.answer_column)} if task.answer_column is not None else None
+    if task.kind == "score":
+        recompute = grade.recompute_columns("score", task.answer_column)
+    else:
+        recompute = grade.recompute_columns("generate", task.gold_column, task.extract, task.grade_truncated)
+    types = {"extracted": pa.string(), "target": pa.int64() if task.kind == "score" else pa.string(),
+             "correct": pa.bool_(), "correct_norm": pa.bool_()}
+    extra |= {name: types[name] for name in recompute or ()}
     return {"input_types": input_types, "extra_types": extra, "token_text": token_text_of(tokenizer),
             "recompute": recompute}
-
-
-def gold_check(column: str) -> Any:
-    """``correct`` of a finished row against the gold value its input has *now*: finalize recomputes it for every
-    row, since the gold column is not part of the result key (a gold value edited, or ``output.gold`` added, after
-    the row ran reruns nothing). None when the row has no gold or no text (failed before generating)."""
-
-    def correct(inputs: dict[str, Any], result: dict[str, Any]) -> bool | None:
-        if result.get("text") is None:
-            return None
-        right = _gold_correct(result["text"], inputs.get(column))
-        return None if right is None else right and result.get("error") is None
-
-    return correct
-
-
-def answer_check(column: str) -> Any:
-    """``correct`` of a finished score row against the answer its input has *now* (``score.answer``), as
-    ``gold_check`` for generate rows: the answer column is not part of the result key either. None when the row
-    has no answer or no best candidate (failed before scoring)."""
-
-    def correct(inputs: dict[str, Any], result: dict[str, Any]) -> bool | None:
-        if result.get("text") is None or result.get("choice") is None or result.get("error") is not None:
-            return None
-        return _correct(inputs.get(column), result["text"], result["choice"])
-
-    return correct
 
 
 def token_text_of(tokenizer: Any) -> Any:

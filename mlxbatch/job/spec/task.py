@@ -1,5 +1,6 @@
 """The job file's task and what it asks of each row's output: ``task``, ``score`` and ``output``'s per-row keys (the
-constraint: choice / regex / json_schema, or a row column holding one; the gold column; keeping the prompt).
+constraint: choice / regex / json_schema, or a row column holding one; the gold column, and how a generated answer is
+graded against it; keeping the prompt).
 
 Owns the ``TaskSection``, its parser (reporting to the spec's ``Checker`` like every other section) and
 ``constraint_from``, which reads a constraint the same way from the job file and from a row's column (``job.rows.prepare``).
@@ -10,12 +11,32 @@ the checks between them (a score task generates no text to constrain).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.job.spec.checker import Checker
 from mlxbatch.types import CONSTRAINT_KINDS, OutputConstraint
+
+
+@dataclass(frozen=True)
+class Extract:
+    """``output.extract``: where the answer is in a generated text (``rows.grade`` applies it)."""
+
+    regex: str
+    last: bool = False  # the last match instead of the first
+
+    def find(self, text: str) -> str | None:
+        """The first group of the first (or last) match, or the whole match for a regex without a group."""
+        pattern = re.compile(self.regex)
+        if self.last:
+            *_, m = [None, *pattern.finditer(text)]
+        else:
+            m = pattern.search(text)
+        if m is None:
+            return None
+        return m.group(1) if pattern.groups else m.group(0)
 
 
 @dataclass(frozen=True)
@@ -30,6 +51,8 @@ class TaskSection:
     answer_column: str | None = None  # score.answer: the right candidate (its index or its text), for accuracy
     gold_column: str | None = None  # output.gold: the expected text of a generate row, for accuracy
     keep_prompt: bool = False  # output.keep_prompt: store the prompt the model saw in a ``prompt`` column
+    extract: Extract | None = None  # output.extract: the answer's place in a generated text, graded against the gold
+    grade_truncated: bool = False  # output.grade_truncated: grade rows cut by max_tokens (default: they are wrong)
 
 
 def constraint_from(value: Any, where: str) -> OutputConstraint:
@@ -89,5 +112,35 @@ def parse_task(c: Checker, raw: dict[str, Any], out: dict[str, Any]) -> TaskSect
     gold = c.typed(out, "output", "gold", str, None)
     if kind == "score" and gold is not None:
         c.bad("output.gold", "task score names its answer column in score.answer")
+    extract = _extract(c, out.get("extract"))
+    grade_truncated = c.typed(out, "output", "grade_truncated", bool, False)
+    for key, given in (("extract", extract is not None), ("grade_truncated", "grade_truncated" in out)):
+        if given and gold is None:
+            c.bad(f"output.{key}", "grades generated answers against output.gold: set output.gold (the column "
+                                   "with each row's right answer)" + (" (task score grades by score.answer)"
+                                                                      if kind == "score" else ""))
     return TaskSection(kind, constraint, column, candidates, candidates_column, answer, gold,
-                       c.typed(out, "output", "keep_prompt", bool, False))
+                       c.typed(out, "output", "keep_prompt", bool, False), extract, grade_truncated)
+
+
+def _extract(c: Checker, value: Any) -> Extract | None:
+    """``output.extract``: a regex, or ``{regex: .., match: first | last}``."""
+    if value is None:
+        return None
+    spec = {"regex": value} if isinstance(value, str) else value
+    if not isinstance(spec, dict) or not isinstance(spec.get("regex"), str) or not spec["regex"]:
+        c.bad("output.extract", "expected a regex, or {regex: <regex>, match: first | last} (the answer is the "
+                                "regex's first group, or the whole match when it has no group)")
+        return None
+    for key in spec:
+        if key not in ("regex", "match"):
+            c.bad(f"output.extract.{key}", "unknown key (expected one of: match, regex)")
+    match = spec.get("match", "first")
+    if match not in ("first", "last"):
+        c.bad("output.extract.match", f"expected first or last, got {match!r}")
+    try:
+        re.compile(spec["regex"])
+    except re.error as exc:
+        c.bad("output.extract.regex", f"not a valid regular expression: {exc}")
+        return None
+    return Extract(spec["regex"], match == "last")
