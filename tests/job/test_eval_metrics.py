@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from jobkit import write_job, write_jsonl
 
 from mlxbatch.cli import main
-from mlxbatch.job.metrics import summary_line
+from mlxbatch.job.report.metrics import summary_line
 
 LETTERS = [" A", " B", " C", " D"]
 

@@ -13,8 +13,8 @@ import pytest
 from jobkit import write_job, write_jsonl
 from mlx_lm import load
 
-from mlxbatch.job.runner import JobRunner
-from mlxbatch.job.validate import validate_job
+from mlxbatch.job.check.validate import validate_job
+from mlxbatch.job.run.runner import JobRunner
 
 SHOTS = "Answer the question.\nQ: Is water wet?\nA: yes, it is\nQ: Is fire cold?\nA: no\n"
 QUESTIONS = [  # candidates of different lengths in tokens and characters, so acc_norm can pick another one
