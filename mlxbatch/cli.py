@@ -1,4 +1,4 @@
-"""The command line: ``mlxbatch run | validate | plan | status | show | generate | info | doctor | bench``.
+"""The command line: ``mlxbatch run | validate | plan | status | show | export | generate | info | doctor | bench``.
 
 Owns process-level concerns only: logging set-up (once, here), exit codes and messages. Exit codes: 0 done,
 1 error, 2 invalid job file, 3 too many row errors, 64 command-line usage error (an unknown option, a bad option
@@ -198,6 +198,24 @@ def show(target: Path, n: int) -> None:
         click.echo(show_results(target, n))
     except MlxbatchError as exc:
         _fail(exc)
+
+
+@main.command()
+@click.argument("target", type=click.Path(exists=True, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["lm-eval"]), default="lm-eval", show_default=True,
+              help="lm-eval: lm-evaluation-harness's results_<date>.json and samples_<task>_<date>.jsonl.")
+@click.option("--to", "dest", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where to write (default: TARGET's output folder / lm-eval).")
+@click.option("--task", default=None, help="The task's name in the files (default: the job file's name).")
+def export(target: Path, fmt: str, dest: Path | None, task: str | None) -> None:
+    """A graded job's results in another tool's shapes: TARGET is its output folder or its job file."""
+    from mlxbatch.job.report.export import export_lm_eval
+
+    try:
+        done = export_lm_eval(target, dest, task)
+    except MlxbatchError as exc:
+        _fail(exc)
+    click.echo(f"{fmt}: {done.rows} graded rows -> {done.results}, {done.samples}")
 
 
 @main.command()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from mlxbatch.io import InputFormat, open_reader, resolve_inputs
 from mlxbatch.job.check.validate import input_spec
 from mlxbatch.job.executors.ray.progress import driver_running, progress_lines, read_progress
 from mlxbatch.job.report.metrics import summary_line
-from mlxbatch.job.rows.prepare import RowPreparer
+from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.spec import JobSpec, load_job, parse_job
 
 JOB_SPEC_META = "job_spec"  # manifest metadata the runner writes: the job as the last run parsed it
@@ -73,9 +74,9 @@ def _recorded_job(meta: dict[str, Any]) -> JobSpec | None:
         return None  # the job's files moved or no longer parse: count by row id
 
 
-def _expected_keys(spec: JobSpec, identity: str, recorded: dict[str, Any]) -> list[tuple[str, str]]:
-    """The current rows' ids and keys, prepared as the last run prepared them (its model's image support and context,
-    as it recorded them: they decide an image row's key and a prompt-too-long row's)."""
+def prepared_rows(spec: JobSpec, identity: str, recorded: dict[str, Any]) -> Iterator[PreparedRow]:
+    """The current rows, prepared as the last run prepared them (its model's image support and context, as it
+    recorded them: they decide an image row's key and a prompt-too-long row's)."""
     ispec = input_spec(spec)
     openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(ispec))
     context = recorded.get("context_length")
@@ -84,7 +85,19 @@ def _expected_keys(spec: JobSpec, identity: str, recorded: dict[str, Any]) -> li
     rows = open_reader(ispec)
     if spec.input.limit is not None:
         rows = itertools.islice(rows, spec.input.limit)
-    return [(prep.row_id, prep.key) for prep in map(preparer.prepare, rows)]
+    return map(preparer.prepare, rows)
+
+
+def recorded_job(out_dir: Path) -> tuple[JobSpec | None, dict[str, Any]]:
+    """The job the folder's last run used, as it parsed it (None when not recorded), and what it recorded with it
+    (model identity, context length, ...)."""
+    meta = _manifest_meta(out_dir)
+    recorded = meta.get(JOB_SPEC_META)
+    return _recorded_job(meta), recorded if isinstance(recorded, dict) else {}
+
+
+def _expected_keys(spec: JobSpec, identity: str, recorded: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(prep.row_id, prep.key) for prep in prepared_rows(spec, identity, recorded)]
 
 
 def read_status(target: Path) -> dict[str, Any]:
