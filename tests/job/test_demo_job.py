@@ -29,6 +29,6 @@ def test_demo_job_labels_reviews(tmp_path):
     assert all(r["correct"] == (r["text"] == r["gold"]) for r in out)  # output.gold
     right = sum(r["correct"] for r in out)
     assert right >= 0.85 * len(out)  # measured: 95% on all 300 rows (the comment in demo.yaml)
-    assert f"accuracy {right / len(out):.1%} ({right}/{len(out)})" in res.output
+    assert f"accuracy {right / len(out):.1%} ± " in res.output and f"({right}/{len(out)} rows)" in res.output
     comment = (ROOT / "jobs" / "demo.yaml").read_text()
-    assert "95%" in comment and "accuracy 95.0% (285/300)" in comment  # what `run` prints on all 300 rows
+    assert "95%" in comment and "accuracy 95.0% ± 1.3% (285/300 rows)" in comment  # `run` on all 300 rows

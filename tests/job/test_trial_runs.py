@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from jobkit import texts, write_job, write_jsonl
 
 from mlxbatch.cli import main
+from mlxbatch.job.report.metrics import summary_line
 
 
 def invoke(*args):
@@ -64,13 +65,14 @@ def test_show_prints_rows_and_a_summary_with_kept_prompts_and_accuracy(tmp_path,
     assert "Answer yes or no." in prompt and rows[0]["text"] in prompt and prompt.rstrip().endswith("assistant")
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     right = sum(r["correct"] for r in ok)
-    assert report["accuracy"] == {"answered": 11, "correct": right, "accuracy": round(right / 11, 4)}
-    assert f"accuracy {right / 11:.1%} ({right}/11)" in res.output
+    acc = report["accuracy"]  # over every row: the render error counts wrong
+    assert (acc["rows"], acc["correct"], acc["answered"], acc["accuracy"]) == (12, right, 11, right / 12)
+    assert acc["accuracy_of_answered"] == right / 11 and summary_line(acc) in res.output
     shown = invoke("show", tmp_path / "out", "--n", 2).output
     assert shown.count("--- row-") == 2 and "prompt: " in shown and "output: " in shown
     labels = {v: sum(r["text"] == v for r in ok) for v in ("yes", "no")}
     assert "labels: " in shown and all(f"'{k}' {v}" in shown for k, v in labels.items() if v)
-    assert "errors: render 1" in shown and "finish reasons: " in shown and "accuracy: " in shown
+    assert "errors: render 1" in shown and "finish reasons: " in shown and summary_line(acc) in shown
     assert invoke("show", job, "-n", 0).output.count("--- row-") == 0  # the job file works too
 
 
@@ -94,9 +96,9 @@ def test_gold_added_or_edited_after_the_rows_ran_is_checked_against_the_input_as
         assert all(r["correct"] == (r["text"] == r["gold"]) for r in table), table
         right = sum(r["correct"] for r in table)
         report = json.loads((out / "report.json").read_text())
-        assert report["accuracy"] == {"answered": 10, "correct": right, "accuracy": round(right / 10, 4)}
-        assert f"accuracy {right / 10:.1%} ({right}/10)" in res.output
-        assert f"accuracy: {right / 10:.1%}" in invoke("show", out).output
+        acc = report["accuracy"]
+        assert (acc["rows"], acc["correct"], acc["answered"], acc["accuracy"]) == (10, right, 10, right / 10)
+        assert summary_line(acc) in res.output and summary_line(acc) in invoke("show", out).output
         return [r["correct"] for r in table]
 
     before = check([r["gold"] for r in rows])  # output.gold added to a finished folder
@@ -129,8 +131,9 @@ def test_score_answers_added_or_edited_after_the_rows_ran_are_checked_against_th
         assert [r["correct"] for r in table] == [right(t, r["answer"]) for t, r in zip(table, rows)], table
         n = sum(r["correct"] for r in table)
         report = json.loads((out / "report.json").read_text())
-        assert report["accuracy"] == {"answered": 8, "correct": n, "accuracy": round(n / 8, 4)}
-        assert f"accuracy {n / 8:.1%} ({n}/8)" in res.output
+        acc = report["accuracy"]
+        assert (acc["rows"], acc["correct"], acc["answered"], acc["accuracy"]) == (8, n, 8, n / 8)
+        assert f"accuracy {n / 8:.1%}" in res.output and summary_line(acc) in res.output
         return [r["correct"] for r in table]
 
     before = check()
