@@ -79,6 +79,11 @@ def test_bad_task_sections_are_rejected_before_any_work(tmp_path, tiny_model_pat
         ({"output": {"path": str(tmp_path / "o"), "json_schema": "{not json"}}, "output.json_schema"),
         ({"task": "score", "score": {"candidates": [" a"]}, "output": {"path": str(tmp_path / "o"), "regex": "x"}},
          "output"),
+        ({"output": {"path": str(tmp_path / "o"), "gold": "id", "extract": "(unclosed"}}, "output.extract.regex"),
+        ({"output": {"path": str(tmp_path / "o"), "gold": "id", "extract": {"regex": "x", "match": "middle"}}},
+         "output.extract.match"),
+        ({"output": {"path": str(tmp_path / "o"), "extract": "x"}}, "output.extract"),  # grades against a gold
+        ({"output": {"path": str(tmp_path / "o"), "grade_truncated": True}}, "output.grade_truncated"),
     ]
     for overrides, key in cases:
         job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", **overrides)
