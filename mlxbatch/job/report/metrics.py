@@ -136,9 +136,9 @@ def _pm(value: float | None, err: float | None) -> str:
 
 
 def summary_line(acc: dict[str, Any]) -> str:
-    """The figures in one line (the ``run`` line, ``show``, ``status``)."""
-    name = "accuracy" if acc.get("metric", "acc") == "acc" else "exact match"
-    parts = [f"{name} {_pm(acc.get('accuracy'), acc.get('accuracy_stderr'))} ({acc['correct']}/{acc['rows']} rows"
+    """The figures in one line (the ``run`` line, ``show``, ``status``): ``accuracy`` whatever the job's metric
+    (a generate job's is lm-eval's exact_match)."""
+    parts = [f"accuracy {_pm(acc.get('accuracy'), acc.get('accuracy_stderr'))} ({acc['correct']}/{acc['rows']} rows"
              + (f", errors counted wrong; {_pm(acc.get('accuracy_of_answered'), None)} of the {acc['answered']} "
                 f"answered" if acc.get("errors") else "") + ")"]
     if "acc_norm" in acc:
