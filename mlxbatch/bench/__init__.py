@@ -7,7 +7,11 @@ model object; the method is in docs/benchmarks.md. Modules, top-down (nothing im
 - ``engine`` (a workload vs B0/B1/B2, decode at fixed concurrency), ``tasks`` (``nsample``, ``score``), ``suite``
   (``gpu``: every GPU target in one run, one JSON + one Markdown file), ``job`` (job layer overhead) with
   ``stream`` (streaming memory; the child process is ``stream_child``): the in-process sections.
-- ``constraints`` (+ ``constraint_libs``, ``constraints_engine``) and ``vlm``: stand-alone benches.
+- subcommands with their own options (each ``main(argv)``): ``userjob`` (the user's job through the CLI against
+  mlx-lm and the hardware floor), ``runs`` (engine A/B runs by configuration; CUDA's decisions on a CPU),
+  ``kernels`` (CUDA kernels by device time, needs torch), ``invariance`` (batch invariance: cost, agreement),
+  ``ray_runs`` (``ray``: the Ray executor's runs and partitioner), ``constraints`` (+ ``constraint_libs``,
+  ``constraints_engine``) and ``vlm``.
 - ``meta`` (machine / software / git header), ``harness`` (Table, Run, Measured, MemoryProbe, Bench, baselines,
   the section registry), ``workloads`` and ``jobdata`` (inputs from a seed), ``memory`` (RSS on Linux and macOS),
   ``procs`` (child processes by module name).

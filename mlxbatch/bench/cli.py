@@ -1,11 +1,11 @@
-"""The bench's command line. ``mlxbatch bench ...``, ``python -m mlxbatch.bench ...`` and ``scripts/bench.py``
-(a shim kept for the GPU machine's commands) all end in :func:`main`.
+"""The bench's command line. ``mlxbatch bench ...`` and ``python -m mlxbatch.bench ...`` (the GPU machine's form, with
+the tree on ``PYTHONPATH``) both end in :func:`main`.
 
     mlxbatch bench engine --model tiny [--workload label] [--json results.json]
     mlxbatch bench engine job --model tiny               # several sections, one model load
-    mlxbatch bench --section gpu --model 0.5b --commit <sha> --out DIR   # the scripts' form, same options
-    mlxbatch bench constraints [--engine] ...            # stand-alone benches with their own options
-    mlxbatch bench vlm [--rows 64 ...]
+    mlxbatch bench gpu --model 0.5b --commit <sha> --out DIR   # the GPU suite
+    mlxbatch bench userjob --model tiny --rows 20000     # subcommands with their own options (+ the bench's):
+    mlxbatch bench runs | kernels | invariance | ray | constraints | vlm ...   # see each one's --help
 
 In-process sections share one model object and print Markdown tables (a header with machine, software, git
 commit and model first); ``--json`` also writes them with the raw runs. This module imports nothing heavy until
@@ -25,7 +25,11 @@ from typing import Any, NoReturn
 
 SECTION_MODULES = {"engine": "engine", "job": "job", "nsample": "tasks", "score": "tasks", "gpu": "suite"}
 IN_PROCESS = tuple(SECTION_MODULES)  # each registers itself (harness.SECTIONS) when its module is imported
-STANDALONE = {"constraints": "mlxbatch.bench.constraints", "vlm": "mlxbatch.bench.vlm"}
+# subcommands with their own options (``main(argv)``); those that load a model also take the bench's options
+STANDALONE = {"constraints": "mlxbatch.bench.constraints", "vlm": "mlxbatch.bench.vlm",
+              "runs": "mlxbatch.bench.runs", "kernels": "mlxbatch.bench.kernels",
+              "invariance": "mlxbatch.bench.invariance", "ray": "mlxbatch.bench.ray_runs",
+              "userjob": "mlxbatch.bench.userjob"}
 SHAPES = ("tiny", "tiny64", "small", "small64", "0.5b")  # mlxbatch.models.random_model.SHAPES (checked by the tests; kept light here)
 EXIT_USAGE = 64  # bad usage, as every mlxbatch command (argparse's own 2 is an invalid job file in mlxbatch.cli)
 
@@ -98,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, defaults: dict[str, Any] | None = None) -> argparse.Namespace:
     ap = build_parser()
+    ap.set_defaults(**(defaults or {}))  # a subcommand's own defaults for the bench's options
     args = ap.parse_intermixed_args(argv)  # section names may come before, between or after options
     unknown = [s for s in args.sections if s not in IN_PROCESS]
     if unknown:
@@ -112,14 +117,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def parse_script_args(argv: list[str], **own: str) -> tuple[argparse.Namespace, argparse.Namespace]:
-    """A diagnostic script's own options (``--name`` for each keyword, its default the value; ``_`` -> ``-``) and the
-    bench's options from the rest of ``argv``."""
-    ap = _Parser(add_help=False)
-    for name, default in own.items():
-        ap.add_argument("--" + name.replace("_", "-"), default=default)
+def parse_script_args(argv: list[str], name: str, doc: str, defaults: dict[str, Any] | None = None,
+                      **own: tuple[Any, str]) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """A subcommand's own options and the bench's options (``--model``, ``--concurrency``, ``--json`` ...) from the
+    rest of ``argv``, with ``defaults`` for the latter. ``own``: ``--name`` (``_`` -> ``-``) for each keyword, as
+    (default, help); the default's type is the option's (a bool default makes a flag)."""
+    ap = _Parser(prog=f"mlxbatch bench {name}", add_help=False, description=doc,
+                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                 epilog="and the bench's options (mlxbatch bench --help): --model, --dtype, --cache-dir, --seed, "
+                        "--concurrency, --prefill-batch, --commit, --json ...")
+    for key, (default, help_) in own.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(default, bool):
+            ap.add_argument(flag, action="store_true", default=default, help=help_)
+        else:
+            ap.add_argument(flag, type=type(default) if default is not None else str, default=default, help=help_)
+    if "-h" in argv or "--help" in argv:
+        ap.print_help()
+        raise SystemExit(0)
     mine, rest = ap.parse_known_args(argv)
-    return mine, parse_args(rest)
+    return mine, parse_args(rest, defaults)
 
 
 def run(args: argparse.Namespace) -> int:

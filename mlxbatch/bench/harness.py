@@ -1,7 +1,7 @@
 """The benchmark harness: results (Table, Run, Measured), memory probing, the shared ``Bench`` context with the
 baseline and engine paths, and the section registry.
 
-Every figure is a ratio against baselines run in the same process (method: ../shared/design/benchmarks.md): one
+Every figure is a ratio against baselines run in the same process (method: docs/benchmarks.md): one
 model object (loaded once, same dtype) serves every baseline and mlxbatch; workloads are token ids generated from
 a seed (``workloads``); each path is warmed up on a couple of rows, then run ``--repeats`` times (interleaved)
 and its median reported.
@@ -238,11 +238,15 @@ class Bench:
                  "generation_steps": s.generation_steps, "peak_memory_gb": s.peak_memory}
         return Run(name, wall, w.rows, w.prompt_tokens, sum(map(len, tokens)), tokens, extra)
 
-    def run_engine(self, w: wl.Workload, name: str = "engine", **config: Any) -> Run:
-        """mlxbatch Engine.generate (greedy, ignore_eos) on a fresh engine; construction is not timed."""
+    def run_engine(self, w: wl.Workload, name: str = "engine", prepare: Callable[[Engine], None] | None = None,
+                   **config: Any) -> Run:
+        """mlxbatch Engine.generate (greedy, ignore_eos) on a fresh engine; construction is not timed.
+        ``prepare`` is called with the new engine before any row is added."""
         params = SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True)
         engine = Engine(self.loaded, EngineConfig(seed=0, **config))
         try:
+            if prepare is not None:
+                prepare(engine)
             t0 = time.perf_counter()
             outs = engine.generate(w.prompts, params)
             wall = time.perf_counter() - t0

@@ -1,7 +1,10 @@
-"""Inputs of the ``job`` section: short text rows as JSONL, generated from a seed (pure stdlib).
+"""Job inputs of the bench, as JSONL generated from a seed (pure stdlib).
 
-``token_rows`` makes rows whose text has a target token length (the overhead run); ``write_stream_inputs`` writes
-the streaming-memory inputs (10k-1M rows of a few words each) in one pass.
+``token_rows`` makes rows whose text has a target token length (the ``job`` section's overhead run);
+``write_stream_inputs`` writes the streaming-memory inputs (10k-1M rows of a few words each) in one pass;
+``write_reviews`` the user-job benchmark's labeling input (``userjob``, ``ray``): one shared instruction
+(``INSTRUCTION``) and a review of 8-40 words a row; ``write_tasks`` rows of 8 long task preambles shared in Zipf-like
+proportions (``ray``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,13 @@ WORDS = ("the a of to and in is it that for on with as was at by an be this from
          "work way even because people small large water number place word light house world river city "
          "summer winter market garden letter report table window school music paper story night answer").split()
 TEMPLATE = "Summarise: {{ text }}\n"
+REVIEW_WORDS = ("great terrible okay fine broke works love hate cheap expensive quality delivery late fast slow "
+                "battery screen sound price support refund size colour fits comfortable noisy quiet sturdy flimsy "
+                "recommend return again never always easy hard setup manual box arrived damaged perfect "
+                "disappointed happy excellent unfortunately replacement instructions packaging performance "
+                "headphones customer service warranty definitely absolutely charger keyboard blender "
+                "it the and was but not very").split()
+INSTRUCTION = "Label the sentiment of this customer review: positive, negative or mixed."
 
 
 def token_rows(n: int, tokenizer: Any, seed: int, lo: int = 20, hi: int = 60) -> list[dict[str, str]]:
@@ -54,3 +64,27 @@ def write_stream_inputs(dirpath: Path, sizes: list[int], seed: int) -> dict[int,
         for f in files.values():
             f.close()
     return paths
+
+
+def write_reviews(path: Path, rows: int, seed: int) -> Path:
+    """The labeling job's input: ``rows`` rows ``{"id", "review"}``, a review of 8-40 words each."""
+    rng = random.Random(f"reviews-{seed}")
+    with open(path, "w", encoding="ascii") as f:
+        for i in range(rows):
+            review = " ".join(rng.choice(REVIEW_WORDS) for _ in range(rng.randint(8, 40)))
+            f.write(f'{{"id": "r{i:07d}", "review": "{review}"}}\n')
+    return path
+
+
+def write_tasks(path: Path, rows: int, seed: int, tasks: int = 8) -> Path:
+    """Rows ``{"id", "task", "text"}``: ``tasks`` preambles of 60-240 words shared by their rows in Zipf-like
+    proportions, and a short text of 6-20 words each."""
+    rng = random.Random(f"tasks-{seed}")
+    preambles = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(60, 240))) for _ in range(tasks)]
+    weights = [1 / (k + 1) for k in range(tasks)]
+    with open(path, "w", encoding="ascii") as f:
+        for i in range(rows):
+            t = rng.choices(range(tasks), weights)[0]
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 20)))
+            f.write(json.dumps({"id": f"r{i:06d}", "task": f"Task {t}: {preambles[t]}", "text": text}) + "\n")
+    return path

@@ -99,3 +99,18 @@ def render_meta(m: dict[str, Any]) -> str:
         f"intermediate {s['intermediate_size']}, vocab {s['vocab_size']} (tokenizer {m['tokenizer_vocab']})",
         "",
     ])
+
+
+def emit(b: Bench, tables: list[Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A subcommand's report: the header and its tables printed; ``--json`` also gets them (``Table.as_dict``),
+    with ``extra``. Returns what was (or would be) written."""
+    import json
+
+    meta = machine_meta(b)
+    print(render_meta(meta), flush=True)
+    for t in tables:
+        print(t.render(), flush=True)
+    out = {"meta": meta, "args": vars(b.args), "tables": [t.as_dict() for t in tables], **(extra or {})}
+    if b.args.json_path:
+        Path(b.args.json_path).write_text(json.dumps(out, indent=2, default=str))
+    return out

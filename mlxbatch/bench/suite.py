@@ -1,10 +1,11 @@
 """The GPU suite: every workload of the GPU targets and the decode table in one run, one JSON + one Markdown file.
 
-    python3 scripts/bench.py --section gpu --model 0.5b --commit <sha> --out DIR   # = mlxbatch bench gpu ...
+    python3 -m mlxbatch.bench gpu --model 0.5b --commit <sha> --out DIR      # the tree on PYTHONPATH
+    python3 -m mlxbatch.bench gpu --model 0.5b --suite-workloads '' --decode-levels 64,256   # the decode table alone
 
-For the H200 benchmark machine (one device call, under 10 minutes), where the copy of the tree has no ``.git``:
+For the GPU benchmark machine (one device call, under 10 minutes), where the copy of the tree has no ``.git``:
 the commit is passed in and printed in the header and both files. Sizes are those of the GPU targets in
-../shared/design/benchmarks.md: label 2048 rows, fewshot 2048, chat 1024, unique 1024, then decode at 1/8/64/256
+docs/benchmarks.md: label 2048 rows, fewshot 2048, chat 1024, unique 1024, then decode at 1/8/64/256
 sequences against mlx-lm's BatchGenerator and a bare mlx-lm forward + argmax of the same model, batch and context.
 
 Every path runs once, after a warm-up on the same workload's first rows (kernels compile on first use on a GPU, and
@@ -202,7 +203,8 @@ def gpu_suite(b: Bench) -> list[Table]:
             with partial.open("a") as f:
                 f.write(tab.render() + "\n")
 
-    for name in a.suite_workloads.split(","):
+    workloads = [x for x in a.suite_workloads.split(",") if x]  # '' runs the decode table alone
+    for name in workloads:
         tab, fig = suite_workload(b, name, suite_rows(a.suite_rows, a.rows_scale, name))
         keep(tab)
         figures[name] = fig
@@ -214,7 +216,7 @@ def gpu_suite(b: Bench) -> list[Table]:
     summary = Table(f"GPU suite summary at commit {commit}", ["workload", "x B1", "x B1 (no cache)",
                                                               "x B1 (engine again)", "prefill / floor",
                                                               "cost/token cache vs off", "memory x B1"])
-    for name in a.suite_workloads.split(","):
+    for name in workloads:
         f = figures[name]
         summary.rows.append([name, f["x_b1"], f["x_b1_nocache"], f["x_b1_again"], f["prefill_over_floor"],
                              f["prefill_cost_cache_vs_nocache"], f["memory_x_b1"]])

@@ -1,11 +1,11 @@
-"""Benchmark workloads as token ids, generated from a seed (see ../shared/design/benchmarks.md).
+"""Benchmark workloads as token ids, generated from a seed (docs/benchmarks.md: the method).
 
 Pure Python (no mlx): every section of the bench (``mlxbatch.bench``) draws its prompts from here, so the same
 ``(name, rows, seed, vocabulary)`` always gives the same prompts. Token ids are drawn uniformly from
 ``vocab`` (a range of ids without the special tokens), so no tokenizer is involved and the prompts mean
 nothing: speed does not depend on what the tokens say.
 
-Sizes scale with ``rows``; the defaults are the sizes benchmarks.md names.
+Sizes scale with ``rows``; the defaults are the sizes docs/benchmarks.md names.
 """
 
 from __future__ import annotations

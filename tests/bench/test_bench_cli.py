@@ -1,4 +1,4 @@
-"""The bench as a command: ``python -m mlxbatch.bench`` / ``mlxbatch bench`` and the ``scripts/bench.py`` shim.
+"""The bench as a command: ``python -m mlxbatch.bench`` / ``mlxbatch bench``, and the GPU machine's form of it.
 
 Tiny sizes on the tiny random model: these check that sections run end to end, that the files appear with the
 commit given and that the tables hold numbers; they never assert speeds.
@@ -61,21 +61,22 @@ def test_engine_section_as_a_module(tmp_path, tiny_model_path):
 
 
 def test_gpu_command_on_a_bare_copy_of_the_tree(tmp_path, tiny_model_path):
-    """The GPU machine's command line on a copy with no .git and no installed package (site-packages only)."""
+    """The GPU machine's command line on a copy with no .git and no installed package: ``python3 -m mlxbatch.bench``
+    with the tree on PYTHONPATH (site-packages for the dependencies only)."""
     tree = tmp_path / "tree"
     shutil.copytree(ROOT / "mlxbatch", tree / "mlxbatch", ignore=shutil.ignore_patterns("__pycache__"))
-    (tree / "scripts").mkdir()
-    shutil.copy(ROOT / "scripts" / "bench.py", tree / "scripts" / "bench.py")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GIT_SHA")}
     paths = sysconfig.get_paths()  # the dependencies, without the editable install's hook (.pth files need site)
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+    deps = os.pathsep.join(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+    env["PYTHONPATH"] = deps
     out = tmp_path / "out"
-    cmd = [sys.executable, "-S", "scripts/bench.py", "--section", "gpu", "--model", "tiny", "--commit", "abc1234",
+    cmd = [sys.executable, "-S", "-m", "mlxbatch.bench", "--section", "gpu", "--model", "tiny", "--commit", "abc1234",
            "--out", str(out), "--cache-dir", str(_cache_with_tiny(tmp_path, tiny_model_path)),
            "--suite-workloads", "label", "--suite-rows", "8", "--decode-levels", "1", "--decode-repeats", "2", "--json", str(out / "all.json")]
     check = "import importlib.util as u; print(u.find_spec('mlxbatch') is None)"
     assert _run([sys.executable, "-S", "-c", check], env=env, cwd=tmp_path).stdout.strip() == "True"
-    proc = _run(cmd, env=env, cwd=tree)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), deps])
+    proc = _run(cmd, env=env, cwd=tmp_path)
     assert "(git abc1234 (given))" in proc.stdout
     suite = json.loads((out / "gpu_suite.json").read_text())
     assert suite["commit"] == "abc1234" and suite["meta"]["git"] == "abc1234 (given)"
@@ -172,7 +173,8 @@ def test_bad_usage_exits_64_as_the_readme_says():
     """QA: `mlxbatch bench --bogus` exited 2 (argparse's code, which the README gives to an invalid job file); the
     other commands exit 64 on bad usage. The stand-alone benches too: their own parsers."""
     for args in (["bench", "--bogus"], ["bench", "nosuchsection"], ["bench", "engine", "--rows", "many"],
-                 ["bench", "constraints", "--bogus"], ["bench", "vlm", "--bogus"]):
+                 ["bench", "constraints", "--bogus"], ["bench", "vlm", "--bogus"], ["bench", "runs", "--bogus"],
+                 ["bench", "ray", "--bogus"], ["bench", "invariance", "--rounds", "x"]):
         res = CliRunner().invoke(mlxbatch_main, args)
         assert res.exit_code == 64, (args, res.exit_code, res.output)
         assert "Traceback" not in res.output

@@ -1,0 +1,101 @@
+"""The bench's diagnostic subcommands run end to end on the tiny model (CPU, tiny sizes, seconds).
+
+A GPU session has minutes of device time; a subcommand that broke when the engine's code moved costs it a run. These
+check that each runs, prints its table and that what the table says holds where it must (the same greedy tokens under
+configurations that may not change them, every row agreeing with its solo run under batch invariance), never speeds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxbatch.bench import invariance, kernels, ray_runs, runs
+
+
+def _cache(tmp_path: Path, tiny_model_path: Path) -> str:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "tiny").symlink_to(tiny_model_path, target_is_directory=True)
+    return str(cache)
+
+
+def _table(path: Path, i: int = 0) -> list[dict]:
+    t = json.loads(path.read_text())["tables"][i]
+    return [dict(zip(t["columns"], r)) for r in t["rows"]]
+
+
+def test_runs_compares_configurations_and_cuda_decisions(tmp_path, tiny_model_path, capsys):
+    out = tmp_path / "runs.json"
+    common = ["--model", "tiny", "--cache-dir", _cache(tmp_path, tiny_model_path), "--runs", "label:6,chat:8:nocache",
+              "--rounds", "1", "--concurrency", "32"]
+    assert runs.main([*common, "--configs", "plain:;overlap:overlap_steps=true", "--b1", "--json", str(out)]) == 0
+    rows = _table(out)
+    assert [(r["workload"], r["config"]) for r in rows] == [
+        ("label 6", "B1 (mlx-lm)"), ("label 6", "plain"), ("label 6", "overlap"),
+        ("chat 8 nocache", "B1 (mlx-lm)"), ("chat 8 nocache", "plain"), ("chat 8 nocache", "overlap")]
+    by = {(r["workload"], r["config"]): r for r in rows}
+    for w in ("label 6", "chat 8 nocache"):  # overlapped steps change when the host works, not what is computed
+        assert by[(w, "plain")]["tokens"] == by[(w, "overlap")]["tokens"] == by[(w, "B1 (mlx-lm)")]["tokens"]
+        assert by[(w, "plain")]["prefill tok"] == by[(w, "overlap")]["prefill tok"]
+    assert by[("label 6", "plain")]["prefill / floor"] == pytest.approx(1.0, abs=0.05)  # the cache reaches the floor
+    assert by[("chat 8 nocache", "plain")]["stored MB"] == 0  # no prefix cache: nothing stored
+    assert "### engine runs: concurrency 32" in capsys.readouterr().out
+
+    cuda = tmp_path / "cuda.json"  # the CUDA text path's decisions on this CPU: the same greedy tokens
+    assert runs.main([*common, "--cuda-decisions", "--json", str(cuda)]) == 0
+    got = {r["workload"]: r for r in _table(cuda)}
+    assert got["label 6"]["tokens"] == by[("label 6", "plain")]["tokens"]
+    assert got["chat 8 nocache"]["tokens"] == by[("chat 8 nocache", "plain")]["tokens"]
+    assert "CUDA's decisions" in json.loads(cuda.read_text())["tables"][0]["title"]
+
+
+def test_runs_refuses_bad_items():
+    for argv, says in ((["--runs", "label"], "expected workload:rows"), (["--runs", "nope:4"], "expected"),
+                       (["--configs", "a:max_num_seqs"], "expected field=value")):
+        with pytest.raises(SystemExit, match=says):
+            runs.main(["--model", "/nonexistent", *argv])  # refused before any model is loaded
+
+
+def test_invariance_rows_agree_with_their_solo_runs(tmp_path, tiny_model_path):
+    out = tmp_path / "inv.json"
+    assert invariance.main(["--model", "tiny", "--cache-dir", _cache(tmp_path, tiny_model_path), "--workloads",
+                            "unique", "--rows", "6", "--repeats", "1", "--solo-rows", "3", "--json", str(out)]) == 0
+    (row,) = _table(out)
+    assert row["workload"] == "unique" and row["solo agreement invariant"] == "3/3"
+    assert row["default tok/s"] > 0 and row["invariant tok/s"] > 0
+
+
+def test_ray_bench_local_run_and_simulation(tmp_path, tiny_model_path, capsys):
+    out = tmp_path / "ray.json"
+    assert ray_runs.main(["--model", str(tiny_model_path), "--configs", "local", "--rows", "12", "--max-tokens", "2",
+                          "--data", "reviews", "--sim-rows", "20000", "--json", str(out)]) == 0
+    run, = _table(out, 0)
+    assert run["run"] == "local" and run["prefill / plan floor"] >= 1.0 and run["rows/s"] > 0
+    sim = _table(out, 1)
+    assert {(r["shape"], r["actors"]) for r in sim} == {(s, a) for s in ("system", "templates", "unique")
+                                                         for a in (8, 64)}
+    for r in sim:
+        assert r["prefix-local: balance"] >= 1.0 and r["floor ratio"] >= 1.0  # nobody beats the ideal or the floor
+    assert "results equal to the first run's in every run: True" in capsys.readouterr().out
+
+
+def test_ray_bench_refuses_an_unknown_config():
+    with pytest.raises(SystemExit) as exc:
+        ray_runs.main(["--configs", "local,ray-9"])
+    assert exc.value.code == 2
+
+
+def test_kernels_says_what_it_needs_before_loading_anything(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # this machine may or may not have torch: make it absent
+    with pytest.raises(SystemExit, match="needs torch"):
+        kernels.main(["--model", "/nonexistent"])
+
+
+def test_device_busy_time_is_the_union_of_kernel_intervals():
+    evs = [("a", 0.0, 10.0), ("b", 5.0, 10.0), ("c", 30.0, 5.0), ("d", 31.0, 1.0)]  # 0-15 and 30-35
+    assert kernels.busy_us(evs) == 20.0
+    assert kernels.busy_us([]) == 0.0
