@@ -99,3 +99,35 @@ def test_device_busy_time_is_the_union_of_kernel_intervals():
     evs = [("a", 0.0, 10.0), ("b", 5.0, 10.0), ("c", 30.0, 5.0), ("d", 31.0, 1.0)]  # 0-15 and 30-35
     assert kernels.busy_us(evs) == 20.0
     assert kernels.busy_us([]) == 0.0
+
+
+def test_userjob_runs_the_job_through_the_cli_with_and_without_an_engine_section(tmp_path, tiny_model_path):
+    """The CPU version of the headline benchmark at a few hundred rows: the job with defaults (no engine section) and
+    a hand-set one through ``mlxbatch run``, mlx-lm on the first rows of the same prompts, and the floor."""
+    import math
+
+    import yaml
+
+    from mlxbatch.bench import userjob
+
+    out, work = tmp_path / "userjob.json", tmp_path / "work"
+    assert userjob.main(["--model", "tiny", "--cache-dir", _cache(tmp_path, tiny_model_path), "--rows", "120",
+                         "--configs", "16", "--mlx-lm-rows", "24", "--matmul-n", "256", "--stream-mib", "16",
+                         "--workdir", str(work), "--json", str(out)]) == 0
+    assert "engine" not in yaml.safe_load((work / "job-defaults.yaml").read_text())  # what a user types
+    assert yaml.safe_load((work / "job-seqs-16.yaml").read_text())["engine"] == {"max_num_seqs": 16}
+    res = json.loads(out.read_text())
+    rows = _table(out)
+    assert [r["engine section"] for r in rows] == ["none (defaults)", "max_num_seqs: 16",
+                                                   "mlx-lm batch_generate, first 24 rows"]
+    for r in rows[:2]:
+        assert r["rows/s"] > 0 and r["engine steps s"] > 0 and r["wall s"] >= r["engine steps s"]
+        assert r["prefill / window floor"] >= 1.0
+    report = res["reports"]["none (defaults)"]["report"]
+    assert report["rows"]["ok"] == 120
+    floor = res["floor"]
+    assert floor["prefill_tokens"] == report["prefix_reuse"]["window_floor_tokens"]
+    assert floor["decode_steps"] == math.ceil(120 * 7 / 256) and floor["seconds"] > 0
+    ref = res["mlx_lm"]
+    assert ref["same_prompt_length"] == 24  # mlx-lm ran the job's prompts
+    assert ref["same_text"] == 24  # greedy float32 on one CPU: the same outputs

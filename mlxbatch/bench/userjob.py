@@ -1,0 +1,189 @@
+"""``mlxbatch bench userjob``: what a user gets. A labeling job through the real CLI, against mlx-lm and the machine.
+
+    python3 -m mlxbatch.bench userjob --model 0.5b --commit <sha> --json out.json     # the GPU machine: 100k rows
+    mlxbatch bench userjob --model tiny --rows 20000 --configs 16,32,64,128,256        # the CPU version
+
+The job (``jobdata.write_reviews``): ``--rows`` rows (default 100,000), each one shared instruction of ~30 tokens as
+the system message and a review of 8-40 words as the user message (~137 prompt tokens a row with the random models'
+tokenizer), ``--max-tokens`` new tokens (default 8), greedy, ``model: {path, dtype}`` (``--dtype auto``: bfloat16 on
+a GPU, float32 on a CPU). It runs as ``mlxbatch run job.yaml`` in a child process, as a user runs it: first with no
+``engine:`` section (the defaults), then once per ``--configs`` entry with ``engine: {max_num_seqs: N}``. Then, in
+this process, mlx-lm's ``batch_generate`` on the first ``--mlx-lm-rows`` rows (default a tenth) of the same prompts
+(the chat template applied by the tokenizer; ``completion_batch_size`` = ``--concurrency``, default 256 on a GPU and
+32 on a CPU), and the hardware floor of the job (``floor``: the matmul rate and bandwidth measured here).
+
+Prints, per run: rows/s, the wall (the run's own, from report.json, and the child process's, with its start and model
+load), the engine's step time from the report's profile and the wall outside it, the fraction of the floor, the
+prefill computed against the window floor and the KV in use; then where a step's time goes (building passes on the
+host, waiting for the device, sampling, the rest). ``--json`` writes the tables, the reports and the floor.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mlxbatch.bench.cli import parse_script_args
+from mlxbatch.bench.floor import MachineSpeed, job_floor, machine_speed
+from mlxbatch.bench.harness import MB, Bench, Table, log, ratio, resolve_model
+from mlxbatch.bench.jobdata import INSTRUCTION, write_reviews
+from mlxbatch.bench.meta import emit
+
+MESSAGES = [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": "{{ review }}"}]
+
+
+def job_file(folder: Path, tag: str, model: str, dtype: str, data: Path, max_tokens: int,
+             max_num_seqs: int | None) -> Path:
+    job: dict[str, Any] = {"model": {"path": model, "dtype": dtype}, "input": {"path": str(data), "id_column": "id"},
+                           "prompt": {"messages": MESSAGES}, "sampling": {"temperature": 0, "max_tokens": max_tokens},
+                           "output": str(folder / f"out-{tag}")}
+    if max_num_seqs is not None:
+        job["engine"] = {"max_num_seqs": max_num_seqs}
+    path = folder / f"job-{tag}.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def run_cli(job: Path, timeout: float) -> tuple[float, dict[str, Any]]:
+    """``mlxbatch run job.yaml`` in a child process: (its wall seconds, report.json)."""
+    out = Path(yaml.safe_load(job.read_text())["output"])
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "run", str(job), "--no-progress"],
+                          capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    (job.parent / f"{job.stem}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"mlxbatch run {job} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    import json
+
+    return wall, json.loads((out / "report.json").read_text())
+
+
+def mlx_lm_run(b: Bench, data: Path, rows: int, max_tokens: int, job_out: Path) -> dict[str, Any]:
+    """mlx-lm's batch_generate on the first ``rows`` rows, the prompts rendered by the tokenizer's chat template; how
+    many rows have the job's prompt length (``job_out``'s results) and its text (greedy both)."""
+    import json
+
+    import pyarrow.parquet as pq
+    from mlx_lm import batch_generate
+
+    reviews = []
+    with open(data, encoding="ascii") as f:
+        for line in f:
+            if len(reviews) == rows:
+                break
+            reviews.append(json.loads(line)["review"])
+    prompts = [b.tokenizer.apply_chat_template([MESSAGES[0], {"role": "user", "content": r}],
+                                               add_generation_prompt=True) for r in reviews]
+    C = b.concurrency
+    t0 = time.perf_counter()
+    resp = batch_generate(b.model, b.tokenizer, prompts, max_tokens=max_tokens, completion_batch_size=C,
+                          prefill_batch_size=min(b.args.prefill_batch, C))
+    wall = time.perf_counter() - t0
+    s = resp.stats
+    job = pq.read_table(job_out / "results.parquet", columns=["prompt_tokens", "text"]).slice(0, rows).to_pylist()
+    return {"rows": rows, "wall_s": wall, "rows_per_s": rows / wall, "prompt_tokens": sum(map(len, prompts)),
+            "prompt_s": s.prompt_time, "decode_s": s.decode_time, "completion_batch_size": C,
+            "same_prompt_length": sum(len(p) == j["prompt_tokens"] for p, j in zip(prompts, job)),
+            # the job's text drops the leading space a tokenizer may decode first
+            "same_text": sum(t.strip() == (j["text"] or "").strip() for t, j in zip(resp.texts, job))}
+
+
+def model_size(b: Bench) -> tuple[int, int]:
+    from mlx.utils import tree_flatten
+
+    arrays = [v for _, v in tree_flatten(b.model.parameters())]
+    return sum(v.size for v in arrays), sum(v.nbytes for v in arrays)
+
+
+def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float, rows: int) -> list[Table]:
+    main = Table(f"the user's job: {rows:,} rows through `mlxbatch run`",
+                 ["engine section", "rows/s", "wall s", "process s", "engine steps s", "prefill / decode / host s",
+                  "wall outside the steps", "wall / steps", "of the floor", "prefill / window floor", "KV in use MB",
+                  "steps"])
+    split = Table("where a step's time goes (seconds; ms a step)",
+                  ["engine section", "steps", "ms a step", "prefill: build", "prefill: wait", "decode: build",
+                   "decode: wait", "sampling", "host (scheduling, bookkeeping)", "syncs"])
+    for tag, (process_s, r) in runs.items():
+        p, wall = r["engine"]["profile"], r["wall_s"]
+        outside = wall - p["total_s"]
+        main.rows.append([tag, r["rows_per_s"], wall, process_s, p["total_s"],
+                          f"{p['prefill_s']:.1f} / {p['decode_s']:.1f} / {p['host_s']:.1f}",
+                          f"{outside:.1f} s ({outside / wall:.0%})", ratio(wall, p["total_s"]),
+                          f"{floor_s / wall:.1%}", r["prefix_reuse"]["window_floor_ratio"],
+                          r["engine"]["kv_bytes"] / MB, p["steps"]])
+        split.rows.append([tag, p["steps"], 1e3 * p["total_s"] / max(1, p["steps"]), p["prefill_build_s"],
+                           p.get("waited_prefill_s", 0.0), p["decode_build_s"], p.get("waited_decode_s", 0.0),
+                           p["sampling_s"], p["host_s"], p["syncs"]])
+    if ref is not None:
+        main.rows.append([f"mlx-lm batch_generate, first {ref['rows']:,} rows", ref["rows_per_s"], ref["wall_s"],
+                          None, None, f"{ref['prompt_s']:.1f} / {ref['decode_s']:.1f} / -", None, None,
+                          f"{floor_s * ref['rows'] / rows / ref['wall_s']:.1%}", None, None, None])
+    split.notes.append("build: the host building and launching the passes (copy-ins and row moves included); wait: "
+                       "the host waiting for the device after it; host: the rest of the step")
+    return [main, split]
+
+
+def main(argv: list[str] | None = None) -> int:
+    mine, args = parse_script_args(
+        list(sys.argv[1:] if argv is None else argv), "userjob", __doc__, {"rows": 100_000, "max_tokens": 8},
+        configs=("64,128,256,512,1024", "max_num_seqs of the hand-set engine sections ('' : the defaults only)"),
+        mlx_lm_rows=(-1, "rows for mlx-lm's batch_generate (default: a tenth of --rows; 0 skips it)"),
+        floor_batch=(256, "rows decoding together in the floor's decode steps (default 256)"),
+        matmul_n=(0, "the floor's matmul size (default 8192 on a GPU, 2048 on a CPU)"),
+        stream_mib=(0, "the floor's element-wise pass in MiB (default 1024 on a GPU, 256 on a CPU)"),
+        workdir=("", "keep the input, job files, logs and outputs here (default: a temporary folder)"),
+        timeout=(7200.0, "seconds a job may take (default 7200)"))
+    configs = [int(x) for x in mine.configs.split(",") if x.strip()]
+    import tempfile
+
+    import mlx.core as mx
+
+    folder = Path(mine.workdir or tempfile.mkdtemp(prefix="mlxbatch-userjob-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if mx.default_device() == mx.gpu else "float32")
+    model = resolve_model(args.model, Path(args.cache_dir).expanduser())
+    data = write_reviews(folder / "reviews.jsonl", args.rows, args.seed)
+    runs: dict[str, tuple[float, dict]] = {}
+    for n in [None, *configs]:
+        tag = "none (defaults)" if n is None else f"max_num_seqs: {n}"
+        log(f"userjob: {args.rows:,} rows, engine section {tag}")
+        runs[tag] = run_cli(job_file(folder, "defaults" if n is None else f"seqs-{n}", model, dtype, data,
+                                     args.max_tokens, n), mine.timeout)
+        log(f"  {runs[tag][1]['rows_per_s']:.1f} rows/s")
+    args.dtype = dtype
+    b = Bench(args)  # after the jobs: this process holds no model while they run
+    ref_rows = args.rows // 10 if mine.mlx_lm_rows < 0 else min(mine.mlx_lm_rows, args.rows)
+    defaults_out = Path(yaml.safe_load((folder / "job-defaults.yaml").read_text())["output"])
+    ref = mlx_lm_run(b, data, ref_rows, args.max_tokens, defaults_out) if ref_rows else None
+    speed: MachineSpeed = machine_speed(dtype, mine.matmul_n or None, (mine.stream_mib << 20) or None)
+    params, weight_bytes = model_size(b)
+    first = runs["none (defaults)"][1]
+    floor = job_floor(first["prefix_reuse"]["window_floor_tokens"], args.rows, args.max_tokens, params, weight_bytes,
+                      speed, mine.floor_batch)
+    out = tables(runs, ref, floor.seconds, args.rows)
+    best_tag, (_, best) = max(((t, r) for t, r in runs.items() if t != "none (defaults)"),
+                              key=lambda tr: tr[1][1]["rows_per_s"], default=("none (defaults)", runs["none (defaults)"]))
+    main_tab = out[0]
+    main_tab.notes += [
+        f"hardware floor {floor.seconds:.2f} s ({args.rows / floor.seconds:,.0f} rows/s): prefill "
+        f"{floor.prefill_tokens:,} window-floor tokens x 2 x {params / 1e6:.1f}M parameters at "
+        f"{speed.matmul_flops / 1e12:.2f} TFLOP/s ({speed.matmul_n}^3 {dtype} matmul) = {floor.prefill_s:.2f} s, decode "
+        f"{floor.decode_steps:,} steps ({args.rows:,} rows x {args.max_tokens - 1} tokens / {mine.floor_batch}) x "
+        f"{weight_bytes / MB:,.1f} MB of weights at {speed.bandwidth / 1e9:,.1f} GB/s = {floor.decode_s:.3f} s.",
+        f"defaults at {first['rows_per_s'] / best['rows_per_s']:.0%} of the best hand-set section ({best_tag}: "
+        f"{best['rows_per_s']:,.1f} rows/s)." if best is not first else "no hand-set section run.",
+        f"prompt tokens: the job {first['tokens']['prompt']:,} ({first['tokens']['prompt'] / args.rows:.1f} a row)"
+        + (f"; mlx-lm's {ref['rows']:,} rows {ref['prompt_tokens']:,} ({ref['prompt_tokens'] / ref['rows']:.1f} a row, "
+           f"completion_batch_size {ref['completion_batch_size']}); of those rows {ref['same_prompt_length']:,} have the "
+           f"job's prompt length and {ref['same_text']:,} its text" if ref else "")
+        + f"; {args.max_tokens} new tokens at most, greedy, EOS on. model dtype {dtype}; job files in {folder}.",
+    ]
+    emit(b, out, {"floor": floor.as_dict(), "speed": speed.__dict__, "params": params, "weight_bytes": weight_bytes,
+                  "mlx_lm": ref, "reports": {t: {"process_s": s, "report": r} for t, (s, r) in runs.items()}})
+    return 0
