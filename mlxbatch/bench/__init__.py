@@ -3,7 +3,7 @@
 Every figure is a ratio against baselines (mlx-lm, mlx-vlm, the direct way) run in the same process on the same
 model object; the method is in docs/benchmarks.md. Modules, top-down (nothing imports upward):
 
-- ``cli`` / ``__main__``: argument parsing, which sections run, the JSON file.
+- ``cli`` / ``__main__``: which sections or subcommand run, the JSON file; ``options``: the options.
 - ``engine`` (a workload vs B0/B1/B2, decode at fixed concurrency), ``tasks`` (``nsample``, ``score``), ``suite``
   (``gpu``: every GPU target in one run, one JSON + one Markdown file), ``job`` (job layer overhead) with
   ``stream`` (streaming memory; the child process is ``stream_child``): the in-process sections.

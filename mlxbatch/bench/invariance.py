@@ -19,9 +19,9 @@ import sys
 import time
 from typing import Any
 
-from mlxbatch.bench.cli import parse_script_args
 from mlxbatch.bench.harness import Bench, Table, log
 from mlxbatch.bench.meta import emit
+from mlxbatch.bench.options import parse_script_args
 from mlxbatch.engine import Engine, EngineConfig
 from mlxbatch.types import SamplingParams
 

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from mlxbatch.bench import workloads as wl
-from mlxbatch.bench.cli import parse_script_args
 from mlxbatch.bench.harness import Bench, Table, log
 from mlxbatch.bench.meta import emit
+from mlxbatch.bench.options import parse_script_args
 from mlxbatch.engine import Engine, EngineConfig
 from mlxbatch.types import SamplingParams
 

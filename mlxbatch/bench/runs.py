@@ -30,9 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 from mlxbatch.bench import workloads as wl
-from mlxbatch.bench.cli import parse_script_args
 from mlxbatch.bench.harness import MB, Bench, MemoryProbe, Run, Table, log, ratio
 from mlxbatch.bench.meta import emit
+from mlxbatch.bench.options import parse_script_args
 from mlxbatch.engine import BLOCK_SIZE, Engine
 
 CUDA_STEP_TOKENS = 4096  # prefill tokens a step on NVIDIA GPUs (the engine's default there)

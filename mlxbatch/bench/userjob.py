@@ -28,11 +28,11 @@ from typing import Any
 
 import yaml
 
-from mlxbatch.bench.cli import parse_script_args
 from mlxbatch.bench.floor import MachineSpeed, job_floor, machine_speed
 from mlxbatch.bench.harness import MB, Bench, Table, log, ratio, resolve_model
 from mlxbatch.bench.jobdata import INSTRUCTION, write_reviews
 from mlxbatch.bench.meta import emit
+from mlxbatch.bench.options import parse_script_args
 
 MESSAGES = [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": "{{ review }}"}]
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from mlxbatch.bench import cli as bench_cli
+from mlxbatch.bench import options as bench_options
 from mlxbatch.cli import main as mlxbatch_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,7 +116,7 @@ def test_mlxbatch_bench_forwards_to_the_package(monkeypatch):
 def test_unknown_and_misplaced_sections_are_refused(capsys):
     for argv, says in ((["nope"], "unknown section(s) nope"), (["engine", "vlm"], "a stand-alone bench")):
         try:
-            bench_cli.parse_args(argv)
+            bench_options.parse_args(argv)
         except SystemExit as exc:
             assert exc.code == 64  # bad usage, as every mlxbatch command (README)
         else:
@@ -129,11 +130,11 @@ def test_section_names_match_the_registry_and_shapes():
     from mlxbatch.bench.harness import SECTIONS
     from mlxbatch.models.random_model import SHAPES
 
-    for name, module in bench_cli.SECTION_MODULES.items():
+    for name, module in bench_options.SECTION_MODULES.items():
         importlib.import_module(f"mlxbatch.bench.{module}")
         assert SECTIONS[name].__module__ == f"mlxbatch.bench.{module}"
-    assert set(SECTIONS) == set(bench_cli.IN_PROCESS)
-    assert tuple(SHAPES) == bench_cli.SHAPES
+    assert set(SECTIONS) == set(bench_options.IN_PROCESS)
+    assert tuple(SHAPES) == bench_options.SHAPES
 
 
 def test_the_streaming_child_does_not_import_mlx():
