@@ -10,7 +10,7 @@ What an A/B of engine changes needs on one machine: each workload (``name:rows``
 off) under each configuration (``--configs 'name:field=value,...;...'``: EngineConfig fields), interleaved, for
 ``--rounds`` rounds (the first pays what a new shape costs, e.g. cuDNN's graph builds on CUDA; the next finds it
 paid). Each run under the suite's memory probe. Prints wall, prefill seconds and tokens (against the distinct-trie
-floor), decode and host seconds, steps, KV bytes moved and stored, syncs, MLX's peak over the
+floor), decode and host seconds, steps, KV bytes moved (and of it by row moves) and stored, syncs, MLX's peak over the
 run's start (x B1's with ``--b1``: mlx-lm's ``batch_generate`` on the same rows, once) and a hash of the greedy
 tokens: rows of one table compare, tables of two machines do not.
 
@@ -127,7 +127,7 @@ def engine_runs(b: Bench, runs: list[RunSpec], configs: dict[str, dict[str, Any]
     tab = Table(f"engine runs: concurrency {C}" + (", CUDA's decisions" if decisions else "")
                 + f", {rounds} round(s) interleaved",
                 ["workload", "config", "round", "wall s", "prefill s", "prefill tok", "prefill / floor", "decode s",
-                 "host s", "steps", "moved MB", "stored MB", "syncs", "peak GiB over start",
+                 "host s", "steps", "moved MB", "of it row moves MB", "stored MB", "syncs", "peak GiB over start",
                  "peak x B1", "tokens"])
     raw: dict[str, Any] = {}
     for spec in runs:
@@ -139,7 +139,7 @@ def engine_runs(b: Bench, runs: list[RunSpec], configs: dict[str, dict[str, Any]
             b1_peak = probe.mlx_peak - probe.mlx_base
             tab.rows.append([spec.label, "B1 (mlx-lm)", 1, r.wall_s, r.extra["prompt_s"], w.prompt_tokens,
                              ratio(w.prompt_tokens, w.trie_floor), r.extra["decode_s"], None, None, None, None,
-                             None, b1_peak / GiB, 1.0, token_hash(r.tokens)])
+                             None, None, b1_peak / GiB, 1.0, token_hash(r.tokens)])
         for rnd in range(1, rounds + 1):
             for name, cfg in configs.items():
                 with MemoryProbe() as probe:
@@ -149,7 +149,7 @@ def engine_runs(b: Bench, runs: list[RunSpec], configs: dict[str, dict[str, Any]
                 peak = probe.mlx_peak - probe.mlx_base
                 tab.rows.append([spec.label, name, rnd, run.wall_s, p["prefill_s"], p["prefill_tokens"],
                                  ratio(p["prefill_tokens"], w.trie_floor), p["decode_s"], p["host_s"], p["steps"],
-                                 p["moved_bytes"] / MB, p["stored_bytes"] / MB, p["syncs"],
+                                 p["moved_bytes"] / MB, p.get("row_moved_bytes", 0) / MB, p["stored_bytes"] / MB, p["syncs"],
                                  peak / GiB, ratio(peak, b1_peak), token_hash(run.tokens)])
                 raw[f"{spec.label} / {name} / {rnd}"] = {"profile": p, "config": run.extra["config"]}
                 log(f"{spec.label} {name} round {rnd}: {run.wall_s:.2f} s, prefill {p['prefill_s']:.2f} s")

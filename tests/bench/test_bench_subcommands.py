@@ -48,8 +48,9 @@ def test_runs_compares_configurations_and_cuda_decisions(tmp_path, tiny_model_pa
     cuda = tmp_path / "cuda.json"  # the CUDA text path's decisions on this CPU: the same greedy tokens
     assert runs.main([*common, "--cuda-decisions", "--json", str(cuda)]) == 0
     got = {r["workload"]: r for r in _table(cuda)}
-    assert got["label 6"]["tokens"] == by[("label 6", "plain")]["tokens"]
-    assert got["chat 8 nocache"]["tokens"] == by[("chat 8 nocache", "plain")]["tokens"]
+    for w in ("label 6", "chat 8 nocache"):
+        assert got[w]["tokens"] == by[(w, "plain")]["tokens"]
+        assert got[w]["of it row moves MB"] == 0 < by[(w, "plain")]["of it row moves MB"]  # CUDA's rows stay put
     assert "CUDA's decisions" in json.loads(cuda.read_text())["tables"][0]["title"]
 
 
