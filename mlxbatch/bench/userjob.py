@@ -1,13 +1,14 @@
 """``mlxbatch bench userjob``: what a user gets. A labeling job through the real CLI, against mlx-lm and the machine.
 
     python3 -m mlxbatch.bench userjob --model 0.5b --commit <sha> --json out.json     # the GPU machine: 100k rows
-    mlxbatch bench userjob --model tiny --rows 20000 --configs 16,32,64,128,256        # the CPU version
+    mlxbatch bench userjob --model tiny --rows 20000 --configs defaults,16,32,64,128,256   # the CPU version
+    python3 -m mlxbatch.bench userjob --model 0.5b --configs 256,512 --mlx-lm-rows 0 ...   # a GPU call of 10 minutes
 
 The job (``jobdata.write_reviews``): ``--rows`` rows (default 100,000), each one shared instruction of ~30 tokens as
 the system message and a review of 8-40 words as the user message (~137 prompt tokens a row with the random models'
 tokenizer), ``--max-tokens`` new tokens (default 8), greedy, ``model: {path, dtype}`` (``--dtype auto``: bfloat16 on
-a GPU, float32 on a CPU). It runs as ``mlxbatch run job.yaml`` in a child process, as a user runs it: first with no
-``engine:`` section (the defaults), then once per ``--configs`` entry with ``engine: {max_num_seqs: N}``. Then, in
+a GPU, float32 on a CPU). It runs as ``mlxbatch run job.yaml`` in a child process, as a user runs it, once per
+``--configs`` entry: ``defaults`` with no ``engine:`` section, a number N with ``engine: {max_num_seqs: N}``. Then, in
 this process, mlx-lm's ``batch_generate`` on the first ``--mlx-lm-rows`` rows (default a tenth) of the same prompts
 (the chat template applied by the tokenizer; ``completion_batch_size`` = ``--concurrency``, default 256 on a GPU and
 32 on a CPU), and the hardware floor of the job (``floor``: the matmul rate and bandwidth measured here).
@@ -28,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from mlxbatch.bench.floor import MachineSpeed, job_floor, machine_speed
+from mlxbatch.bench.floor import Floor, MachineSpeed, job_floor, machine_speed
 from mlxbatch.bench.harness import MB, Bench, Table, log, ratio, resolve_model
 from mlxbatch.bench.jobdata import INSTRUCTION, write_reviews
 from mlxbatch.bench.meta import emit
@@ -129,17 +130,60 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
     return [main, split]
 
 
+DEFAULTS = "none (defaults)"
+
+
+def parse_configs(text: str) -> list[int | None]:
+    """``defaults,64,128`` -> [None, 64, 128]: ``defaults`` is the job with no engine section."""
+    out: list[int | None] = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        if item == "defaults":
+            out.append(None)
+        elif item.isdigit() and int(item) > 0:
+            out.append(int(item))
+        else:
+            raise SystemExit(f"--configs: {item!r}: expected 'defaults' or a max_num_seqs (an integer >= 1)")
+    if not out:
+        raise SystemExit("--configs: name at least one run ('defaults' or a max_num_seqs)")
+    return out
+
+
+def notes(runs: dict[str, tuple[float, dict]], ref: dict | None, floor: Floor, speed: MachineSpeed, params: int,
+          weight_bytes: int, a: Any, floor_batch: int) -> list[str]:
+    first = next(iter(runs.values()))[1]
+    hand = {t: r for t, (_, r) in runs.items() if t != DEFAULTS}
+    out = [
+        f"hardware floor {floor.seconds:.2f} s ({a.rows / floor.seconds:,.0f} rows/s): prefill "
+        f"{floor.prefill_tokens:,} window-floor tokens x 2 x {params / 1e6:.1f}M parameters at "
+        f"{speed.matmul_flops / 1e12:.2f} TFLOP/s ({speed.matmul_n}^3 {a.dtype} matmul) = {floor.prefill_s:.2f} s, "
+        f"decode {floor.decode_steps:,} steps ({a.rows:,} rows x {a.max_tokens - 1} tokens / {floor_batch}) x "
+        f"{weight_bytes / MB:,.1f} MB of weights at {speed.bandwidth / 1e9:,.1f} GB/s = {floor.decode_s:.3f} s."]
+    if DEFAULTS in runs and hand:
+        best_tag = max(hand, key=lambda t: hand[t]["rows_per_s"])
+        out.append(f"defaults at {runs[DEFAULTS][1]['rows_per_s'] / hand[best_tag]['rows_per_s']:.0%} of the best "
+                   f"hand-set section ({best_tag}: {hand[best_tag]['rows_per_s']:,.1f} rows/s).")
+    prompt = first["tokens"]["prompt"]
+    out.append(f"prompt tokens: the job {prompt:,} ({prompt / a.rows:.1f} a row)"
+               + (f"; mlx-lm's {ref['rows']:,} rows {ref['prompt_tokens']:,} ({ref['prompt_tokens'] / ref['rows']:.1f} "
+                  f"a row, completion_batch_size {ref['completion_batch_size']}); of those rows "
+                  f"{ref['same_prompt_length']:,} have the job's prompt length and {ref['same_text']:,} its text"
+                  if ref else "")
+               + f"; {a.max_tokens} new tokens at most, greedy, EOS on; model dtype {a.dtype}.")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     mine, args = parse_script_args(
         list(sys.argv[1:] if argv is None else argv), "userjob", __doc__, {"rows": 100_000, "max_tokens": 8},
-        configs=("64,128,256,512,1024", "max_num_seqs of the hand-set engine sections ('' : the defaults only)"),
+        configs=("defaults,64,128,256,512,1024", "the runs, in order: 'defaults' (no engine section) and "
+                 "max_num_seqs of hand-set engine sections (default defaults,64,128,256,512,1024)"),
         mlx_lm_rows=(-1, "rows for mlx-lm's batch_generate (default: a tenth of --rows; 0 skips it)"),
         floor_batch=(256, "rows decoding together in the floor's decode steps (default 256)"),
         matmul_n=(0, "the floor's matmul size (default 8192 on a GPU, 2048 on a CPU)"),
         stream_mib=(0, "the floor's element-wise pass in MiB (default 1024 on a GPU, 256 on a CPU)"),
         workdir=("", "keep the input, job files, logs and outputs here (default: a temporary folder)"),
         timeout=(7200.0, "seconds a job may take (default 7200)"))
-    configs = [int(x) for x in mine.configs.split(",") if x.strip()]
+    configs = parse_configs(mine.configs)
     import tempfile
 
     import mlx.core as mx
@@ -150,40 +194,26 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(args.model, Path(args.cache_dir).expanduser())
     data = write_reviews(folder / "reviews.jsonl", args.rows, args.seed)
     runs: dict[str, tuple[float, dict]] = {}
-    for n in [None, *configs]:
-        tag = "none (defaults)" if n is None else f"max_num_seqs: {n}"
+    outs: dict[str, Path] = {}
+    for n in configs:
+        tag = DEFAULTS if n is None else f"max_num_seqs: {n}"
         log(f"userjob: {args.rows:,} rows, engine section {tag}")
-        runs[tag] = run_cli(job_file(folder, "defaults" if n is None else f"seqs-{n}", model, dtype, data,
-                                     args.max_tokens, n), mine.timeout)
+        job = job_file(folder, "defaults" if n is None else f"seqs-{n}", model, dtype, data, args.max_tokens, n)
+        runs[tag] = run_cli(job, mine.timeout)
+        outs[tag] = Path(yaml.safe_load(job.read_text())["output"])
         log(f"  {runs[tag][1]['rows_per_s']:.1f} rows/s")
     args.dtype = dtype
     b = Bench(args)  # after the jobs: this process holds no model while they run
     ref_rows = args.rows // 10 if mine.mlx_lm_rows < 0 else min(mine.mlx_lm_rows, args.rows)
-    defaults_out = Path(yaml.safe_load((folder / "job-defaults.yaml").read_text())["output"])
-    ref = mlx_lm_run(b, data, ref_rows, args.max_tokens, defaults_out) if ref_rows else None
-    speed: MachineSpeed = machine_speed(dtype, mine.matmul_n or None, (mine.stream_mib << 20) or None)
+    ref = mlx_lm_run(b, data, ref_rows, args.max_tokens, next(iter(outs.values()))) if ref_rows else None
+    speed = machine_speed(dtype, mine.matmul_n or None, (mine.stream_mib << 20) or None)
     params, weight_bytes = model_size(b)
-    first = runs["none (defaults)"][1]
+    first = next(iter(runs.values()))[1]  # every run plans the same windows: the same window floor
     floor = job_floor(first["prefix_reuse"]["window_floor_tokens"], args.rows, args.max_tokens, params, weight_bytes,
                       speed, mine.floor_batch)
     out = tables(runs, ref, floor.seconds, args.rows)
-    best_tag, (_, best) = max(((t, r) for t, r in runs.items() if t != "none (defaults)"),
-                              key=lambda tr: tr[1][1]["rows_per_s"], default=("none (defaults)", runs["none (defaults)"]))
-    main_tab = out[0]
-    main_tab.notes += [
-        f"hardware floor {floor.seconds:.2f} s ({args.rows / floor.seconds:,.0f} rows/s): prefill "
-        f"{floor.prefill_tokens:,} window-floor tokens x 2 x {params / 1e6:.1f}M parameters at "
-        f"{speed.matmul_flops / 1e12:.2f} TFLOP/s ({speed.matmul_n}^3 {dtype} matmul) = {floor.prefill_s:.2f} s, decode "
-        f"{floor.decode_steps:,} steps ({args.rows:,} rows x {args.max_tokens - 1} tokens / {mine.floor_batch}) x "
-        f"{weight_bytes / MB:,.1f} MB of weights at {speed.bandwidth / 1e9:,.1f} GB/s = {floor.decode_s:.3f} s.",
-        f"defaults at {first['rows_per_s'] / best['rows_per_s']:.0%} of the best hand-set section ({best_tag}: "
-        f"{best['rows_per_s']:,.1f} rows/s)." if best is not first else "no hand-set section run.",
-        f"prompt tokens: the job {first['tokens']['prompt']:,} ({first['tokens']['prompt'] / args.rows:.1f} a row)"
-        + (f"; mlx-lm's {ref['rows']:,} rows {ref['prompt_tokens']:,} ({ref['prompt_tokens'] / ref['rows']:.1f} a row, "
-           f"completion_batch_size {ref['completion_batch_size']}); of those rows {ref['same_prompt_length']:,} have the "
-           f"job's prompt length and {ref['same_text']:,} its text" if ref else "")
-        + f"; {args.max_tokens} new tokens at most, greedy, EOS on. model dtype {dtype}; job files in {folder}.",
-    ]
+    out[0].notes += [*notes(runs, ref, floor, speed, params, weight_bytes, args, mine.floor_batch),
+                     f"job files in {folder}."]
     emit(b, out, {"floor": floor.as_dict(), "speed": speed.__dict__, "params": params, "weight_bytes": weight_bytes,
                   "mlx_lm": ref, "reports": {t: {"process_s": s, "report": r} for t, (s, r) in runs.items()}})
     return 0

@@ -113,7 +113,7 @@ def test_userjob_runs_the_job_through_the_cli_with_and_without_an_engine_section
 
     out, work = tmp_path / "userjob.json", tmp_path / "work"
     assert userjob.main(["--model", "tiny", "--cache-dir", _cache(tmp_path, tiny_model_path), "--rows", "120",
-                         "--configs", "16", "--mlx-lm-rows", "24", "--matmul-n", "256", "--stream-mib", "16",
+                         "--configs", "defaults,16", "--mlx-lm-rows", "24", "--matmul-n", "256", "--stream-mib", "16",
                          "--workdir", str(work), "--json", str(out)]) == 0
     assert "engine" not in yaml.safe_load((work / "job-defaults.yaml").read_text())  # what a user types
     assert yaml.safe_load((work / "job-seqs-16.yaml").read_text())["engine"] == {"max_num_seqs": 16}
@@ -132,3 +132,11 @@ def test_userjob_runs_the_job_through_the_cli_with_and_without_an_engine_section
     ref = res["mlx_lm"]
     assert ref["same_prompt_length"] == 24  # mlx-lm ran the job's prompts
     assert ref["same_text"] == 24  # greedy float32 on one CPU: the same outputs
+
+
+def test_userjob_refuses_bad_configs_before_any_work():
+    from mlxbatch.bench import userjob
+
+    for bad, says in (("defaults,x", "'x'"), ("0", "'0'"), ("", "at least one")):
+        with pytest.raises(SystemExit, match=says):
+            userjob.main(["--model", "/nonexistent", "--configs", bad])
