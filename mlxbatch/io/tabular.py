@@ -9,6 +9,7 @@ within the file / dataset. A missing requested column is an ``InputError`` (a pr
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Iterator
@@ -143,7 +144,16 @@ def iter_hub(name: str, *, id_column: str | None, columns: tuple[str, ...] | Non
     except InputError:
         raise
     except Exception as exc:
+        _release_abandoned_readers()
         raise InputError(f"dataset {name!r}: reading failed after {position} rows ({exc})") from exc
+
+
+def _release_abandoned_readers() -> None:
+    """Free now the Arrow readers a ``datasets`` stream left behind when reading failed midway. ``datasets`` leaves
+    its Parquet fragment's batch iterator in a reference cycle (apache/arrow#45214; its own workaround is applied
+    only for pyarrow <= 24); freed only at interpreter exit, an Arrow thread then drops a Python buffer after
+    Python is gone and the process aborts (exit 134) instead of exiting with its error."""
+    gc.collect()
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -176,9 +186,10 @@ def _pick_split(splits: list[str], split: str | None, where: str) -> str:
         if split not in splits:
             raise InputError(f"{where}: no split {split!r} (splits: {splits})")
         return split
-    if "train" in splits or len(splits) == 1:
-        return "train" if "train" in splits else splits[0]
-    raise InputError(f"{where}: several splits {splits}; set the split")
+    if len(splits) == 1:
+        return splits[0]
+    raise InputError(f"{where}: several splits {splits}; set input.split (none is read by default: an eval meant "
+                     "for one must not run on another)")
 
 
 def _open_hf(path: Path, split: str | None) -> Any:
@@ -222,6 +233,7 @@ def iter_hf(path: Path, *, id_column: str | None, columns: tuple[str, ...] | Non
     except InputError:
         raise
     except Exception as exc:
+        _release_abandoned_readers()
         raise InputError(f"{path}: reading failed after {position} rows ({exc})") from exc
 
 
