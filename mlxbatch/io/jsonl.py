@@ -1,9 +1,10 @@
 """Line-oriented JSON inputs: plain JSONL and OpenAI Batch JSONL, parsed one line at a time.
 
-Owns the per-line rules: blank lines are skipped; invalid UTF-8, invalid JSON, a value that is not an object, or
-(OpenAI batch) a request without ``custom_id`` / ``body`` (or with a content part other than text and image_url)
-becomes an error row naming ``file:line``, and reading goes on. OpenAI Batch bodies are read as vLLM's run-batch
-reads them: text content parts are joined, ``image_url`` parts are the request's images (``request_images``), and
+Owns the per-line rules: blank lines are skipped; invalid UTF-8, invalid JSON, an object that gives a key twice, a
+value that is not an object, or (OpenAI batch) a request without ``custom_id`` / ``body`` (or with a content part
+other than text and image_url) becomes an error row naming ``file:line``, and reading goes on. OpenAI Batch bodies
+are read as vLLM's run-batch reads them: text content parts are joined, ``image_url`` parts are the request's images
+(``request_images``), and
 ``response_format`` (or vLLM's ``guided_*``) is the request's structured-output constraint (``openai_constraint``).
 Memory is bounded by the longest line. Does not own file discovery or format choice (``readers``).
 """
@@ -43,6 +44,25 @@ class _Line:
     error: str | None = None
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused when it gives a key twice: ``json`` would keep the last value silently, and the row
+    would run on a value nobody chose."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return obj
+
+
 def _decode_lines(path: Path) -> Iterator[_Line]:
     """Every non-blank line, parsed, or with the message saying why it could not be."""
     where_file = str(path)
@@ -57,10 +77,13 @@ def _decode_lines(path: Path) -> Iterator[_Line]:
             except UnicodeDecodeError as exc:
                 yield _Line(lineno, error=f"{where_file}:{lineno}: invalid UTF-8 at byte {exc.start}: {exc.reason}")
                 continue
-            try:
-                value = json.loads(text.rstrip("\r\n"))  # an unterminated string ends at the line, not at "\n"
+            try:  # an unterminated string ends at the line, not at "\n"
+                value = json.loads(text.rstrip("\r\n"), object_pairs_hook=_object)
             except json.JSONDecodeError as exc:
                 yield _Line(lineno, error=f"{where_file}:{lineno}: invalid JSON: {exc.msg} (column {exc.colno})")
+            except _DuplicateKey as exc:
+                yield _Line(lineno, error=f"{where_file}:{lineno}: the key {exc.key!r} is given twice in one "
+                                          "object (JSON would keep the last)")
             except RecursionError:
                 yield _Line(lineno, error=f"{where_file}:{lineno}: invalid JSON: nested too deeply")
             else:

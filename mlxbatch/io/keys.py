@@ -55,12 +55,12 @@ def result_key(row_id: str, rendered_prompt: str, model_identity: str, params_js
 
 
 class DuplicateIdTracker:
-    """Counts row ids seen more than once while the caller streams an input (the readers never dedupe).
+    """Gives every row of a stream an id of its own (the readers never dedupe).
 
-    Memory is one set entry per distinct id. ``add`` returns False for a real id already seen. Ids the readers
-    generated (rows without one) live apart: ``generated`` never lets one make a real row a duplicate, and gives a
-    generated id that was already seen (real or generated) a ``#n`` suffix, so no two output rows share an id
-    unless a real id repeats one generated before it.
+    Memory is one set entry per distinct id. ``add`` returns False for an id already taken: by an earlier real row
+    (a duplicate), or given earlier to a row without an id of its own (``is_generated`` tells which). ``generated``
+    gives a row an id that is free: the reader's id for a row without one, or the id a duplicate is written under,
+    with a ``#n`` suffix where that id is taken. So no two output rows share an id.
     """
 
     def __init__(self, max_examples: int = 10) -> None:
@@ -71,7 +71,7 @@ class DuplicateIdTracker:
         self.examples: list[str] = []
 
     def generated(self, row_id: str) -> str:
-        """A unique id for a row whose reader generated ``row_id``."""
+        """A free id for a row whose own id is ``row_id`` made up by its reader, or taken already."""
         unique, n = row_id, 1
         while unique in self._seen or unique in self._generated:
             n += 1
@@ -79,8 +79,13 @@ class DuplicateIdTracker:
         self._generated.add(unique)
         return unique
 
+    def is_generated(self, row_id: str) -> bool:
+        """Whether ``row_id`` was given by ``generated`` (to a row without an id of its own, or a duplicate)."""
+        return row_id in self._generated
+
     def add(self, row_id: str) -> bool:
-        if row_id in self._seen:
+        """Take a real row's id: False when it is taken already (the row is a duplicate)."""
+        if row_id in self._seen or row_id in self._generated:
             self.duplicates += 1
             if len(self.examples) < self._max_examples and row_id not in self.examples:
                 self.examples.append(row_id)

@@ -35,6 +35,17 @@ def test_jsonl_bad_lines_become_error_rows_and_reading_goes_on(tmp_path: Path) -
     assert all(r.request is None for r in rows)
 
 
+def test_a_json_object_with_a_key_given_twice_is_an_error_row(tmp_path: Path) -> None:
+    """JSON keeps the last of two values of one key: the row would run on a value nobody chose."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"id": "a", "text": "one", "text": "two"}\n{"id": "b", "meta": {"x": 1, "x": 2}}\n'
+                    '{"id": "c", "text": "fine"}\n')
+    rows = list(open_reader(InputSpec(path, id_column="id")))
+    assert rows[0].error == f"{path}:1: the key 'text' is given twice in one object (JSON would keep the last)"
+    assert rows[1].error == f"{path}:2: the key 'x' is given twice in one object (JSON would keep the last)"
+    assert [r.row_id for r in rows] == ["d.jsonl:1", "d.jsonl:2", "c"] and rows[2].ok
+
+
 def test_jsonl_without_id_column_and_column_selection(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "x.jsonl", [{"a": 1, "b": 2}, {"a": 3}])
     rows = list(open_reader(InputSpec(path, columns=["b"])))

@@ -73,6 +73,16 @@ def test_generated_ids_never_make_a_real_row_a_duplicate() -> None:
     assert t.add("in.jsonl:3")  # a real row whose id looks generated
     assert t.generated("in.jsonl:3") == "in.jsonl:3#2"  # the reader's id for line 3 steps aside
     assert t.generated("in.jsonl:4") == "in.jsonl:4"
-    assert t.add("in.jsonl:4")  # a real id equal to an earlier generated one is still not a duplicate
     assert t.generated("a:1") == "a:1" and t.generated("a:1") == "a:1#2"  # two files with one stem
     assert not t.add("in.jsonl:3") and t.duplicates == 1  # real ids still are
+
+
+def test_an_id_is_never_given_twice() -> None:
+    """A real id equal to one given earlier to an unreadable row is taken: the results would hold two rows with
+    one id. The row is a duplicate, and ``generated`` gives it an id of its own."""
+    t = DuplicateIdTracker()
+    assert t.generated("in.jsonl:4") == "in.jsonl:4"
+    assert not t.add("in.jsonl:4") and t.is_generated("in.jsonl:4") and t.duplicates == 1
+    assert t.generated("in.jsonl:4") == "in.jsonl:4#2"
+    assert t.add("x") and not t.add("x") and not t.is_generated("x") and t.generated("x") == "x#2"
+    assert not t.add("x#2")  # a real id equal to one given to a duplicate is taken too

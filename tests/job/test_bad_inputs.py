@@ -3,7 +3,8 @@
 Every bad row becomes an error row of the right kind with a message naming it, the good rows run, and nothing
 stops the job. Kinds covered: input (bad JSON, an unterminated string, not an object, bad UTF-8, no id), duplicate_id,
 params, render (missing field, null field, division by zero, int + str, a runaway range), request (a prompt far
-beyond the context, refused before tokenizing; an empty prompt), and a generated id that equals a real one.
+beyond the context, refused before tokenizing; an empty prompt), and a generated id that equals a real one (either
+first): no two result rows share an id.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def test_every_kind_of_bad_row_is_an_error_row_and_the_job_completes(tmp_path, t
              b"[1, 2]",  # line 14
              b'{"id": "bad-utf8", "text": "\xff\xfe"}',  # line 15
              b'{"id": "x", "text": ',  # line 16: its generated id must not take row-09's
-             b'{"text": "no id here", "d": 1, "k": 0, "a": 0, "b": 0}']  # line 17
+             b'{"text": "no id here", "d": 1, "k": 0, "a": 0, "b": 0}',  # line 17
+             b'{"id": "in.jsonl:14", "text": "late", "d": 1, "k": 0, "a": 0, "b": 0}']  # 18: line 14's id, taken
     data = write_jsonl(tmp_path / "in.jsonl", rows, extra_lines=extra)
     job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", prompt={"template": TEMPLATE},
                     sampling={"temperature": 0, "max_tokens": 4, "overrides": {"max_tokens": "budget"}},
@@ -55,10 +57,14 @@ def test_every_kind_of_bad_row_is_an_error_row_and_the_job_completes(tmp_path, t
     report = run(job).report
     assert time.monotonic() - start < 60
     res = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
-    assert len(res) == 17 and len({r["id"] for r in res}) == 16, [r["id"] for r in res]  # row-00 twice
+    assert len(res) == 18 and len({r["id"] for r in res}) == 18, [r["id"] for r in res]  # no id twice
     dup = res[8]
-    assert dup["id"] == "row-00" and dup["error_kind"] == "duplicate_id" and "in.jsonl:9" in dup["error"]
-    by_id = {r["id"]: r for r in res if r is not dup}
+    assert dup["id"] == "row-00#2" and dup["error_kind"] == "duplicate_id" and "in.jsonl:9" in dup["error"]
+    assert "duplicate id 'row-00'" in dup["error"]
+    late = res[17]  # a real id that equals the id an unreadable line before it was given
+    assert late["id"] == "in.jsonl:14#2" and late["error_kind"] == "duplicate_id", late
+    assert "'in.jsonl:14' (given to an earlier row that had no id of its own" in late["error"]
+    by_id = {r["id"]: r for r in res}
 
     def err(rid, kind, *words):
         r = by_id[rid]
@@ -81,7 +87,7 @@ def test_every_kind_of_bad_row_is_an_error_row_and_the_job_completes(tmp_path, t
     err("in.jsonl:17", "input", "id column 'id' is missing")
     for rid in ("row-00", "row-11", "in.jsonl:16", "in:17"):  # real rows run, none is a duplicate
         assert by_id[rid]["error"] is None and by_id[rid]["generated_tokens"] > 0, by_id[rid]
-    assert report["errors_by_kind"] == {"render": 5, "request": 1, "params": 1, "duplicate_id": 1, "input": 5}
+    assert report["errors_by_kind"] == {"render": 5, "request": 1, "params": 1, "duplicate_id": 2, "input": 5}
 
 
 def test_a_50_mb_prompt_line_is_refused_before_tokenizing(tmp_path, tiny_model_path):

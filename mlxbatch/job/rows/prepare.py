@@ -153,8 +153,13 @@ class RowPreparer:
             unique = self.duplicates.generated(row.row_id)
             if unique != row.row_id:
                 row = dataclasses.replace(row, row_id=unique)
-        elif not self.duplicates.add(row.row_id):
-            return self._failed(row, f"{row.source}:{row.position}: duplicate id {row.row_id!r}", "duplicate_id")
+        elif not self.duplicates.add(row.row_id):  # written under an id of its own: results ids are unique
+            taken = row.row_id
+            why = " (given to an earlier row that had no id of its own, or to a duplicate)" \
+                if self.duplicates.is_generated(taken) else ""
+            row = dataclasses.replace(row, row_id=self.duplicates.generated(taken))
+            return self._failed(row, f"{row.source}:{row.position}: duplicate id {taken!r}{why}; written as "
+                                     f"{row.row_id!r}", "duplicate_id")
         if row.error is not None:
             return self._failed(row, row.error, "input")
         try:
