@@ -153,7 +153,8 @@ def test_an_uncached_hub_id_while_offline_names_the_setting(tmp_path, tiny_model
     raw["model"] = "someone/not-downloaded"
     job.write_text(yaml.safe_dump(raw))
     res = _validate(job)
-    assert res.exit_code == 2 and "not in the local cache" in res.output and "HF_HUB_OFFLINE" in res.output
+    assert res.exit_code == 2 and "not in the local Hugging Face cache" in res.output, res.output
+    assert "HF_HUB_OFFLINE is set" in res.output
 
 
 def test_a_field_some_rows_lack_is_counted(tmp_path, tiny_model_path):

