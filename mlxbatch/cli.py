@@ -243,12 +243,14 @@ def generate(model: str, max_tokens: int, temperature: float, seed: int | None, 
 
 @main.command()
 def info() -> None:
-    """The device, its memory, the BLAS MLX uses and, on CUDA, how kernels are launched.
+    """The device, its memory, the BLAS MLX uses, on CUDA how kernels are launched, and the versions of mlxbatch,
+    MLX, mlx-lm, mlx-vlm and Python.
 
     ``total_memory_gb`` is what the device may use (GPU memory; on a Mac, Metal's recommended working set, a share of
     the machine's memory), ``available_memory_gb`` what is free for a run now, ``host_memory_gb`` the machine's RAM.
     """
     from mlxbatch.engine import device_info
+    from mlxbatch.job.report.snapshot import versions
 
     d = device_info()
     total, avail, host = (round(n / 2**30, 2) for n in (d.total_memory, d.available_memory,
@@ -259,7 +261,7 @@ def info() -> None:
         out["total_memory_is"] = "the Metal working-set limit (unified memory: shared with macOS and other apps)"
     if d.kind == "cuda":
         out["kernel_launch"] = d.kernel_launch  # direct, unless MLX_USE_CUDA_GRAPHS=1 was set
-    click.echo(json.dumps({**out, "blas": d.blas}, indent=2))
+    click.echo(json.dumps({**out, "blas": d.blas, "versions": versions()}, indent=2))
 
 
 @main.command("doctor")

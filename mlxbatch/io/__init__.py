@@ -22,6 +22,7 @@ from mlxbatch.io.output_folder import (
     clear_success,
     foreign_files,
     mark_success,
+    published_report,
     remove_outputs,
     write_report,
 )
@@ -45,6 +46,6 @@ __all__ = [
     "IncompleteResultsError", "InputError", "InputFormat", "InputRow", "InputSpec", "OpenAIBatchOutputs",
     "OutputError", "RecoveryReport", "ResolvedInput", "ResultRecord", "ShardInfo", "canonical_params",
     "clear_success", "count_rows", "finalize", "foreign_files", "from_arrow", "input_schema", "mark_success",
-    "open_reader", "remove_outputs", "resolve_inputs", "result_key", "to_arrow", "write_dataset_card",
+    "open_reader", "published_report", "remove_outputs", "resolve_inputs", "result_key", "to_arrow", "write_dataset_card",
     "write_openai_batch_output", "write_report",
 ]

@@ -9,6 +9,7 @@ file is written atomically; a write that fails raises ``OutputError`` and leaves
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -43,6 +44,19 @@ def write_report(out_dir: str | Path, report: Mapping[str, Any], *, filename: st
     except OSError as exc:
         raise OutputError(f"could not write {path}: {oserror_text(exc)}") from exc
     return path
+
+
+def published_report(out_dir: str | Path) -> dict[str, Any] | None:
+    """The report of the run whose results the folder publishes: report.json when ``_SUCCESS`` is there (the
+    completing run wrote it just before), None when nothing is published or the report does not read."""
+    out = Path(out_dir)
+    if not (out / SUCCESS_NAME).exists():
+        return None
+    try:
+        report = json.loads((out / REPORT_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
 
 
 def mark_success(out_dir: str | Path) -> Path:

@@ -81,7 +81,7 @@ def test_a_stopped_run_writes_the_report_of_every_run_and_counts_their_errors_by
         report = json.loads((out / "report.json").read_text())
         assert status["errors_by_kind"]["render"] > 0  # the checkpointed current rows, all runs
         assert f"Errors by kind (all runs): {status['errors_by_kind']}" in str(failed.value)
-        assert report["stopped"] == str(failed.value)
+        assert report["stopped"] == str(failed.value) and report["status"] == "stopped"
         assert report["errors_by_kind"] == status["errors_by_kind"]
         assert (report["rows"]["output"], report["rows"]["errors"]) == (status["rows_done"], status["errors"])
         assert not (out / "results.parquet").exists() and not (out / "_SUCCESS").exists()
@@ -129,7 +129,8 @@ def test_a_job_whose_rows_all_finished_writes_its_results_even_past_the_limit(tm
         assert "results.parquet holds every row" in res.output, res.output
         assert pq.read_table(out / "results.parquet").num_rows == 30 and not (out / "_SUCCESS").exists()
         report = json.loads((out / "report.json").read_text())
-        assert report["rows"]["errors"] == 25 and "stopped" not in report
+        assert report["rows"]["errors"] == 25 and "stopped" not in report and report["status"] == "failed"
+        assert report["failed"] in res.output
         shown = CliRunner().invoke(main, ["show", str(out)])
         assert shown.exit_code == 0 and "errors: render 25" in shown.output, shown.output
 

@@ -188,9 +188,10 @@ def test_show_says_when_the_results_may_be_an_earlier_runs(tmp_path, tiny_model_
     assert invoke("run", job, "--no-progress").exit_code == 0
     shown = invoke("show", tmp_path / "out")
     assert shown.exit_code == 0 and "no _SUCCESS" not in shown.output
-    killed = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "run", str(job), "--no-progress",
-                             "--set", "prompt.template='Retell: {{ text }}'"], capture_output=True,
-                            env={**os.environ, "MLXBATCH_FAULT": "mid-shard:1"}, timeout=300)
+    write_job(tmp_path, tiny_model_path, data, tmp_path / "out", checkpoint={"every_rows": 4},
+              prompt={"template": "Retell: {{ text }}"})  # the job file edited (a --set trial would be refused)
+    killed = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "run", str(job), "--no-progress"],
+                            capture_output=True, env={**os.environ, "MLXBATCH_FAULT": "mid-shard:1"}, timeout=300)
     assert killed.returncode == -9, killed.stderr[-2000:]
     shown = invoke("show", tmp_path / "out")
     assert shown.exit_code == 0 and "=== " in shown.output

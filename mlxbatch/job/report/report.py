@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 
 from mlxbatch.io import CheckpointStore, ExpectedRow, ResultRecord, finalize
 from mlxbatch.job.report.metrics import evaluate
+from mlxbatch.job.report.snapshot import job_path, job_snapshot, versions
 from mlxbatch.job.spec import JobSpec
 
 _CHECKPOINTED_NAME = ".checkpointed.parquet.tmp"  # summarize_checkpointed's file (a leftover is a temporary file)
@@ -162,9 +163,12 @@ class RunStats:
         this = self._this_run(self.wall_s, time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         return {"last_work_run": this, **self._figures(this)}
 
-    def report(self, spec: JobSpec, loaded: Any, earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+    def report(self, spec: JobSpec, loaded: Any, earlier: dict[str, Any] | None = None,
+               stopped: str | None = None, failed: str | None = None) -> dict[str, Any]:
         """The report of this run; ``earlier`` is the last run that did work's figures (``earlier_work``: kept
-        when this run finished no rows)."""
+        when this run finished no rows). ``status``: ``stopped`` (``max_error_rate`` passed before every row
+        finished; why in ``stopped``), ``failed`` (every row finished, more failed than it allows; why in
+        ``failed``), else ``complete`` (``_SUCCESS`` follows)."""
         wall = self.wall_s
         finished_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         this = self._this_run(wall, finished_at)
@@ -179,8 +183,14 @@ class RunStats:
                 "errors": disk.errors if disk else self.errors, "finished_this_run": self.finished,
                 "resumed": self.skipped}
         return {
-            "job": spec.source,
+            "status": "stopped" if stopped is not None else "failed" if failed is not None else "complete",
+            **({"stopped": stopped} if stopped is not None else {}),
+            **({"failed": failed} if failed is not None else {}),
+            "job": job_path(spec),
+            "trial": list(spec.trial) or None,
             "output": str(spec.output),
+            "versions": versions(),
+            "job_snapshot": job_snapshot(spec),
             "model": {"path": spec.model.path, "identity": loaded.identity, "dtype": loaded.dtype},
             "device": self.engine.get("device"),
             "batch_invariant": self.batch_invariant,

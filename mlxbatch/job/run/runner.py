@@ -44,7 +44,7 @@ from mlxbatch.io import (
     write_report,
 )
 from mlxbatch.io.expected import ExpectedSpool
-from mlxbatch.job.check.outdir import claim_output, prepare_output
+from mlxbatch.job.check.outdir import claim_output, prepare_output, release_unused
 from mlxbatch.job.check.validate import input_spec
 from mlxbatch.job.executors import open_executor
 from mlxbatch.job.executors.base import Executor, ExecutorError, ModelInfo
@@ -57,6 +57,7 @@ from mlxbatch.job.report.report import (
     summarize_results,
     work_of,
 )
+from mlxbatch.job.report.snapshot import results_metadata
 from mlxbatch.job.rows.feed import Resumed, RowFeed
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.rows.tasks import output_columns, prompt_text, record_for
@@ -132,33 +133,45 @@ class JobRunner:
     # -- run -------------------------------------------------------------------------------------------
     def run(self) -> RunResult:
         spec = self.spec
-        is_openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(input_spec(spec)))
         with self._stop.installed():
-            progress = Progress(self.progress, None)
-            prepare_output(spec)
+            folder = prepare_output(spec)
             with self._open_store() as store:  # locked first: a refused run changes nothing in the folder
-                claim_output(spec, store)
-                clear_success(spec.output)
-                earlier = earlier_work(store, spec.output)  # read before this run records its own
-                progress.loading(spec.model.path)
-                with open_executor(spec) as executor:  # this process's engine, or engine actors on a Ray cluster
-                    model = executor.model
-                    save_job_meta(store, spec, model)
-                    spec = follow_saved_plan(store, spec)  # a resumed run plans the first run's windows
-                    final, stats = self._rows_to_results(spec, store, executor, is_openai, earlier)
-                stats.disk = summarize_results(final.results_path)
-                stats.accuracy = stats.disk.accuracy
-                report = stats.report(spec, model, earlier)
-                write_report(spec.output, report)
-                self._keep_work(store, stats, report)
-                write_dataset_card(spec.output)
-                limit = ErrorRate(spec.error_limit(is_openai))
-                if limit.exceeded_at_end(final.rows, final.error_rows):
-                    raise JobFailed(limit.message(final.rows, final.error_rows, str(spec.output))
-                                    + f"; results.parquet holds every row (no _SUCCESS). Errors by kind (all runs): "
-                                    f"{stats.disk.errors_by_kind}")
-                mark_success(spec.output)
+                try:
+                    claim_output(spec, store)
+                    report = self._run(store)
+                except BaseException:
+                    release_unused(folder)  # a new folder that got no row is left as it was, not claimed
+                    raise
             return RunResult(str(spec.output), report)
+
+    def _run(self, store: CheckpointStore) -> dict[str, Any]:
+        """Load the model, run every row not checkpointed, write the outputs; returns the report written."""
+        spec = self.spec
+        is_openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(input_spec(spec)))
+        earlier = earlier_work(store, spec.output)  # read before this run records its own
+        Progress(self.progress, None).loading(spec.model.path)
+        with open_executor(spec) as executor:  # this process's engine, or engine actors on a Ray cluster
+            clear_success(spec.output)  # loaded: from here on the outputs change (a failed load keeps them)
+            model = executor.model
+            save_job_meta(store, spec, model)
+            spec = follow_saved_plan(store, spec)  # a resumed run plans the first run's windows
+            final, stats = self._rows_to_results(spec, store, executor, is_openai, earlier)
+        stats.disk = summarize_results(final.results_path)
+        stats.accuracy = stats.disk.accuracy
+        limit = ErrorRate(spec.error_limit(is_openai))
+        failed = None
+        if limit.exceeded_at_end(final.rows, final.error_rows):
+            failed = (limit.message(final.rows, final.error_rows, str(spec.output))
+                      + f"; results.parquet holds every row (no _SUCCESS). Errors by kind (all runs): "
+                      f"{stats.disk.errors_by_kind}")
+        report = stats.report(spec, model, earlier, failed=failed)
+        write_report(spec.output, report)
+        self._keep_work(store, stats, report)
+        write_dataset_card(spec.output)
+        if failed is not None:
+            raise JobFailed(failed)
+        mark_success(spec.output)
+        return report
 
     def _rows_to_results(self, spec: JobSpec, store: CheckpointStore, executor: Executor, is_openai: bool,
                          earlier: dict[str, Any] | None) -> tuple[FinalOutputs, RunStats]:
@@ -184,13 +197,13 @@ class JobRunner:
                                                     **columns)
                 stats.accuracy = stats.disk.accuracy
                 message = f"{stop.message}. Errors by kind (all runs): {stats.disk.errors_by_kind}"
-                report = stats.report(spec, model, earlier)
-                write_report(spec.output, {**report, "stopped": message})
+                report = stats.report(spec, model, earlier, stopped=message)
+                write_report(spec.output, report)
                 self._keep_work(store, stats, report)
                 raise JobFailed(message) from None
             assert spool.complete, "a pass that ends without an interrupt has read every row"
             final = finalize(store, spec.output, spool.rows(), **columns,
-                             metadata={"mlxbatch.batch_invariant": str(batch_invariant).lower()})
+                             metadata=results_metadata(spec, batch_invariant))
             stats.final_rows = final.rows
             if is_openai:  # each row's endpoint from the input (input.columns may leave `url` out of the results)
                 write_openai_batch_output(final.results_path, spec.output, urls=spool.urls())

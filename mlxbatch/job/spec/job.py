@@ -20,7 +20,7 @@ import yaml
 from mlxbatch.errors import MlxbatchError
 from mlxbatch.job.spec.checker import Checker
 from mlxbatch.job.spec.executor import ExecutorSection, parse_executor
-from mlxbatch.job.spec.overrides import JobOverrides, apply_overrides
+from mlxbatch.job.spec.overrides import JobOverrides, apply_overrides, trial_changes
 from mlxbatch.job.spec.sections import (
     SAMPLING_KEYS,
     CheckpointSection,
@@ -75,6 +75,9 @@ class JobSpec:
     executor: ExecutorSection = ExecutorSection()  # where rows run: this process or engine actors (Ray)
     raw: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # the mapping it was parsed from
     base_dir: Path | None = field(default=None, compare=False, repr=False)  # relative paths are relative to it
+    # the job keys the command line (--limit, --set; run_job's changes) changes outside the run settings: a trial,
+    # whose results are not the job file's (``overrides.trial_changes``); () for the job as its file says
+    trial: tuple[str, ...] = field(default=(), compare=False)
 
     def error_limit(self, openai: bool) -> float:
         """The share of rows that may fail: the job's ``max_error_rate``; when the job does not set it,
@@ -134,6 +137,7 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     The sections are parsed in the file's reading order, so problems are listed in that order."""
     c = Checker()
     base = (base_dir or Path.cwd()).resolve()
+    original = raw
     raw, c.problems = apply_overrides(raw, overrides)
     for key in raw:
         if key not in _TOP:
@@ -168,7 +172,8 @@ def parse_job(raw: dict[str, Any], source: str = "<job>", base_dir: Path | None 
     if c.problems:
         raise JobSpecError(source, c.problems)
     return JobSpec(source, model, inp, prompt, sampling, resolve_path(base, out_path), checkpoint, engine, seed,
-                   max_error_rate, plan, task, overwrite, executor, raw=raw, base_dir=base)
+                   max_error_rate, plan, task, overwrite, executor, raw=raw, base_dir=base,
+                   trial=trial_changes(original, raw))
 
 
 def with_executor(spec: JobSpec, kind: str | None, address: str | None = None) -> JobSpec:

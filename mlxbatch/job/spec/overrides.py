@@ -4,7 +4,8 @@ same as keyword arguments of ``mlxbatch.run_job``).
 Owns turning them into edits of the job's raw mapping *before* it is parsed, so every value is typed and checked
 by the one spec parser and a bad one is reported with its key path like any other problem in the file. A value
 is read as YAML (``0.7`` is a number, ``[a, b]`` a list, ``true`` a boolean). Shorthand sections
-(``model: smollm2``, ``output: out/x``) are expanded when a key below them is set.
+(``model: smollm2``, ``output: out/x``) are expanded when a key below them is set. Also which changes make a
+run a trial (``trial_changes``): any outside the run settings (``RUN_SETTINGS``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import yaml
 
 # a section given as a plain string means this key of the section
 SHORTHAND = {"model": "path", "input": "path", "prompt": "template", "output": "path"}
+# how and where a job runs, not what its results are: changing them on the command line is not a trial
+RUN_SETTINGS = ("engine", "checkpoint", "executor", "plan", "max_error_rate", "output.path", "output.overwrite")
+_UNSET = object()
 
 
 @dataclass(frozen=True)
@@ -100,3 +104,25 @@ def apply_overrides(raw: dict[str, Any], overrides: JobOverrides | None) -> tupl
     if overrides.output is not None:
         _section(out, "output")["path"] = str(Path(overrides.output).expanduser().resolve())
     return out, problems
+
+
+def _leaves(node: Any, path: str = "") -> dict[str, Any]:
+    """Every value of a job mapping by its key path (shorthand sections expanded; lists are values)."""
+    if not isinstance(node, dict):
+        return {path: node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        where = f"{path}.{key}" if path else str(key)
+        if not path and key in SHORTHAND and not isinstance(value, dict):
+            value = {SHORTHAND[key]: value}
+        out.update(_leaves(value, where))
+    return out
+
+
+def trial_changes(raw: dict[str, Any], changed: dict[str, Any]) -> tuple[str, ...]:
+    """The key paths whose values the changes made (``changed`` is ``raw`` after ``apply_overrides``) outside the
+    run settings: a run with any is a trial, whose results are not the job file's. () when there are none."""
+    before, after = _leaves(raw), _leaves(changed)
+    paths = sorted(k for k in before.keys() | after.keys() if before.get(k, _UNSET) != after.get(k, _UNSET))
+    return tuple(p for p in paths if not any(p == s or p.startswith(s + ".") for s in RUN_SETTINGS))
+
