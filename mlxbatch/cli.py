@@ -18,7 +18,7 @@ import click
 import mlxbatch  # noqa: F401  (preloads OpenBLAS before anything imports mlx)
 from mlxbatch.errors import MlxbatchError
 
-EXIT_INVALID, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERRUPTED = 2, 3, 64, 130
+EXIT_INVALID, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERRUPTED = 2, 3, 64, 130  # 130: also a second signal's (stopping)
 
 
 def _fail(exc: MlxbatchError) -> NoReturn:

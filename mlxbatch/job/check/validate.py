@@ -26,7 +26,7 @@ from mlxbatch.io.writers import RESULT_COLUMNS
 from mlxbatch.job.check.model_fit import model_fit_problems
 from mlxbatch.job.check.model_ref import model_problem
 from mlxbatch.job.check.outdir import output_problems
-from mlxbatch.job.rows.prompts import PromptRenderer, RenderError
+from mlxbatch.job.rows.prompts import PromptRenderer, RenderError, TemplateSyntaxError
 from mlxbatch.job.spec import JobSpec, JobSpecError, load_job
 from mlxbatch.job.spec.overrides import JobOverrides
 
@@ -65,8 +65,8 @@ def check_spec(spec: JobSpec) -> Validation:
         problems.append(("model.path", reason))
     try:
         renderer = PromptRenderer(spec.prompt)
-    except RenderError as exc:
-        raise JobSpecError(spec.source, problems + [("prompt", str(exc))]) from exc
+    except TemplateSyntaxError as exc:
+        raise JobSpecError(spec.source, problems + [(exc.key, str(exc))]) from exc
     where = "input.dataset" if spec.input.dataset is not None else "input.path"
     ispec = input_spec(spec)
     try:

@@ -4,7 +4,8 @@ Owns the bar's arithmetic. Rows an earlier run finished are not progress: as the
 bar's total and are shown beside it (``resumed=``), so the rate and the time left are those of the rows this run
 computes. Beside the bar: rows in flight, errors, input and output tokens per second and the share of prompt
 tokens whose KV came from the prefix cache or a running row (``cached``). Without a terminal, the same figures
-go to the log every 30 seconds.
+go to the log every 30 seconds. While the bar shows, log lines are written above it (``tqdm.write``), not into
+its line.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from typing import Any, TextIO
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,7 @@ class Progress:
         self._file = file
         self._total = total
         self._bar: tqdm | None = None
+        self._redirect: Any = None  # logging through tqdm.write while the bar shows
         self.resumed = 0
         self.done = 0  # rows finished in this run (a disabled bar counts nothing)
         self._last = self._last_log = 0.0
@@ -42,6 +45,9 @@ class Progress:
         self._bar = tqdm(total=self._total, disable=not self.enabled, unit="row", dynamic_ncols=True,
                          file=self._file)
         self._last_log = time.monotonic()
+        if self.enabled:  # log lines (a warning, the Ctrl-C notice) above the bar, not written into its line
+            self._redirect = logging_redirect_tqdm(tqdm_class=tqdm)
+            self._redirect.__enter__()
 
     def skipped(self, n: int) -> None:
         """``n`` more rows were found done by an earlier run: not this run's work."""
@@ -79,6 +85,9 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
 
 
 def cache_share(engine: Any) -> float:

@@ -27,6 +27,14 @@ class RenderError(MlxbatchError):
     """A row the templates cannot render (a missing or null field, a template error, a template limit)."""
 
 
+class TemplateSyntaxError(RenderError):
+    """A template that does not parse; ``key`` is the job key that holds it (``prompt.template``, ...)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class PromptTooLongError(RenderError):
     """A rendered prompt longer than the character bound: a ``request`` error of its row, not a template error."""
 
@@ -47,12 +55,18 @@ class PromptRenderer:
         self.section = section
         self.openai_batch = openai_batch
         self.max_chars = max_chars
+        self._template = self._compile("prompt.template", section.template)
+        self._messages = [(m["role"], self._compile(f"prompt.messages[{i}].content", m["content"]))
+                          for i, m in enumerate(section.messages or ())]
+        self._system = self._compile("prompt.system", section.system)
+
+    def _compile(self, key: str, source: str | None) -> Any:
+        if source is None:
+            return None
         try:
-            self._template = self._env.from_string(section.template) if section.template is not None else None
-            self._messages = [(m["role"], self._env.from_string(m["content"])) for m in section.messages or ()]
-            self._system = self._env.from_string(section.system) if section.system is not None else None
+            return self._env.from_string(source)
         except jinja2.TemplateSyntaxError as exc:
-            raise RenderError(f"prompt: template syntax error on line {exc.lineno}: {exc.message}") from exc
+            raise TemplateSyntaxError(key, f"template syntax error on line {exc.lineno}: {exc.message}") from exc
 
     def fields(self) -> set[str]:
         """Row fields the templates refer to."""

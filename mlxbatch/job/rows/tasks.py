@@ -11,7 +11,8 @@ each candidate continuation, with what any metric needs kept per row (``candidat
 sums, ``candidate_tokens``, ``candidate_bytes``, ``token_logprobs``, ``greedy``), the best candidate's index as
 ``choice`` (``choice_norm``: the best per character, for acc_norm) and its label as ``text``, and ``correct`` /
 ``correct_norm`` / ``target`` when the row names its answer. Also the result columns' declared types
-(``output_columns``) and the prompt text a row's model saw (``output.keep_prompt``).
+(``output_columns``: ``cached_tokens`` for every row, the prompt tokens whose KV was reused) and the prompt text a
+row's model saw (``output.keep_prompt``).
 """
 
 from __future__ import annotations
@@ -114,7 +115,9 @@ def record_for(prep: PreparedRow, out: RequestOutput, model: str, task: TaskSect
     t = out.timings
     common = dict(row_id=prep.row_id, key=prep.key, inputs=prep.inputs, prompt_tokens=out.prompt_tokens,
                   latency_s=t.total, ttft_s=t.time_to_first_token, model=model, params=prep.params_json)
-    extra: dict[str, Any] = {} if prompt is None else {"rendered_prompt": prompt}
+    extra: dict[str, Any] = {"cached_tokens": out.cached_tokens}  # its prompt tokens whose KV was reused
+    if prompt is not None:
+        extra["rendered_prompt"] = prompt
     if prep.candidates is not None:
         extra |= _score_extra(prep, out)
         return ResultRecord(**common, text=grade.label(prep.candidates[extra["choice"]]), finish_reason="stop",
@@ -197,7 +200,7 @@ def output_columns(spec: JobSpec, tokenizer: Any, input_types: dict[str, pa.Data
     the input as it is now: the answer column is not part of the result key, so a gold value edited, or
     ``output.gold`` added, after the row ran reruns nothing), token strings next to logprob ids."""
     task = spec.task
-    extra: dict[str, pa.DataType] = {}
+    extra: dict[str, pa.DataType] = {"cached_tokens": pa.int64()}  # every row's (null: failed before it ran)
     if task.kind == "generate" and (task.constraint is not None or task.constraint_column is not None):
         c = task.constraint
         per_row = task.constraint_column is not None

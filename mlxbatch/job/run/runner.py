@@ -292,7 +292,7 @@ class JobRunner:
                 if self._stop.signum is not None:
                     executor.abort()
                     flush()
-                    raise JobInterrupted(f"stopped by signal {self._stop.signum}; {stats.finished} rows "
+                    raise JobInterrupted(f"{self._stop.reason}; {stats.finished} rows "
                                          f"checkpointed in {spec.output}. {self.resume_hint}")
                 if feed.finished and not executor.busy:
                     flush()
@@ -300,8 +300,8 @@ class JobRunner:
         except KeyboardInterrupt:  # a second interrupt without exit_on_second_signal: stop now, keep what finished
             executor.abort()
             flush()
-            raise JobInterrupted(f"interrupted; {stats.finished} rows checkpointed in {spec.output}. "
-                                 f"{self.resume_hint}") from None
+            raise JobInterrupted(f"interrupted again (Ctrl-C): stopped at once; {stats.finished} rows checkpointed "
+                                 f"in {spec.output}. {self.resume_hint}") from None
         except ExecutorError:
             flush()  # what finished before the engines were lost is kept
             raise

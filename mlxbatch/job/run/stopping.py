@@ -22,25 +22,49 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+EXIT_INTERRUPTED = 130  # the command line's exit code of an interrupted run, however it was stopped (README)
+
+
+def signal_name(signum: int) -> str:
+    """How a user knows the signal: Ctrl-C for SIGINT, else its name (SIGTERM, ...)."""
+    if signum == signal.SIGINT:
+        return "Ctrl-C"
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 class StopSignals:
     """The stop flag of one run (``signum``: the signal that asked, None while running) and its handlers."""
 
     def __init__(self, exit_on_second: bool) -> None:
         self.exit_on_second = exit_on_second
         self.signum: int | None = None
+        self._requested = False
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if self.signum is not None:
             if self.exit_on_second:
-                os._exit(128 + signum)  # second signal: leave now; shards are atomic, nothing is corrupted
+                os._exit(EXIT_INTERRUPTED)  # second signal: leave now; shards are atomic, nothing is corrupted
             raise KeyboardInterrupt  # in a notebook: stop now, keep the kernel (finished rows are flushed)
         self.signum = signum
-        log.warning("signal %d: finishing the current shard, then stopping (again to %s at once)", signum,
+        name = signal_name(signum)
+        log.warning("%s: finishing the current shard, then stopping (%s again to %s at once)", name, name,
                     "exit" if self.exit_on_second else "stop")
 
     def request(self) -> None:
         """Stop as a first Ctrl-C would."""
-        self.signum = signal.SIGINT
+        self.signum, self._requested = signal.SIGINT, True
+
+    @property
+    def reason(self) -> str:
+        """Why the run stopped, in the user's words: "interrupted (Ctrl-C)", "stopped (SIGTERM)", ..."""
+        if self._requested:
+            return "stopped (asked to stop)"
+        if self.signum == signal.SIGINT:
+            return "interrupted (Ctrl-C)"
+        return f"stopped ({signal_name(self.signum or 0)})"
 
     @contextmanager
     def installed(self) -> Iterator[None]:

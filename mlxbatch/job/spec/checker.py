@@ -1,14 +1,21 @@
 """The job file's checker: every problem found while the sections are parsed, each with its key path.
 
-Owns the known keys of each section (an unknown key is reported with the ones expected) and the checks every section
+Owns the known keys of each section (an unknown key is reported with the section it belongs under, or the closest
+known key, and the ones expected) and the checks every section
 parser shares (a mapping, a type, a positive number). A parser reports to it and goes on, so every problem of a file
 is found in one pass (``job.spec.job`` raises them together).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from collections.abc import Collection
 from typing import Any
+
+from mlxbatch.types import SamplingParams
+
+SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} - {"constraint"}  # constraints: output.*
 
 _SECTIONS: dict[str, set[str]] = {
     "model": {"path", "dtype", "adapter", "trust_remote_code"},
@@ -47,8 +54,26 @@ class Checker:
         known = _SECTIONS.get(name) if keys is None else keys
         for key in value:
             if known is not None and key not in known:
-                self.bad(f"{name}.{key}", f"unknown key (expected one of: {', '.join(sorted(known))})")
+                self.unknown(f"{name}.{key}", known)
         return value
+
+    def unknown(self, path: str, known: Collection[str]) -> None:
+        """An unknown key: the section where it belongs (``sampling.choice`` -> ``output.choice``), else the
+        closest known key (``temprature`` -> ``temperature``), then the keys expected."""
+        section, _, key = path.rpartition(".")
+        sections = {**_SECTIONS, "sampling": SAMPLING_KEYS | {"overrides"}}
+        homes = [name for name, keys in sections.items() if key in keys and name != section]
+        close = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.75)
+        paths = {k: f"{name}.{k}" for name, keys in sections.items() if name != section for k in keys}
+        elsewhere = [paths[k] for k in difflib.get_close_matches(str(key), list(paths), n=1, cutoff=0.75)] \
+            if not close else []
+        if homes:
+            hint = f": it belongs under {homes[0]} ({homes[0]}.{key})"
+        elif close or elsewhere:
+            hint = f"; did you mean {(close or elsewhere)[0]!r}?"
+        else:
+            hint = ""
+        self.bad(path, f"unknown key{hint} (expected one of: {', '.join(sorted(known))})")
 
     def typed(self, sec: dict[str, Any], path: str, key: str, kind: type | tuple[type, ...], default: Any) -> Any:
         if key not in sec or sec[key] is None:

@@ -11,6 +11,7 @@ run a trial (``trial_changes``): any outside the run settings (``RUN_SETTINGS``)
 from __future__ import annotations
 
 import copy
+import io
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,12 @@ class JobOverrides:
         parts = [f"--set {s}" for s in self.sets] + [f"{k}={v!r}" for k, v in self.merge.items()]
         parts += [f"--limit {self.limit}"] * (self.limit is not None) + [f"--output {self.output}"] * bool(self.output)
         return ", ".join(parts)
+
+
+def _named(text: str, name: str) -> io.StringIO:
+    stream = io.StringIO(text)
+    stream.name = name  # type: ignore[misc]  # YAML's errors name it instead of "<unicode string>"
+    return stream
 
 
 def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:
@@ -90,7 +97,7 @@ def apply_overrides(raw: dict[str, Any], overrides: JobOverrides | None) -> tupl
             problems.append(("--set", f"expected key.path=value (e.g. sampling.temperature=0.7), got {item!r}"))
             continue
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = yaml.safe_load(_named(text, f"--set {key}")) if text.strip() else ""
         except yaml.YAMLError as exc:
             problems.append((key, f"--set value is not valid YAML: {exc}"))
             continue
