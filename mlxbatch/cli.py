@@ -166,7 +166,8 @@ def plan_cmd(job_file: Path, window: int | None, calibrate: bool, as_json: bool,
     from mlxbatch.job.plan.predict import as_dict, plan_job
 
     try:
-        report = plan_job(validate_job(job_file, _overrides(sets, limit, output)), window=window, calibrate=calibrate)
+        spec = validate_job(job_file, _overrides(sets, limit, output), writes_output=False)  # a dry run: writes nothing
+        report = plan_job(spec, window=window, calibrate=calibrate)
     except MlxbatchError as exc:
         _fail(exc)
     click.echo(json.dumps(as_dict(report), indent=2) if as_json else report.summary())

@@ -50,6 +50,7 @@ def test_a_trial_into_a_finished_jobs_folder_is_refused_and_its_results_stay(tmp
         assert "input.limit, prompt.template" in res.output, res.output
     assert (out / "results.parquet").read_bytes() == published and (out / "_SUCCESS").exists()
     assert "complete" in invoke("status", job).output.splitlines()[0]
+    assert invoke("plan", job, *trial, "--no-calibrate").exit_code == 0  # a dry run writes nothing: not refused
     res = invoke("run", job, "--no-progress", *trial, "--output", tmp_path / "trial")  # beside them: fine
     assert res.exit_code == 0 and pq.read_table(tmp_path / "trial" / "results.parquet").num_rows == 3, res.output
     # run settings change no result: not a trial

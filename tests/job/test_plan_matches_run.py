@@ -209,8 +209,12 @@ def test_plan_takes_hub_ids(tmp_path, tiny_model_path, monkeypatch):
     assert json.loads(res.output)["rows"] == 6
     raw["model"] = "someone/elsewhere"
     job.write_text(yaml.safe_dump(raw))
-    res = CliRunner().invoke(main, ["plan", str(job)])
-    assert res.exit_code == 1 and "not in the local Hugging Face cache" in res.output and "Traceback" not in res.output
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # no Hub here: refused at once
+    res = CliRunner().invoke(main, ["plan", str(job)])  # not cached, and the Hub cannot be reached: invalid
+    assert res.exit_code == 2 and "not in the local Hugging Face cache" in res.output and "Traceback" not in res.output
+    assert "the Hub cannot be reached" in res.output
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     res = CliRunner().invoke(main, ["plan", str(job)])
     assert res.exit_code == 2 and "HF_HUB_OFFLINE" in res.output

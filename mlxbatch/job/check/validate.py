@@ -49,15 +49,16 @@ def input_spec(spec: JobSpec) -> InputSpec:
     return InputSpec(i.path, format=i.format, id_column=i.id_column, split=i.split)
 
 
-def validate_job(path: str | Path, overrides: JobOverrides | None = None) -> JobSpec:
-    """The checked JobSpec of a job file (warnings are logged); raises JobSpecError listing every problem."""
-    result = check_spec(load_job(path, overrides))
+def validate_job(path: str | Path, overrides: JobOverrides | None = None, writes_output: bool = True) -> JobSpec:
+    """The checked JobSpec of a job file (warnings are logged); raises JobSpecError listing every problem.
+    ``writes_output`` False (``plan``, a dry run): the output folder is not checked."""
+    result = check_spec(load_job(path, overrides), writes_output)
     for warning in result.warnings:
         log.warning("%s", warning)
     return result.spec
 
 
-def check_spec(spec: JobSpec) -> Validation:
+def check_spec(spec: JobSpec, writes_output: bool = True) -> Validation:
     problems: list[tuple[str, str]] = []
     warnings: list[str] = []
     reason = model_problem(spec.model.path)
@@ -109,7 +110,8 @@ def check_spec(spec: JobSpec) -> Validation:
     id_problems, id_warnings = _id_problems(spec, rows, openai)
     problems += id_problems
     warnings += id_warnings
-    problems += output_problems(spec)
+    if writes_output:
+        problems += output_problems(spec)
     if reason is None:
         problems += model_fit_problems(spec)
     if problems:
