@@ -234,7 +234,7 @@ def test_actors_the_cluster_cannot_place_are_given_up_with_a_clear_error(cluster
                executor={**RAY, "resources": {"a-mac-we-do-not-have": 1}, "start_timeout_s": 2})
     with pytest.raises(ExecutorError, match="got no room on the cluster within 2 s"):
         JobRunner(validate_job(job), progress=False).run()
-    assert read_progress(job.parent / "out")["state"] == "stopped"
+    assert not (job.parent / "out").exists()  # a failed start leaves a new output folder as it was: none
 
 
 def test_a_replacement_the_cluster_cannot_place_is_logged_and_given_up(cluster, data, tiny_model_path):

@@ -155,10 +155,10 @@ def claim_output(spec: JobSpec, store: CheckpointStore) -> None:
 
 
 def release_unused(folder: PreparedOutput) -> None:
-    """After a start that failed before any row was checkpointed (the model did not load, ...), in a folder that
-    was new: remove what the run made (lock, manifest, shards/), so no folder is left claimed by a job that never
-    ran; a folder the user made stays, empty. Call it holding the lock, before the store closes; a folder with a
-    shard is left alone."""
+    """After a start that failed (the model did not load, the cluster could not be had) in a folder that was new:
+    remove what the run made (lock, manifest, shards/), so no folder is left claimed by a job that never ran; a
+    folder the user made stays, empty. Call it holding the lock, before the store closes; a folder with a shard is
+    left alone."""
     out = folder.path
     if not folder.new or any((out / SHARDS_DIR).glob("shard-*")):
         return

@@ -109,6 +109,7 @@ class JobRunner:
         self.resume_hint = resume_hint  # the end of JobInterrupted's message (run_job words it for Python)
         self.progress = sys.stderr.isatty() if progress is None else progress
         self._stop = StopSignals(exit_on_second_signal)
+        self._loaded = False  # the executor is up (the model loaded): a failure from here on is no failed start
         self._tokenizer: Any = None
 
     def request_stop(self) -> None:
@@ -140,7 +141,8 @@ class JobRunner:
                     claim_output(spec, store)
                     report = self._run(store)
                 except BaseException:
-                    release_unused(folder)  # a new folder that got no row is left as it was, not claimed
+                    if not self._loaded:  # a start that failed: a new folder is left as it was, not claimed
+                        release_unused(folder)
                     raise
             return RunResult(str(spec.output), report)
 
@@ -151,6 +153,7 @@ class JobRunner:
         earlier = earlier_work(store, spec.output)  # read before this run records its own
         Progress(self.progress, None).loading(spec.model.path)
         with open_executor(spec) as executor:  # this process's engine, or engine actors on a Ray cluster
+            self._loaded = True
             clear_success(spec.output)  # loaded: from here on the outputs change (a failed load keeps them)
             model = executor.model
             save_job_meta(store, spec, model)
