@@ -17,8 +17,9 @@ import click
 
 import mlxbatch  # noqa: F401  (preloads OpenBLAS before anything imports mlx)
 from mlxbatch.errors import MlxbatchError
+from mlxbatch.job.run.stopping import EXIT_INTERRUPTED  # 130, a second signal's too (it exits from the handler)
 
-EXIT_INVALID, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERRUPTED = 2, 3, 64, 130  # 130: also a second signal's (stopping)
+EXIT_INVALID, EXIT_ERRORS, EXIT_USAGE = 2, 3, 64
 
 
 def _fail(exc: MlxbatchError) -> NoReturn:
