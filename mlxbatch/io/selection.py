@@ -39,6 +39,16 @@ class ExpectedRow:
 
 
 @dataclass(frozen=True)
+class ExpectedColumns:
+    """The expected rows as columns already on disk (``expected.ExpectedSpool``): ids, keys and current inputs
+    (JSON), memory-mapped, taken as they are."""
+
+    row_ids: pa.ChunkedArray
+    keys: pa.ChunkedArray
+    inputs: pa.ChunkedArray
+
+
+@dataclass(frozen=True)
 class Selection:
     """The rows ``finalize`` writes, in order: where each one's result is, and its id, key and current inputs."""
 
@@ -86,9 +96,12 @@ class InputsSpool:
         self.path.unlink(missing_ok=True)
 
 
-def select_rows(index: ShardIndex, expected: Iterable[ExpectedRow] | None, spool: InputsSpool) -> Selection:
+def select_rows(index: ShardIndex, expected: Iterable[ExpectedRow] | ExpectedColumns | None,
+                spool: InputsSpool) -> Selection:
     if expected is None:
         return Selection(index.first_occurrences(), None, None)
+    if isinstance(expected, ExpectedColumns):
+        return Selection(index.locate(expected.keys), expected.row_ids, expected.keys, expected.inputs)
     id_chunks: list[pa.Array] = []
     key_chunks: list[pa.Array] = []
     ids: list[str] = []

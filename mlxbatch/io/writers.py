@@ -27,7 +27,15 @@ from mlxbatch.io.errors import IncompleteResultsError, OutputError
 from mlxbatch.io.faults import crash, fault_due
 from mlxbatch.io.output_folder import RESULTS_NAME, oserror_text
 from mlxbatch.io.schema import LOGPROBS_TEXT_TYPE, LOGPROBS_TYPE
-from mlxbatch.io.selection import INPUTS_SPOOL, ExpectedRow, InputsSpool, Selection, inputs_of, select_rows
+from mlxbatch.io.selection import (
+    INPUTS_SPOOL,
+    ExpectedColumns,
+    ExpectedRow,
+    InputsSpool,
+    Selection,
+    inputs_of,
+    select_rows,
+)
 from mlxbatch.io.shard_index import MISSING, ShardIndex
 
 logger = logging.getLogger(__name__)
@@ -119,7 +127,7 @@ def _output_table(gathered: pa.Table, sel: Selection, part: slice, inputs: list[
     return pa.Table.from_pydict(columns, schema=schema)
 
 
-def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[ExpectedRow] | None,
+def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[ExpectedRow] | ExpectedColumns | None,
              keep_columns: Sequence[str] | None = None, *, row_group_size: int = DEFAULT_ROW_GROUP_SIZE,
              include_logprobs: bool | None = None, allow_missing: bool = False,
              filename: str = RESULTS_NAME, input_types: Mapping[str, pa.DataType] | None = None,
@@ -129,7 +137,8 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
     """Write ``results.parquet``: one row per expected row, in the order given, streamed from the shards.
 
     ``expected`` is the current job's rows in input order as ``ExpectedRow(row_id, key)``; pass a generator
-    (e.g. re-read the input and recompute each row's key, or replay the keys computed during the run). Only
+    (e.g. re-read the input and recompute each row's key), or the columns the run recorded as it read them
+    (``ExpectedColumns``, from ``expected.ExpectedSpool``). Only
     records whose key is expected are written, so results of changed parameters never leak in. None writes every
     distinct checkpointed key in write order (only right when the folder holds one job's keys). ``keep_columns``
     picks and orders the expanded input columns (None: all kept by the records, in first-seen order).
@@ -159,7 +168,7 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
         spool.remove()
 
 
-def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow] | None,
+def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow] | ExpectedColumns | None,
               keep_columns: Sequence[str] | None, row_group_size: int, include_logprobs: bool | None,
               allow_missing: bool, filename: str, spool: InputsSpool, *,
               input_types: Mapping[str, pa.DataType] | None, extra_types: Mapping[str, pa.DataType] | None,

@@ -50,7 +50,8 @@ def test_background_feed_hands_out_what_the_inline_feed_does(tmp_path, tiny_mode
     # the spool holds every row read, in input order, with its key (the final Parquet is written from it)
     assert spool.complete
     again = RowPreparer(spec, "identity")
-    assert [(e.row_id, e.key) for e in spool.rows()] == [
+    cols = spool.columns()
+    assert list(zip(cols.row_ids.to_pylist(), cols.keys.to_pylist())) == [
         (p.row_id, p.key) for p in map(again.prepare, open_reader(input_spec(spec)))]
     spool.remove()
     assert not spool.path.exists()

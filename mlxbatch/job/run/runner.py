@@ -31,6 +31,7 @@ from mlxbatch.io import (
     FinalOutputs,
     InputFormat,
     InputRow,
+    OutputError,
     ResultRecord,
     clear_success,
     count_rows,
@@ -205,7 +206,7 @@ class JobRunner:
                 self._keep_work(store, stats, report)
                 raise JobFailed(message) from None
             assert spool.complete, "a pass that ends without an interrupt has read every row"
-            final = finalize(store, spec.output, spool.rows(), **columns,
+            final = finalize(store, spec.output, spool.columns(), **columns,
                              metadata=results_metadata(spec, batch_invariant))
             stats.final_rows = final.rows
             if is_openai:  # each row's endpoint from the input (input.columns may leave `url` out of the results)
@@ -305,8 +306,8 @@ class JobRunner:
             flush()
             raise JobInterrupted(f"interrupted again (Ctrl-C): stopped at once; {stats.finished} rows checkpointed "
                                  f"in {spec.output}. {self.resume_hint}") from None
-        except ExecutorError:
-            flush()  # what finished before the engines were lost is kept
+        except (ExecutorError, OutputError):
+            flush()  # what finished before the engines were lost (or the disk filled) is kept
             raise
         finally:
             feed.close()
