@@ -249,7 +249,9 @@ def info() -> None:
     MLX, mlx-lm, mlx-vlm and Python.
 
     ``total_memory_gb`` is what the device may use (GPU memory; on a Mac, Metal's recommended working set, a share of
-    the machine's memory), ``available_memory_gb`` what is free for a run now, ``host_memory_gb`` the machine's RAM.
+    the machine's memory), ``available_memory_gb`` what is free for a run now, ``host_memory_gb`` the machine's RAM,
+    ``batch_defaults`` what an engine section without ``max_num_seqs`` / ``max_num_batched_tokens`` gets here (a run
+    may get fewer rows, where the model's KV budget holds fewer: its report.json's ``engine.batch`` says).
     """
     from mlxbatch.engine import device_info
     from mlxbatch.job.report.snapshot import versions
@@ -263,6 +265,8 @@ def info() -> None:
         out["total_memory_is"] = "the Metal working-set limit (unified memory: shared with macOS and other apps)"
     if d.kind == "cuda":
         out["kernel_launch"] = d.kernel_launch  # direct, unless MLX_USE_CUDA_GRAPHS=1 was set
+    batch = d.batch_defaults
+    out["batch_defaults"] = {"max_num_seqs": batch.max_num_seqs, "max_num_batched_tokens": batch.max_num_batched_tokens}
     click.echo(json.dumps({**out, "blas": d.blas, "versions": versions()}, indent=2))
 
 

@@ -12,13 +12,18 @@ class EngineConfig:
     """How the engine batches and how much memory it may use for KV.
 
     ``kv_memory_fraction`` of the memory the worker finds available (after the weights) goes to KV — the running
-    rows' slots and the prefix and vision caches together — unless ``kv_budget_bytes`` sets the slots' budget
-    outright (the caches then come on top). ``max_num_seqs`` caps concurrency on top of memory.
+    rows' slots and the prefix and vision caches together — unless ``kv_budget_bytes`` sets that budget outright
+    (the caches inside it too). ``max_num_seqs`` caps concurrency on top of memory; unset, it and
+    ``max_num_batched_tokens`` are sized by the device and the KV budget (``engine.sched.sizing``), with
+    ``expected_row_tokens`` as the hint of a row's length.
     ``batch_invariant`` makes each row's outputs independent of the batch (docs/architecture.md, "Batch invariance").
     """
 
-    max_num_seqs: int = 32
+    max_num_seqs: int | None = None  # None: by device and KV budget (CPU 128; Macs 64-256 by RAM; NVIDIA 128-512)
     max_num_batched_tokens: int | None = None  # None: by device (2048 on CPU and small Macs, 4096 on NVIDIA GPUs, up to 8192 on large Macs)
+    # the tokens a row is expected to hold (prompt + max_tokens; a job passes its max_tokens): the default
+    # max_num_seqs is at most the rows the KV budget holds at this length. None: unknown (the shortest row)
+    expected_row_tokens: int | None = None
     prefill_chunk_size: int = 512
     kv_memory_fraction: float | None = None  # None: 0.5 (0.3 on Macs with 16 GB or less)
     kv_budget_bytes: int | None = None
@@ -39,9 +44,9 @@ class EngineConfig:
     overlap_steps: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "expected_row_tokens"):
             v = getattr(self, name)
-            if v is None and name == "max_num_batched_tokens":
+            if v is None and name != "prefill_chunk_size":
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidRequestError(name, v, "must be an integer >= 1")

@@ -9,7 +9,7 @@ Layer rule: ``engine`` never imports ``mlxbatch.io`` or ``mlxbatch.job``. Inside
 from mlxbatch.config import EngineConfig
 from mlxbatch.engine.api import Engine
 from mlxbatch.engine.async_core import AsyncEngineCore
-from mlxbatch.engine.core import EngineCore, reuse_step_here
+from mlxbatch.engine.core import EngineCore, max_num_seqs_here, reuse_step_here
 from mlxbatch.engine.decoding.structured import GrammarCompiler, grammar_text
 from mlxbatch.engine.inputs import PromptEncoder, encode_prompt
 from mlxbatch.engine.model.device_speed import DeviceSpeed
@@ -26,5 +26,5 @@ from mlxbatch.engine.vision.adapter import is_vlm_folder
 __all__ = ["BLOCK_SIZE", "LIVE_SOURCES", "REGISTRY", "AsyncEngineCore", "DeviceInfo", "DeviceSpeed", "Engine",
            "EngineConfig", "EngineCore", "GrammarCompiler", "LoadedModel", "ModelRegistry", "ModelSpec", "Plan",
            "PromptEncoder", "Request", "RequestStatus", "Submission", "block_hashes", "common_prefix_len",
-           "device_info", "encode_prompt", "grammar_text", "is_vlm_folder", "load_model", "measure_device_speed",
-           "plan", "resolve_path", "reuse_step_here", "submission_order"]
+           "device_info", "encode_prompt", "grammar_text", "is_vlm_folder", "load_model", "max_num_seqs_here",
+           "measure_device_speed", "plan", "resolve_path", "reuse_step_here", "submission_order"]

@@ -20,19 +20,20 @@ from mlxbatch.engine.inputs import Prompt
 from mlxbatch.engine.intake import RequestGroup, RequestIntake
 from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.engine.model.memory import MemoryLimits, plan_memory
-from mlxbatch.engine.model.worker import Worker
+from mlxbatch.engine.model.worker import Worker, device_info
 from mlxbatch.engine.outputs import Launched
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.runner import ModelRunner, cuda_text_path
 from mlxbatch.engine.sched.blocks import BLOCK_SIZE
 from mlxbatch.engine.sched.prefix import PrefixIndex
 from mlxbatch.engine.sched.scheduler import Scheduler
+from mlxbatch.engine.sched.sizing import size_batch
 from mlxbatch.engine.sched.step import SchedulerConfig, SchedulerOutput
 from mlxbatch.engine.warmup import WarmUpReport, exercise
 from mlxbatch.errors import OutOfMemoryError
 from mlxbatch.types import RequestOutput, StreamDelta
 
-__all__ = ["EngineCore", "Prompt", "reuse_step_here"]  # Prompt: api and async_core import it from here
+__all__ = ["EngineCore", "Prompt", "max_num_seqs_here", "reuse_step_here"]  # Prompt: api and async_core import it from here
 
 log = logging.getLogger(__name__)
 
@@ -44,28 +45,42 @@ def reuse_step_here(vision: bool = False, batch_invariant: bool = False) -> int:
     return BLOCK_SIZE if cuda_text_path(vision, batch_invariant) else 1
 
 
+def max_num_seqs_here(configured: int | None) -> int:
+    """``max_num_seqs`` as configured, else this machine's device default, without loading a model (``mlxbatch plan``:
+    a run may choose fewer rows, where the model's KV budget holds fewer at its rows' length)."""
+    return configured if configured is not None else device_info().batch_defaults.max_num_seqs
+
+
 class EngineCore(RequestIntake):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  worker: Worker | None = None) -> None:
-        self.config = config or EngineConfig()
+        config = config or EngineConfig()
         self.loaded = loaded
         self.worker = worker or Worker(loaded)
         dev, geo = self.worker.device, self.worker.geometry
         block_bytes = geo.bytes_per_token * BLOCK_SIZE
-        mem = plan_memory(self.config, dev.kind, dev.host_memory, self.worker.kv_budget_bytes, block_bytes,
+        mem = plan_memory(config, dev.kind, dev.host_memory, self.worker.kv_budget_bytes, block_bytes,
                           loaded.vlm is not None)
         self.memory = mem
         self._limits = MemoryLimits(dev.kind)
         self._limits.apply(dev.total_memory, self.worker.weights_bytes + mem.total, mem.step_bytes)
         self.runner = ModelRunner(loaded.model, geo, mem.prefix_blocks, BLOCK_SIZE, vlm=loaded.vlm,
                                   vision_cache_bytes=mem.vision_cache_bytes,
-                                  batch_invariant=self.config.batch_invariant)
+                                  batch_invariant=config.batch_invariant)
+        # the batch the config leaves unset, sized by the device and the slots' budget as the runner charges it;
+        # ``self.config`` holds the values in effect
+        self.batch_size = size_batch(dev.sizing_facts, mem.slot_budget, self.runner.kv_cost,
+                                     config.expected_row_tokens, config.max_num_seqs, config.max_num_batched_tokens)
+        self.config = dataclasses.replace(config, max_num_seqs=self.batch_size.max_num_seqs,
+                                          max_num_batched_tokens=self.batch_size.max_num_batched_tokens)
+        if self.batch_size.chosen:  # a line only where something was chosen (the warm-up core sets both)
+            log.info("engine batch: %s", self.batch_size.describe())
         # the fewest tokens a reused prefix is worth extending by (the plan's ``min_step_tokens``, the prefix index's
         # running-row margin): a block where prefill passes are packed (CUDA: a partial block's store and copy-in
         # cost more there than computing a few tokens), else 1 (reuse to the token); fixed for the core's life
         self.reuse_step = BLOCK_SIZE if self.runner.batch.packed_prefill else 1
         self.scheduler = Scheduler(
-            SchedulerConfig(self.config.max_num_seqs, mem.step_tokens, self.config.prefill_chunk_size,
+            SchedulerConfig(self.config.max_num_seqs, self.batch_size.max_num_batched_tokens, config.prefill_chunk_size,
                             mem.slot_budget, self.runner.invariant_slice,
                             # CUDA: a pass's fixed host cost binds, so its passes are filled (a 16th of the slots)
                             self.config.max_num_seqs // 16 if self.runner.batch.packed_prefill else 0),
@@ -91,8 +106,9 @@ class EngineCore(RequestIntake):
         """Take every kind of step once on a throwaway core of the same model, small budget (engine.warmup)."""
         per_row = 256 * self.worker.geometry.bytes_per_token  # a row's KV at the slot layout's smallest length step
         # room for 8 short rows as the layout charges them (batch-invariant forwards charge their padding rows too:
-        # with 16 plain rows' worth every warm-up request ran alone, a warning each)
-        budget = max(16 * per_row, self.runner.kv_cost([256] * 8))
+        # with 16 plain rows' worth every warm-up request ran alone, a warning each), and the prefix cache's 4 rows
+        # inside the budget
+        budget = max(16 * per_row, self.runner.kv_cost([256] * 8)) + 4 * per_row
         cfg = dataclasses.replace(self.config, warm_up=False, max_num_seqs=8, max_num_batched_tokens=64,
                                   prefill_chunk_size=16, kv_budget_bytes=budget, prefix_cache=True,
                                   prefix_cache_bytes=4 * per_row)
@@ -228,6 +244,7 @@ class EngineCore(RequestIntake):
         prefix = None
         if self.scheduler.prefix is not None:
             prefix = {**self.scheduler.prefix.stats(), "bytes_allocated": rs.prefix_store_bytes}
-        return {"profile": rs.profile, "kv_budget_bytes": self.scheduler.kv_budget_bytes, "kv_bytes": rs.kv_bytes,
+        return {"profile": rs.profile, "batch": self.batch_size.as_dict(),
+                "kv_budget_bytes": self.scheduler.kv_budget_bytes, "kv_bytes": rs.kv_bytes,
                 "preemptions": self.scheduler.num_preemptions, "prefix_cache": prefix,
                 "vision_cache": rs.vision_cache, "device": self.worker.device.kind}

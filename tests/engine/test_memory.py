@@ -9,11 +9,11 @@ from mlxbatch.engine.model.memory import (
     MemoryLimits,
     default_kv_fraction,
     default_step_bytes,
-    default_step_tokens,
     device_available,
     host_memory,
     plan_memory,
 )
+from mlxbatch.engine.sched.sizing import default_step_tokens
 
 VM_STAT = """Mach Virtual Memory Statistics: (page size of 16384 bytes)
 Pages free:                               10000.
@@ -73,11 +73,37 @@ def test_every_cache_is_inside_the_automatic_budget():
     assert asked == [None]  # the device's default share
     assert plan.prefix_blocks == 2 * 1024 and plan.vision_cache_bytes == 1 * GiB
     assert plan.slot_budget == 5 * GiB and plan.total == 8 * GiB
-    assert plan.step_tokens == 2048
     text_only = plan_memory(EngineConfig(prefix_cache=False), "cpu", 16 * GiB, budget, 1 << 20, takes_images=False)
     assert text_only.slot_budget == 8 * GiB and text_only.prefix_blocks == 0 and text_only.vision_cache_bytes == 0
-    explicit = plan_memory(EngineConfig(kv_budget_bytes=1 * GiB), "cpu", 16 * GiB, budget, 1 << 20, False)
-    assert explicit.slot_budget == 1 * GiB and explicit.total == 1 * GiB + explicit.prefix_blocks * (1 << 20)
+
+
+def test_an_explicit_kv_budget_is_the_whole_budget_caches_included():
+    """Issue 50: ``kv_budget_bytes`` bounds the running rows' slots, the prefix cache and the vision cache together,
+    as the automatic budget does (they came on top of it: 1 GiB asked, 1.25 GiB and the vision cache held)."""
+    def budget(fraction):
+        raise AssertionError("an explicit budget asks the device nothing")
+
+    explicit = plan_memory(EngineConfig(kv_budget_bytes=1 * GiB, vision_cache_bytes=GiB), "metal", 16 * GiB, budget,
+                           1 << 20, takes_images=True)
+    assert explicit.total <= 1 * GiB
+    assert explicit.prefix_blocks == 256 and explicit.vision_cache_bytes == GiB // 4 and explicit.slot_budget == GiB // 2
+    asked = plan_memory(EngineConfig(kv_budget_bytes=1 * GiB, prefix_cache_bytes=GiB), "cpu", 16 * GiB, budget,
+                        1 << 20, takes_images=False)
+    assert asked.total <= 1 * GiB and asked.slot_budget >= GiB // 4  # a prefix cache asked past it is cut to fit
+
+
+def test_a_real_engine_keeps_its_caches_inside_an_explicit_budget(tiny_loaded):
+    from mlxbatch.engine import EngineCore
+
+    per_row = 256 * 1024  # bytes
+    core = EngineCore(tiny_loaded, EngineConfig(warm_up=False, kv_budget_bytes=64 * per_row))
+    try:
+        block_bytes = core.worker.geometry.bytes_per_token * 16
+        assert core.memory.total <= 64 * per_row
+        assert core.scheduler.kv_budget_bytes + core.memory.prefix_blocks * block_bytes <= 64 * per_row
+        assert core.memory.prefix_blocks > 0
+    finally:
+        core.shutdown()
 
 
 class FakeMx:
@@ -221,6 +247,7 @@ def test_info_shows_the_machine_memory_and_the_working_set_on_a_mac(monkeypatch)
     real = CliRunner().invoke(main, ["info"])
     shown = json.loads(real.output)
     assert real.exit_code == 0 and shown["host_memory_gb"] == shown["total_memory_gb"] > 0
+    assert shown["batch_defaults"] == {"max_num_seqs": 128, "max_num_batched_tokens": 2048}  # this machine's CPU
     mac = DeviceInfo("metal", "Apple M2", int(10.67 * 2**30), 6 * 2**30, "", 16 * 2**30)
     monkeypatch.setattr(engine_face, "device_info", lambda: mac)
     res = CliRunner().invoke(main, ["info"])
@@ -228,3 +255,4 @@ def test_info_shows_the_machine_memory_and_the_working_set_on_a_mac(monkeypatch)
     assert res.exit_code == 0, res.output
     assert (shown["total_memory_gb"], shown["available_memory_gb"], shown["host_memory_gb"]) == (10.67, 6.0, 16.0)
     assert "working-set" in shown["total_memory_is"]
+    assert shown["batch_defaults"] == {"max_num_seqs": 64, "max_num_batched_tokens": 2048}  # a 16 GB Mac's

@@ -55,3 +55,25 @@ def on_the_cpu():
 def test_auto_is_float32_on_the_cpu(fp16_labelled_bf16, on_the_cpu):
     loaded = load_model(ModelSpec(str(fp16_labelled_bf16)))
     assert loaded.dtype == "float32" and dtypes(loaded) == {"float32"}
+
+
+def test_float32_weights_on_a_gpu_are_warned_about_once(tiny_model_path, monkeypatch, caplog):
+    """A GPU (Metal or CUDA; the device injected) that would run float32 weights, stored so (``dtype: auto`` keeps
+    them) or asked for, gets one warning naming the fix; bfloat16 and the CPU (where float32 is the fast path) none."""
+    import logging
+
+    monkeypatch.setattr(loader, "_warned_float32", set())
+    monkeypatch.setattr(loader, "_on_cpu", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="mlxbatch.engine.model.loader"):
+        first = load_model(ModelSpec(str(tiny_model_path)))  # the tiny model is stored as float32
+        load_model(ModelSpec(str(tiny_model_path), dtype="float32"))
+        load_model(ModelSpec(str(tiny_model_path), dtype="bfloat16"))
+    warned = [r.getMessage() for r in caplog.records if "float32" in r.getMessage()]
+    assert first.dtype == "float32" and len(warned) == 1
+    assert "model.dtype: bfloat16" in warned[0] and "dtype auto keeps" in warned[0]
+    caplog.clear()
+    monkeypatch.setattr(loader, "_warned_float32", set())
+    monkeypatch.setattr(loader, "_on_cpu", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="mlxbatch.engine.model.loader"):
+        load_model(ModelSpec(str(tiny_model_path)))
+    assert not [r for r in caplog.records if "float32" in r.getMessage()]

@@ -86,6 +86,10 @@ def test_engine_counters_of_actors_merge_into_one_report():
     assert m["profile"] == {"prefill_tokens": 42, "decode_s": 2.0} and m["kv_budget_bytes"] == 200
     assert m["prefix_cache"] == {"tokens_reused": 10, "block_size": 16} and m["device"] == "cpu"
     assert m["vision_cache"] == {"hits": 3, "misses": 1, "hit_rate": 0.75} and merge_engine_stats([]) == {}
+    # each engine's batch: once when every actor runs the same, else each distinct one
+    cpu, gpu = {"max_num_seqs": 128, "max_num_seqs_from": "device"}, {"max_num_seqs": 512, "max_num_seqs_from": "device"}
+    assert merge_engine_stats([{**a, "batch": cpu}, {**b, "batch": cpu}])["batch"] == cpu
+    assert merge_engine_stats([{**a, "batch": cpu}, {**b, "batch": gpu}])["batch"] == [cpu, gpu]
 
 
 def test_the_executor_section_is_checked_with_key_paths(tmp_path):
@@ -173,4 +177,34 @@ def test_an_actor_reports_its_engines_reuse_step(tmp_path, tiny_model_path):
     spec = validate_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out"))
     actor = EngineActor("a0", spec.model, spec.engine, spec.seed)
     assert actor.info().reuse_step == actor.engine.core.reuse_step == 1
+    assert actor.info().max_num_seqs == 8 and "set in the config" in actor.info().batch  # the job's engine section
     actor.engine.core.shutdown()
+
+
+def test_a_job_without_an_engine_section_runs_and_reports_the_batch_its_device_chose(tmp_path, tiny_model_path):
+    """No ``engine:`` section: the engine sizes its batch (this CPU's default, 128 rows; the hint of a row's length is
+    the job's max_tokens), the local executor keeps 4 x that many rows in flight, and report.json says what ran."""
+    import json
+
+    from mlxbatch.engine import REGISTRY
+    from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.executors.base import model_spec
+    from mlxbatch.job.executors.local import LocalExecutor
+    from mlxbatch.job.run.runner import JobRunner
+
+    data = write_jsonl(tmp_path / "in.jsonl", texts(6))
+    spec = validate_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out", engine=None))
+    assert spec.engine.max_num_seqs is None and spec.engine.max_num_batched_tokens is None
+    loaded = REGISTRY.acquire(model_spec(spec.model), "test")
+    try:
+        ex = LocalExecutor(spec, loaded)
+        core = ex.engine.core
+        assert core.config.expected_row_tokens == 8 and core.config.max_num_seqs == 128
+        assert ex.max_inflight == 4 * 128 and "the device's default" in ex.model.batch
+        ex.shutdown()
+    finally:
+        REGISTRY.release(model_spec(spec.model), "test")
+    JobRunner(spec, progress=False).run()
+    batch = json.loads((tmp_path / "out" / "report.json").read_text())["engine"]["batch"]
+    assert batch["max_num_seqs"] == 128 and batch["max_num_batched_tokens"] == 2048
+    assert batch["max_num_seqs_from"] == "device" and batch["rows_in_kv_budget"] >= 128

@@ -170,6 +170,8 @@ def test_progress_counts_only_rows_run_now(tmp_path, tiny_model_path, capfd, cap
     run(job, progress=True)
     err = capfd.readouterr().err
     assert "loading model" in err and err.index("loading model") < err.index("3/3")
+    # the engine's batch, as the job's engine section set it (8 rows; the step's tokens the device's default)
+    assert "mlxbatch: engine: max_num_seqs 8 (set in the config), max_num_batched_tokens 2048 (the device's" in err
     final = err.replace("\r", "\n").strip().splitlines()[-1]
     assert "3/3" in final and "resumed=21" in final and "24/24" not in err, final
     assert "in_flight=" in final and "in_tok_s=" in final and "cached=" in final

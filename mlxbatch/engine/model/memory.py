@@ -21,10 +21,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger(__name__)
+from mlxbatch.engine.sched.sizing import SMALL_MAC, GiB
 
-GiB = 1 << 30
-SMALL_MAC = 16 * GiB  # a Mac with this much RAM or less gets smaller defaults
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,19 +90,6 @@ def default_kv_fraction(kind: str, host_total: int) -> float:
     return 0.3 if kind == "metal" and host_total <= SMALL_MAC else 0.5
 
 
-def default_step_tokens(kind: str, host_total: int) -> int:
-    """Prefill tokens per step: a multi-second step on a base M-series chip stalls every decoding row (and the
-    desktop). On CUDA 4096: a step's transient grows with its prefill tokens (activations, attention scores) and
-    MLX's memory limit only slows it (``MemoryLimits.step_bound``), so 8192-token steps overshot the 2 GiB step
-    bound to 4.1-4.4 GiB on the H200 (0.5B shape), above mlx-lm's own peak; 4096-token steps stayed near it
-    (docs/benchmarks.md), for ~10% of prefill time on workloads that admit rows in waves."""
-    if kind == "cpu":
-        return 2048
-    if kind == "metal":
-        return 2048 if host_total <= SMALL_MAC else 4096 if host_total <= 48 * GiB else 8192
-    return 4096
-
-
 class MemoryLimits:
     """MLX's cache limit (every GPU) and wired limit (Metal) for one engine's life; ``restore`` puts them back."""
 
@@ -162,12 +148,11 @@ def default_step_bytes(kind: str, host_total: int) -> int:
 @dataclass(frozen=True)
 class MemoryPlan:
     """How an engine splits its memory: the running rows' KV (what the scheduler admits against), the prefix
-    cache's blocks and the vision cache, all inside one budget; and the prefill tokens a step may take."""
+    cache's blocks and the vision cache, all inside one budget."""
 
     slot_budget: int
     prefix_blocks: int
     vision_cache_bytes: int
-    step_tokens: int
     total: int  # slots + caches
     step_bytes: int = 0  # a step's transient memory bound (0: none)
 
@@ -176,19 +161,13 @@ def plan_memory(config: Any, kind: str, host_total: int, auto_budget: Callable[[
                 block_bytes: int, takes_images: bool) -> MemoryPlan:
     """``config`` is an ``EngineConfig``; ``auto_budget(fraction)`` what the worker finds free for KV.
 
-    An explicit ``kv_budget_bytes`` is the slots' budget and the caches come on top; otherwise the caches are carved
-    out of the automatic budget (the prefix cache a quarter of it, at most 2 GiB; the vision cache as configured,
-    at most a quarter)."""
-    vision = config.vision_cache_bytes if takes_images else 0
-    if config.kv_budget_bytes:
-        slots = config.kv_budget_bytes
-        prefix = (config.prefix_cache_bytes or min(slots // 4, 2 * GiB)) if config.prefix_cache else 0
-    else:
-        total = auto_budget(config.kv_memory_fraction)
-        prefix = (config.prefix_cache_bytes or min(total // 4, 2 * GiB)) if config.prefix_cache else 0
-        vision = min(vision, total // 4)
-        slots = max(total // 4, total - prefix - vision)
+    The budget is ``kv_budget_bytes`` when set, else the automatic one; either way the caches are carved out of it
+    (the prefix cache a quarter of it, at most 2 GiB, unless ``prefix_cache_bytes`` says; the vision cache as
+    configured, at most a quarter) and the running rows' slots get the rest, at least a quarter."""
+    total = config.kv_budget_bytes or auto_budget(config.kv_memory_fraction)
+    prefix = min(config.prefix_cache_bytes or min(total // 4, 2 * GiB), total // 2) if config.prefix_cache else 0
+    vision = min(config.vision_cache_bytes if takes_images else 0, total // 4)
+    slots = max(total // 4, total - prefix - vision)
     blocks = max(1, prefix // block_bytes) if config.prefix_cache else 0
-    steps = config.max_num_batched_tokens or default_step_tokens(kind, host_total)
     step_bytes = default_step_bytes(kind, host_total) if config.step_memory_bytes is None else config.step_memory_bytes
-    return MemoryPlan(slots, blocks, vision, steps, slots + blocks * block_bytes + vision, step_bytes)
+    return MemoryPlan(slots, blocks, vision, slots + blocks * block_bytes + vision, step_bytes)

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlxbatch import _blas, _cuda
 from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.engine.model.memory import HostMemory, default_kv_fraction, device_available, host_memory
+from mlxbatch.engine.sched.sizing import BatchSize, DeviceFacts, device_defaults
 from mlxbatch.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,17 @@ class DeviceInfo:
     blas: str  # CPU only: the BLAS MLX uses ("openblas: <path>" or "reference")
     host_memory: int = 0  # the machine's RAM
     kernel_launch: str = ""  # CUDA only: "direct" or "cuda graphs" (``mlxbatch._cuda``)
+
+    @property
+    def sizing_facts(self) -> DeviceFacts:
+        """What the batch's default size goes by: a GPU's own memory on CUDA; the machine's RAM on a Mac (its chip
+        class) and on the CPU."""
+        return DeviceFacts(self.kind, self.total_memory if self.kind == "cuda" else self.host_memory)
+
+    @property
+    def batch_defaults(self) -> BatchSize:
+        """The batch this device runs before a model's KV budget is known (``engine.sched.sizing``)."""
+        return device_defaults(self.sizing_facts)
 
 
 @dataclass(frozen=True)

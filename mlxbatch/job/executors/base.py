@@ -19,7 +19,7 @@ from mlxbatch.engine import LoadedModel, ModelSpec, PromptEncoder
 from mlxbatch.errors import MlxbatchError
 from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed
 from mlxbatch.job.rows.prepare import PreparedRow
-from mlxbatch.job.spec import EngineSection, ModelSection
+from mlxbatch.job.spec import EngineSection, JobSpec, ModelSection
 from mlxbatch.types import RequestOutput
 
 
@@ -52,8 +52,9 @@ class Finished:
 @dataclass(frozen=True)
 class ModelInfo:
     """What the run loop needs of the model: the identity for result keys, the dtype, the tokenizer, whether it
-    takes images, its context length (row preparation refuses prompts far beyond it) and the engine's reuse step
-    (the feed plans with it: ``EngineCore.reuse_step``)."""
+    takes images, its context length (row preparation refuses prompts far beyond it), the engine's reuse step
+    (the feed plans with it: ``EngineCore.reuse_step``) and its batch in words (set, or sized by its device: the
+    run shows it)."""
 
     identity: str
     dtype: str
@@ -61,6 +62,7 @@ class ModelInfo:
     takes_images: bool
     context_length: int
     reuse_step: int = 1
+    batch: str = ""  # ``EngineCore.batch_size.describe()``
 
     @classmethod
     def of(cls, loaded: LoadedModel) -> ModelInfo:
@@ -85,10 +87,19 @@ def model_spec(m: ModelSection) -> ModelSpec:
     return ModelSpec(m.path, m.dtype, m.adapter, m.trust_remote_code)
 
 
-def engine_config(e: EngineSection, seed: int) -> EngineConfig:
+def engine_config(e: EngineSection, seed: int, row_tokens: int | None = None) -> EngineConfig:
+    """The engine's config for a job; ``row_tokens`` the hint of a row's length (``row_tokens_hint``)."""
     return EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                         prefill_chunk_size=e.prefill_chunk_size, kv_memory_fraction=e.kv_memory_fraction,
-                        prefix_cache=e.prefix_cache, batch_invariant=e.batch_invariant, seed=seed)
+                        prefix_cache=e.prefix_cache, batch_invariant=e.batch_invariant, seed=seed,
+                        expected_row_tokens=row_tokens)
+
+
+def row_tokens_hint(spec: JobSpec) -> int:
+    """What the engine's default batch size takes a row to hold: the job's ``max_tokens`` (every row reserves its
+    prompt on top, unknown before rows are read: a lower bound, so the default errs towards more rows, and admission
+    still charges each row its own length)."""
+    return spec.sampling.params.max_tokens
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -1,7 +1,8 @@
 """Engine counters of several engines (the actors of a distributed run) merged into one engine's report shape.
 
 Owns the merge rule: counts, token totals, bytes and seconds add up; a setting (``block_size``) is kept; a rate
-(``hit_rate``) is recomputed from the merged counts. Pure Python.
+(``hit_rate``) is recomputed from the merged counts; each engine's batch (``batch``: set or sized by its device) is
+kept once if every engine's is the same, else listed. Pure Python.
 """
 
 from __future__ import annotations
@@ -28,11 +29,19 @@ def _merge(dicts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     return out
 
 
+def _batches(stats: list[dict[str, Any]]) -> dict[str, Any] | list[dict[str, Any]] | None:
+    distinct: list[dict[str, Any]] = []
+    for s in stats:
+        if s.get("batch") and s["batch"] not in distinct:
+            distinct.append(s["batch"])
+    return distinct[0] if len(distinct) == 1 else distinct or None
+
+
 def merge_engine_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     """``EngineCore.stats()`` of each engine -> one dict of the same shape (``device``: the kinds, joined)."""
     if not stats:
         return {}
-    return {"profile": _merge([s.get("profile") for s in stats]) or {},
+    return {"profile": _merge([s.get("profile") for s in stats]) or {}, "batch": _batches(stats),
             "kv_budget_bytes": sum(s.get("kv_budget_bytes", 0) for s in stats),
             "kv_bytes": sum(s.get("kv_bytes", 0) for s in stats),
             "preemptions": sum(s.get("preemptions", 0) for s in stats),

@@ -15,7 +15,7 @@ from typing import Any
 from mlxbatch.config import EngineConfig
 from mlxbatch.engine import REGISTRY, EngineCore, LoadedModel
 from mlxbatch.errors import InvalidRequestError
-from mlxbatch.job.executors.base import Finished, ModelInfo, RowDone, engine_config, model_spec
+from mlxbatch.job.executors.base import Finished, ModelInfo, RowDone, engine_config, model_spec, row_tokens_hint
 from mlxbatch.job.executors.ray.progress import clear_progress
 from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed, Submit
 from mlxbatch.job.rows.media import ImageError
@@ -67,9 +67,11 @@ class LocalExecutor:
     """The single-machine path: one engine in this process."""
 
     def __init__(self, spec: JobSpec, loaded: LoadedModel) -> None:
-        self.engine = RowEngine(loaded, engine_config(spec.engine, spec.seed))
-        self.model = dataclasses.replace(ModelInfo.of(loaded), reuse_step=self.engine.core.reuse_step)
-        self.max_inflight = 4 * spec.engine.max_num_seqs
+        self.engine = RowEngine(loaded, engine_config(spec.engine, spec.seed, row_tokens_hint(spec)))
+        core = self.engine.core
+        self.model = dataclasses.replace(ModelInfo.of(loaded), reuse_step=core.reuse_step,
+                                         batch=core.batch_size.describe())
+        self.max_inflight = 4 * core.config.max_num_seqs  # the engine's, set or sized
         self._pending: dict[str, Submit] = {}
 
     def take(self, feed: RowFeed) -> list[Failed | Resumed]:

@@ -75,10 +75,9 @@ class Eta:
 
 def _engine(spec: JobSpec, loaded: Any) -> Any:
     from mlxbatch.engine import EngineCore
-    from mlxbatch.job.executors.base import engine_config
+    from mlxbatch.job.executors.base import engine_config, row_tokens_hint
 
-    e = spec.engine
-    return EngineCore(loaded, engine_config(e, spec.seed))
+    return EngineCore(loaded, engine_config(spec.engine, spec.seed, row_tokens_hint(spec)))
 
 
 @dataclass(frozen=True)
@@ -153,7 +152,7 @@ def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: 
                        else o.generated_tokens for p, c, o in zip(rows, capped, own.outputs, strict=True)]
             per_row = sum(lengths) / len(lengths)
             # a decode step at the run's batch size: as many short rows as run at once
-            at_once = max(1, min(spec.engine.max_num_seqs, gen_rows * params.n))
+            at_once = max(1, min(core.config.max_num_seqs, gen_rows * params.n))
             short = [list(range(7 + i, 7 + i + STEP_PROBE_PROMPT)) for i in range(at_once)]
             timed = _run(core, short, SamplingParams(temperature=0, max_tokens=STEP_PROBE_TOKENS, ignore_eos=True))
             # the larger of the short rows' step at the run's batch size and the first rows' own decode step (their
@@ -198,6 +197,7 @@ def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int, new_t
     device's measured matmul speed and memory bandwidth (decode steps are bound by the larger of reading every
     weight and the batch's FLOPs). No weights are loaded: sizes come from config.json."""
 
+    from mlxbatch.engine import max_num_seqs_here
     from mlxbatch.engine import measure_device_speed as measure
 
     _, c = read_config(model_dir)
@@ -214,7 +214,7 @@ def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int, new_t
     sizes = config_sizes(model_dir, spec.model.dtype)
     speed = measure(h, inter, sizes.dtype)
     weight_bytes = (body + head) * sizes.weight_bytes_per_param  # 4-bit checkpoints read a quarter of fp16's
-    C = spec.engine.max_num_seqs
+    C = max_num_seqs_here(spec.engine.max_num_seqs)
     step = max(weight_bytes / speed.bandwidth, 2 * (body + head) * C / speed.matmul_flops)
     prefill = (2 * body * floor_tokens + 2 * head * rows) / speed.matmul_flops
     return Eta(prefill, -(-new_tokens // C) * step, "flops", matmul_gflops=speed.matmul_flops / 1e9,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.engine import PromptEncoder, is_vlm_folder, plan, reuse_step_here, submission_order
+from mlxbatch.engine import PromptEncoder, is_vlm_folder, max_num_seqs_here, plan, reuse_step_here, submission_order
 from mlxbatch.io import InputFormat, open_reader, resolve_inputs
 from mlxbatch.job.check.model_ref import local_model_dir
 from mlxbatch.job.check.model_size import config_sizes
@@ -122,9 +122,12 @@ class _Planner:
         self.encoder = PromptEncoder(tok)
         # the engine's reuse step on this machine (a block on CUDA's text path): the feed plans with it
         self.step = reuse_step_here(vision, spec.engine.batch_invariant)
-        self.model = ReuseModel(spec.engine.max_num_seqs, forks=spec.task.kind != "score", live_margin=self.step)
+        # the rows a step runs: as set, else this device's default (the run's engine may choose fewer, where the
+        # model's KV budget holds fewer)
+        seqs = max_num_seqs_here(spec.engine.max_num_seqs)
+        self.model = ReuseModel(seqs, forks=spec.task.kind != "score", live_margin=self.step)
         self.t = _Tally()
-        self.sample_size = spec.engine.max_num_seqs
+        self.sample_size = seqs
 
     def window(self, preps: list[PreparedRow]) -> None:
         t, spec = self.t, self.spec

@@ -41,6 +41,11 @@ class Progress:
         else:
             log.info("loading model %s", model)
 
+    def engine(self, batch: str) -> None:
+        """The engine's batch (set, or sized by the device): on a terminal only; without one the engine logs it."""
+        if self.enabled and batch:
+            print(f"mlxbatch: engine: {batch}", file=self._file or sys.stderr, flush=True)
+
     def start(self) -> None:
         self._bar = tqdm(total=self._total, disable=not self.enabled, unit="row", dynamic_ncols=True,
                          file=self._file)

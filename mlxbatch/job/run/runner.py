@@ -152,11 +152,13 @@ class JobRunner:
         spec = self.spec
         is_openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(input_spec(spec)))
         earlier = earlier_work(store, spec.output)  # read before this run records its own
-        Progress(self.progress, None).loading(spec.model.path)
+        progress = Progress(self.progress, None)
+        progress.loading(spec.model.path)
         with open_executor(spec) as executor:  # this process's engine, or engine actors on a Ray cluster
             self._loaded = True
             clear_success(spec.output)  # loaded: from here on the outputs change (a failed load keeps them)
             model = executor.model
+            progress.engine(model.batch)
             save_job_meta(store, spec, model)
             spec = follow_saved_plan(store, spec)  # a resumed run plans the first run's windows
             final, stats = self._rows_to_results(spec, store, executor, is_openai, earlier)

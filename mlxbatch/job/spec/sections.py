@@ -63,7 +63,7 @@ class CheckpointSection:
 
 @dataclass(frozen=True)
 class EngineSection:  # the defaults are EngineConfig's (one definition)
-    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_seqs: int | None = EngineConfig.max_num_seqs  # None: by the device and the KV budget
     max_num_batched_tokens: int | None = EngineConfig.max_num_batched_tokens  # None: the device's default
     prefill_chunk_size: int = EngineConfig.prefill_chunk_size
     kv_memory_fraction: float | None = EngineConfig.kv_memory_fraction  # None: the device's default share

@@ -39,6 +39,8 @@ class ActorInfo:
     takes_images: bool
     context_length: int
     reuse_step: int = 1  # its engine's (``EngineCore.reuse_step``: a block on CUDA): the driver's feed plans with it
+    max_num_seqs: int = 1  # its engine's, set or sized by its device: the driver's in-flight bound goes by it
+    batch: str = ""  # its engine's batch in words (``EngineCore.batch_size.describe()``)
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,10 @@ class Advance:
 
 
 class EngineActor:
-    def __init__(self, name: str, model: ModelSection, engine: EngineSection, seed: int) -> None:
+    def __init__(self, name: str, model: ModelSection, engine: EngineSection, seed: int,
+                 row_tokens: int | None = None) -> None:
         self.name = name
-        self._setup = (model, engine, seed)
+        self._setup = (model, engine, seed, row_tokens)
         self.loaded: Any = None
         self.engine: Any = None  # RowEngine, once info() loaded the model
 
@@ -71,14 +74,15 @@ class EngineActor:
         if self.engine is None:
             from mlxbatch.engine import load_model
 
-            model, engine, seed = self._setup
+            model, engine, seed, row_tokens = self._setup
             self.loaded = load_model(model_spec(model))
-            self.engine = RowEngine(self.loaded, engine_config(engine, seed))
+            self.engine = RowEngine(self.loaded, engine_config(engine, seed, row_tokens))
         dev = self.engine.core.worker.device
         m = self.loaded
         return ActorInfo(self.name, socket.gethostname(), os.getpid(), dev.kind, dev.blas, m.identity, m.dtype,
                          tokenizer_fingerprint(m.tokenizer), m.vlm is not None, m.context_length,
-                         self.engine.core.reuse_step)
+                         self.engine.core.reuse_step, self.engine.core.config.max_num_seqs,
+                         self.engine.core.batch_size.describe())
 
     def advance(self, tasks: list[RowTask], budget_s: float, return_after: int) -> Advance:
         """Queue ``tasks``, then step until ``return_after`` rows have finished (after at least MIN_ADVANCE_S),

@@ -32,7 +32,7 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 
 from mlxbatch.engine import common_prefix_len
-from mlxbatch.job.executors.base import ExecutorError, Finished, ModelInfo, tokenizer_fingerprint
+from mlxbatch.job.executors.base import ExecutorError, Finished, ModelInfo, row_tokens_hint, tokenizer_fingerprint
 from mlxbatch.job.executors.engine_stats import merge_engine_stats
 from mlxbatch.job.executors.ray.actor import ActorInfo, Advance, EngineActor, Placed
 from mlxbatch.job.executors.ray.cluster import ActorPlan, actor_plan, connected, driver_tokenizer, kill
@@ -58,7 +58,7 @@ class RayExecutor:
         self.n_actors = plan.count  # cluster.plan_actors: executor.actors, one per Mac, or what resources fit
         self._placement = placement or {}
         self.restarts_left = self.n_actors if x.max_restarts is None else x.max_restarts
-        self.limit = 4 * spec.engine.max_num_seqs
+        self.limit = 4 * (spec.engine.max_num_seqs or 1)  # unset: the first actor ready says its engine's (``_ready``)
         self.slots: list[Slot] = []
         self.queue: deque[list[Submit]] = deque()  # units not taken by an actor yet (plan order inside each)
         self.feed_done = False
@@ -77,7 +77,7 @@ class RayExecutor:
             options["resources"] = dict(x.resources)
         options.update(self._placement)  # on Macs: the actor takes a free bundle of one-per-Mac placement group
         handle = ray.remote(EngineActor).options(**options).remote(name, self.spec.model, self.spec.engine,
-                                                                     self.spec.seed)
+                                                                     self.spec.seed, row_tokens_hint(self.spec))
         slot = Slot(name, handle, replacing=replacing)
         slot.call = handle.placed.remote()  # answers once the cluster has room for it; then info() loads the model
         self.slots.append(slot)
@@ -125,7 +125,8 @@ class RayExecutor:
             # the first actor ready decides the plan's reuse step too (a block where its engine packs prefill passes;
             # an actor of another kind still runs that plan, reusing a little more or less than it could)
             self.model = ModelInfo(info.identity, info.dtype, self.tokenizer, info.takes_images, info.context_length,
-                                   info.reuse_step)
+                                   info.reuse_step, f"{slot.name}: {info.batch}")
+            self.limit = 4 * info.max_num_seqs  # its engine's max_num_seqs: as set, or sized by its device
         slot.state = "ready"
         log.info("%s ready on %s (pid %d, %s, BLAS %s)", slot.name, info.host, info.pid, info.device, info.blas)
 
