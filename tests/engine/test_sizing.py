@@ -57,6 +57,7 @@ def test_what_the_config_sets_always_wins():
     both = size_batch(H100, 38 * GiB, slot_cost(QWEN_05B_KV), 145, max_num_seqs=1024, max_num_batched_tokens=1000)
     assert (both.max_num_seqs, both.max_num_batched_tokens, both.tokens_from) == (1024, 1000, "set")
     assert not both.chosen and tiny.chosen
+    assert tiny.describe() == "max_num_seqs 32 (set in the config), max_num_batched_tokens 2048 (the device's default)"
     # many rows set by hand: a step's decode rows leave half of it to prefill
     many = size_batch(CPU, 38 * GiB, slot_cost(QWEN_05B_KV), 145, max_num_seqs=2048)
     assert (many.max_num_batched_tokens, many.tokens_from) == (4096, "rows")

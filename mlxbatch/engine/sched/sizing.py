@@ -58,9 +58,13 @@ class BatchSize:
         return self.seqs_from != "set" or self.tokens_from != "set"
 
     def describe(self) -> str:
-        seqs = {"set": "set in the config",
-                "device": f"the device's default; the KV budget holds {self.budget_rows} rows",
-                "memory": "what the KV budget holds at the expected row length"}[self.seqs_from]
+        if self.seqs_from == "set":
+            seqs = "set in the config"
+        elif self.seqs_from == "memory":
+            seqs = "what the KV budget holds at the expected row length"
+        else:
+            held = self.budget_rows or 0
+            seqs = f"the device's default; the KV budget holds {held:,}{'+' if held >= MOST_ROWS else ''} rows"
         tokens = {"set": "set in the config", "device": "the device's default",
                   "rows": "twice max_num_seqs"}[self.tokens_from]
         return (f"max_num_seqs {self.max_num_seqs} ({seqs}), max_num_batched_tokens {self.max_num_batched_tokens} "
