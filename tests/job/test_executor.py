@@ -92,6 +92,17 @@ def test_engine_counters_of_actors_merge_into_one_report():
     assert merge_engine_stats([{**a, "batch": cpu}, {**b, "batch": gpu}])["batch"] == [cpu, gpu]
 
 
+def test_the_hint_of_a_row_s_length_is_the_job_s_max_tokens_where_every_row_reserves_it(tmp_path):
+    from mlxbatch.job.executors.base import row_tokens_hint
+
+    (tmp_path / "in.jsonl").write_text("{}\n")
+    assert row_tokens_hint(parse_job({**BASE, "sampling": {"max_tokens": 24}}, base_dir=tmp_path)) == 24
+    per_row = {**BASE, "sampling": {"max_tokens": 24, "overrides": {"max_tokens": "budget"}}}
+    assert row_tokens_hint(parse_job(per_row, base_dir=tmp_path)) is None  # each row says its own
+    score = {**BASE, "task": "score", "score": {"candidates": ["a", "b"]}}
+    assert row_tokens_hint(parse_job(score, base_dir=tmp_path)) is None  # score rows generate nothing
+
+
 def test_the_executor_section_is_checked_with_key_paths(tmp_path):
     (tmp_path / "in.jsonl").write_text("{}\n")
     spec = parse_job({**BASE, "executor": {"kind": "ray", "actors": 3, "num_gpus": 1, "resources": {"mac": 1}}},

@@ -6,8 +6,8 @@ Owns the rule (one definition). A value the config sets always wins. The schedul
 running row's KV at its reserved length (prompt + max_tokens) fits the slot budget, so ``max_num_seqs`` is a cap on
 top of memory: the rows a step usefully runs on this device (``seq_cap``), lowered to the rows the budget holds at
 the expected length when that is fewer. The expected length is a hint (``expected_row_tokens``: a job passes its
-``max_tokens``, a lower bound of what admission reserves a row), so the cap errs high, never low: admission still
-charges each row its own length. vLLM sizes the same way, with fixed tables by device class (offline: 256 sequences
+``max_tokens``, which admission reserves a row on top of its prompt), so the cap errs high rather than low: admission
+still charges each row its own length. vLLM sizes the same way, with fixed tables by device class (offline: 256 sequences
 and 8192 tokens, 1024 and 16384 on GPUs of 70 GiB or more) over a KV pool sized from its memory share.
 
 The device caps, and why:

@@ -95,10 +95,13 @@ def engine_config(e: EngineSection, seed: int, row_tokens: int | None = None) ->
                         expected_row_tokens=row_tokens)
 
 
-def row_tokens_hint(spec: JobSpec) -> int:
+def row_tokens_hint(spec: JobSpec) -> int | None:
     """What the engine's default batch size takes a row to hold: the job's ``max_tokens`` (every row reserves its
     prompt on top, unknown before rows are read: a lower bound, so the default errs towards more rows, and admission
-    still charges each row its own length)."""
+    still charges each row its own length). None (unknown) for scoring, whose rows generate nothing, and where rows
+    set their own ``max_tokens`` (``sampling.overrides``)."""
+    if spec.task.kind != "generate" or "max_tokens" in spec.sampling.overrides:
+        return None
     return spec.sampling.params.max_tokens
 
 
