@@ -14,7 +14,9 @@ The device caps, and why:
 - CUDA: a decode step is bound by the host's work and the weights' read, not by the rows (H100, 0.5B shape: 15.6k
   tok/s at 64 rows, 52.8k at 256, 3.7 ms of host work a step either way; docs/benchmarks.md), so more rows are
   nearly free: 512 on GPUs of 70 GiB or more (H100, H200), 256 from 20 GiB, 128 below. Issue 47's labeling job ran at
-  717 rows/s with the old default of 32 and at 1,516 with 256 set by hand.
+  717 rows/s with the old default of 32 and at 1,516 with 256 set by hand. Rows with few new tokens are bound by the
+  step's tokens rather than by this cap: with T prefill tokens a step, prompts of P tokens computed and N new tokens,
+  about T x N / (P + N) rows are in flight (4096 x 8 / 145: ~230 for that job), whatever the cap above it.
 - Metal: the same reasoning on a smaller GPU and a smaller memory shared with macOS: by the machine's RAM (a proxy
   for the chip: base, Pro, Max / Ultra), 64 up to 16 GiB, 128 up to 48 GiB, 256 above.
 - CPU: compute-bound; a step's cost grows with its rows, and batching saves the per-step host work only: 128
