@@ -70,11 +70,13 @@ def test_a_real_engine_runs_reports_and_logs_the_batch_it_chose(tiny_loaded, cap
     with caplog.at_level(logging.INFO, logger="mlxbatch.engine.core"):
         core = EngineCore(tiny_loaded, EngineConfig(warm_up=False, expected_row_tokens=300))
     try:
-        assert (core.config.max_num_seqs, core.config.max_num_batched_tokens) == (128, 2048)  # this CPU's defaults
-        assert core.scheduler.config.max_num_seqs == 128 and core.scheduler.config.max_num_batched_tokens == 2048
+        here = core.worker.device.batch_defaults  # this machine's (a CPU: 128 rows, 2048 tokens)
+        seqs, tokens = here.max_num_seqs, here.max_num_batched_tokens
+        assert (core.config.max_num_seqs, core.config.max_num_batched_tokens) == (seqs, tokens)
+        assert core.scheduler.config.max_num_seqs == seqs and core.scheduler.config.max_num_batched_tokens == tokens
         batch = core.stats()["batch"]
-        assert batch["max_num_seqs"] == 128 and batch["max_num_seqs_from"] == "device"
-        assert batch["rows_in_kv_budget"] >= 128
+        assert batch["max_num_seqs"] == seqs and batch["max_num_seqs_from"] == "device"
+        assert batch["rows_in_kv_budget"] >= seqs
         assert [r.message for r in caplog.records if "engine batch" in r.message] == [
             "engine batch: " + core.batch_size.describe()]
     finally:

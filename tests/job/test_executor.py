@@ -193,11 +193,12 @@ def test_an_actor_reports_its_engines_reuse_step(tmp_path, tiny_model_path):
 
 
 def test_a_job_without_an_engine_section_runs_and_reports_the_batch_its_device_chose(tmp_path, tiny_model_path):
-    """No ``engine:`` section: the engine sizes its batch (this CPU's default, 128 rows; the hint of a row's length is
-    the job's max_tokens), the local executor keeps 4 x that many rows in flight, and report.json says what ran."""
+    """No ``engine:`` section: the engine sizes its batch (this device's default: 128 rows on a CPU; the hint of a
+    row's length is the job's max_tokens), the local executor keeps 4 x that many rows in flight, and report.json says
+    what ran."""
     import json
 
-    from mlxbatch.engine import REGISTRY
+    from mlxbatch.engine import REGISTRY, device_info
     from mlxbatch.job.check.validate import validate_job
     from mlxbatch.job.executors.base import model_spec
     from mlxbatch.job.executors.local import LocalExecutor
@@ -206,16 +207,18 @@ def test_a_job_without_an_engine_section_runs_and_reports_the_batch_its_device_c
     data = write_jsonl(tmp_path / "in.jsonl", texts(6))
     spec = validate_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out", engine=None))
     assert spec.engine.max_num_seqs is None and spec.engine.max_num_batched_tokens is None
+    here = device_info().batch_defaults
+    seqs, tokens = here.max_num_seqs, here.max_num_batched_tokens
     loaded = REGISTRY.acquire(model_spec(spec.model), "test")
     try:
         ex = LocalExecutor(spec, loaded)
         core = ex.engine.core
-        assert core.config.expected_row_tokens == 8 and core.config.max_num_seqs == 128
-        assert ex.max_inflight == 4 * 128 and "the device's default" in ex.model.batch
+        assert core.config.expected_row_tokens == 8 and core.config.max_num_seqs == seqs
+        assert ex.max_inflight == 4 * seqs and "the device's default" in ex.model.batch
         ex.shutdown()
     finally:
         REGISTRY.release(model_spec(spec.model), "test")
     JobRunner(spec, progress=False).run()
     batch = json.loads((tmp_path / "out" / "report.json").read_text())["engine"]["batch"]
-    assert batch["max_num_seqs"] == 128 and batch["max_num_batched_tokens"] == 2048
-    assert batch["max_num_seqs_from"] == "device" and batch["rows_in_kv_budget"] >= 128
+    assert batch["max_num_seqs"] == seqs and batch["max_num_batched_tokens"] == tokens
+    assert batch["max_num_seqs_from"] == "device" and batch["rows_in_kv_budget"] >= seqs
