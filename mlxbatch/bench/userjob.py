@@ -162,6 +162,11 @@ def notes(runs: dict[str, tuple[float, dict]], ref: dict | None, floor: Floor, s
         best_tag = max(hand, key=lambda t: hand[t]["rows_per_s"])
         out.append(f"defaults at {runs[DEFAULTS][1]['rows_per_s'] / hand[best_tag]['rows_per_s']:.0%} of the best "
                    f"hand-set section ({best_tag}: {hand[best_tag]['rows_per_s']:,.1f} rows/s).")
+    chosen = runs[DEFAULTS][1].get("engine", {}).get("batch") if DEFAULTS in runs else None
+    if chosen:  # what the engine sized with no engine section (report.json's engine.batch)
+        out.append(f"the defaults ran max_num_seqs {chosen['max_num_seqs']} ({chosen['max_num_seqs_from']}), "
+                   f"max_num_batched_tokens {chosen['max_num_batched_tokens']} ({chosen['max_num_batched_tokens_from']})"
+                   f"; the KV budget held {chosen['rows_in_kv_budget']} rows of the job's max_tokens.")
     prompt = first["tokens"]["prompt"]
     out.append(f"prompt tokens: the job {prompt:,} ({prompt / a.rows:.1f} a row)"
                + (f"; mlx-lm's {ref['rows']:,} rows {ref['prompt_tokens']:,} ({ref['prompt_tokens'] / ref['rows']:.1f} "

@@ -126,6 +126,10 @@ def test_userjob_runs_the_job_through_the_cli_with_and_without_an_engine_section
         assert r["prefill / window floor"] >= 1.0
     report = res["reports"]["none (defaults)"]["report"]
     assert report["rows"]["ok"] == 120
+    chosen = report["engine"]["batch"]  # what the engine sized with no engine section, and the notes say it
+    assert chosen["max_num_seqs_from"] == "device" and res["reports"]["max_num_seqs: 16"]["report"]["engine"][
+        "batch"]["max_num_seqs"] == 16
+    assert any(f"the defaults ran max_num_seqs {chosen['max_num_seqs']} (device)" in n for n in res["tables"][0]["notes"])
     floor = res["floor"]
     assert floor["prefill_tokens"] == report["prefix_reuse"]["window_floor_tokens"]
     assert floor["decode_steps"] == math.ceil(120 * 7 / 256) and floor["seconds"] > 0
