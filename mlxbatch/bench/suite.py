@@ -221,9 +221,9 @@ def gpu_suite(b: Bench) -> list[Table]:
         summary.rows.append([name, f["x_b1"], f["x_b1_nocache"], f["x_b1_again"], f["prefill_over_floor"],
                              f["prefill_cost_cache_vs_nocache"], f["memory_x_b1"]])
     summary.notes.append("engine again: the same engine run once more in the process. On CUDA a packed prefill pass "
-                         "attends through one kernel a layer (engine.kv.packed_attention) whatever its shapes; where "
+                         "attends through one kernel a layer (engine.attention.packed) whatever its shapes; where "
                          "that kernel is not used, a prefill shape runs MLX's unfused attention until it has run 16 "
-                         "times in the process (engine.kv.prefill_attention)")
+                         "times in the process (engine.attention.prefill)")
     summary.notes.append(f"suite wall time {time.perf_counter() - t0:.0f} s (model build/load not included)")
     tables.insert(0, summary)
     if a.out:

@@ -19,15 +19,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxbatch.engine.attention import DecodeAttention, PackedAttention, PrefillAttention
 from mlxbatch.engine.commit import StepCommit
 from mlxbatch.engine.decoding.structured import Matcher, SequenceGrammars
 from mlxbatch.engine.kv import KVLayout, reuse
 from mlxbatch.engine.kv.compiled_decode import CompiledDecode
-from mlxbatch.engine.kv.decode_attention import DecodeAttention
 from mlxbatch.engine.kv.fixed_forwards import FixedForwards
 from mlxbatch.engine.kv.invariant import InvariantSlots, check_rows, shapes_for, smallest_linear_out
-from mlxbatch.engine.kv.packed_attention import PackedAttention
-from mlxbatch.engine.kv.prefill_attention import PrefillAttention
 from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.model.own_body import OwnBody

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.attention.decode import DecodeAttention
 from mlxbatch.engine.kv.compiled_decode import CompiledDecode
-from mlxbatch.engine.kv.decode_attention import DecodeAttention
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.types import SamplingParams
 

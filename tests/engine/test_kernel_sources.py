@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from mlxbatch.engine.kv import decode_attention, packed_attention
+from mlxbatch.engine.attention import decode as decode_attention
+from mlxbatch.engine.attention import packed as packed_attention
 
 _CTYPE = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
 
@@ -82,8 +83,8 @@ def _compile(lib: ctypes.CDLL, include: Path, src: str, arch: str) -> str:
                                            ("float16", 64, 8)])
 def test_packed_prefill_attention_compiles(arch, dtype, dim, rep):
     lib, include = _nvrtc()
-    src = _wrap("packed", ["q", "kb", "vb", "units"], "out", dtype, packed_attention._HEADER,
-                packed_attention._SOURCE, {"D": dim, "R": rep})
+    src = _wrap("packed", ["q", "kb", "vb", "units"], "out", dtype, packed_attention.HEADER,
+                packed_attention.SOURCE, {"D": dim, "R": rep})
     ptx = _compile(lib, include, src, arch)
     assert ptx.count("mma.sync") >= 2 * (dim // 8) * 4  # the score and value products of a tile, unrolled
     assert ".local" not in ptx
@@ -94,8 +95,25 @@ def test_packed_prefill_attention_compiles(arch, dtype, dim, rep):
                                            ("bfloat16", 128, 16)])
 def test_decode_attention_compiles(dtype, dim, rep, layout):
     lib, include = _nvrtc()
-    src = _wrap("decode", ["q", "kb", "vb", "rows", "lengths"], "out", dtype, "", decode_attention._SOURCE,
+    src = _wrap("decode", ["q", "kb", "vb", "rows", "lengths"], "out", dtype, "", decode_attention.SOURCE,
                 {"D": dim, "R": rep, "L": layout})
     ptx = _compile(lib, include, src, "compute_80")
     assert ".entry" in ptx
     assert ".local" not in ptx  # the per-head sums (``acc[R][VV]``) and a key's loaded values stay in registers
+
+
+def test_kernel_sources_are_package_data():
+    """Every kernel source file of the package is shipped by ``pip install .`` (pyproject's package-data globs), and
+    the modules hold what the files say (read at import)."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    sources = [p for p in (root / "mlxbatch").rglob("*") if p.suffix in (".cu", ".cuh", ".metal")]
+    assert sources, "no kernel source files found"
+    for p in sources:
+        package = ".".join(p.parent.relative_to(root).parts)
+        assert any(fnmatch.fnmatch(p.name, g) for g in data.get(package, [])), f"{p} is not package data"
+    assert decode_attention.SOURCE == (root / "mlxbatch/engine/attention/decode.cu").read_text()
+    assert packed_attention.HEADER == (root / "mlxbatch/engine/attention/packed.cuh").read_text()

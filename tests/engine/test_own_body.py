@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxbatch.engine import Engine, EngineConfig
-from mlxbatch.engine.kv import decode_attention
+from mlxbatch.engine.attention import decode as decode_attention
 from mlxbatch.engine.model.own_body import OwnBody, own_body
 from mlxbatch.engine.model.split import split_model
 from mlxbatch.types import SamplingParams

@@ -1,4 +1,4 @@
-"""A packed pass's attention in one launch a layer (``kv.packed_attention``, CUDA), its host side run on the CPU.
+"""A packed pass's attention in one launch a layer (``attention.packed``, CUDA), its host side run on the CPU.
 
 The kernel itself runs only on CUDA, where ``PackedAttention.create`` checks it against ``reference`` before the engine
 uses it. Here: its unit table covers every (token, query head) once with the right row, tokens and offset;
@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
-from mlxbatch.engine.kv import packed_attention as pa
+from mlxbatch.engine.attention import packed as pa
 from mlxbatch.engine.kv.packed import PackedPass
 from mlxbatch.engine.kv.slots import POSITION_STEP
 from mlxbatch.types import SamplingParams

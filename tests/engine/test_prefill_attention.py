@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
-from mlxbatch.engine.kv.prefill_attention import PrefillAttention, unfused
+from mlxbatch.engine.attention.prefill import PrefillAttention, unfused
 from mlxbatch.types import SamplingParams
 
 

@@ -9,7 +9,7 @@ What must never be baked into a trace is anything that changes from step to step
 pass is planned from arrays only (``decode_pass``): the rows' offsets and slots are inputs, and everything per row
 (RoPE offsets, where each row's new key goes, how many keys it reads) is computed from them inside the graph. Its writes
 go through one scatter per buffer (never a slice at a Python offset), and its keys are read to the buffers' capacity
-(through ``kv.decode_attention`` on CUDA, which reads each row's own keys; elsewhere through an array mask). What does
+(through ``attention.decode`` on CUDA, which reads each row's own keys; elsewhere through an array mask). What does
 vary with shape (rows, buffer capacity) keys the trace. The KV buffers are inputs and the written buffers outputs,
 which the slot batch takes in place of the old ones: nothing else holds the old ones, so MLX still writes them in
 place (donation), as the uncompiled pass does. A pass also returns its rows' offsets plus one (``next_offsets``): in

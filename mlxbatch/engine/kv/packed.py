@@ -8,7 +8,7 @@ step's chunks are one forward over their tokens laid end to end (``[tokens, 1]``
 MLP see each token once, no padding, as a decode pass sees its rows), and only attention regroups them: each group's
 queries are gathered into ``[rows, heads, width, dim]`` (right-padded to the group's width, as before), attend to their
 rows' keys in the slot buffers, and are gathered back into token order. Where the device runs
-``kv.packed_attention`` (CUDA), there are no groups: one kernel a layer attends every token over its row's keys up to
+``attention.packed`` (CUDA), there are no groups: one kernel a layer attends every token over its row's keys up to
 its own position, from a table of work units made once a pass. Each token writes its keys and values at its own (row,
 position) by one scatter a buffer. RoPE takes each token's position as its row's offset.
 
@@ -23,8 +23,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.kv import packed_attention
-from mlxbatch.engine.kv.prefill_attention import causal_mask, unfused
+from mlxbatch.engine import attention
+from mlxbatch.engine.attention import causal_mask, unfused
 
 TOKEN_STEP = 128  # a packed pass runs a multiple of this many tokens (the projections' GEMM shapes recur)
 
@@ -74,7 +74,7 @@ class AttentionGroup:
     out_pos: mx.array  # [tokens of the group] and its query slot there (padding tokens: slot 0)
     mask: mx.array | str | None  # "causal" when the group's rows start at one offset (run unfused: that mask made
     # once, ``[width, keys]``), else a bool array
-    fused: bool = True  # MLX's fused attention, else ``prefill_attention.unfused`` (CUDA: a shape not seen enough)
+    fused: bool = True  # MLX's fused attention, else ``attention.unfused`` (CUDA: a shape not seen enough)
     gather: mx.array | None = None  # [rows] the rows' slots where they are not one run (``SlotBatch.rows_stay``)
 
 
@@ -93,7 +93,7 @@ class PackedPass:
     groups: tuple[AttentionGroup, ...]  # their tokens are consecutive, in order (the last group's: the padding too)
     last: tuple[int, ...]  # each row's last token (its index among the packed tokens)
     keys: int  # the longest row's keys (its end)
-    kernel: Any = None  # ``kv.packed_attention.PackedAttention``: attention in one launch a layer (then no groups)
+    kernel: Any = None  # ``attention.PackedAttention``: attention in one launch a layer (then no groups)
     units: mx.array | None = None  # [units, 5] the kernel's work units
     mask: None = None  # (mlx-lm's cache protocol: a pass of one-token rows asks for no mask)
     _index: dict[int, tuple[mx.array, ...]] = field(default_factory=dict, compare=False, repr=False)
@@ -105,8 +105,8 @@ class PackedPass:
         """Rows ``start ..`` (``offsets``: their committed lengths; ``lengths``: their new tokens) in pass groups of
         ``sizes`` rows. A group's width is its longest row rounded up by ``bucket``; it reads keys up to its rows'
         end rounded up to ``kv_step`` through a mask, or causally when its rows start together (then its width stays
-        within that end). ``policy`` (``kv.prefill_attention.PrefillAttention``, CUDA) says which groups run fused.
-        With ``kernel`` (``kv.packed_attention.PackedAttention``) the pass has its work units instead of groups.
+        within that end). ``policy`` (``attention.PrefillAttention``, CUDA) says which groups run fused.
+        With ``kernel`` (``attention.PackedAttention``) the pass has its work units instead of groups.
         ``slots``: each row's slot in the buffers where they are not rows ``start ..`` (``SlotBatch.rows_stay``)."""
         assert sum(sizes) == len(offsets) == len(lengths) and all(n > 0 for n in lengths)
         first = [0]
@@ -126,7 +126,7 @@ class PackedPass:
         groups: list[AttentionGroup] = []
         flat_units: list[int] = []
         if kernel is not None:
-            flat_units = packed_attention.units(slots, offsets, lengths, kernel.rep)
+            flat_units = attention.units(slots, offsets, lengths, kernel.rep)
             sizes = ()
         r0 = 0
         for size in sizes:
@@ -167,7 +167,7 @@ class PackedPass:
         return PackedPass(start, start + len(offsets), n_tok, padded, positions, write_rows[:, None],
                           positions[:n_tok, None], tuple(groups), tuple(f - 1 for f in first[1:]),
                           max(o + n for o, n in zip(offsets, lengths)), kernel,
-                          table.reshape(-1, packed_attention.FIELDS) if kernel is not None else None)
+                          table.reshape(-1, attention.FIELDS) if kernel is not None else None)
 
     def _write_index(self, heads: int) -> tuple[mx.array, ...]:
         """The writes' index arrays (rows, heads, positions), each ``[tokens, heads]``, made once a pass."""

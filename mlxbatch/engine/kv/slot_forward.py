@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from mlxbatch.engine.attention import unfused
 from mlxbatch.engine.kv.packed import PackedPass, bucket, is_run
-from mlxbatch.engine.kv.prefill_attention import unfused
 
 __all__ = ["ForwardPass", "PackedPass", "SlotLayerCache", "bucket", "bucketed_pass", "is_run", "plan_forward",
            "write_kv"]
@@ -36,7 +36,7 @@ class ForwardPass:
     written: int  # rows that write their KV: the first ``written``; the rest pad the pass to a bucketed shape
     rows: mx.array  # [rows] the pass's slot rows (lazy: built only if a fused decode attention reads it)
     key_lengths: mx.array  # [rows] keys each row's last query sees: offset + T (lazy, as ``rows``)
-    fused: bool = True  # a prefill pass: MLX's fused attention, else ``prefill_attention.unfused`` (CUDA, new shapes)
+    fused: bool = True  # a prefill pass: MLX's fused attention, else ``attention.unfused`` (CUDA, new shapes)
     gather: mx.array | None = None  # [rows] the rows' slots where they are not one run (``SlotBatch.rows_stay``):
     # then ``start``/``stop`` only count the rows, writes scatter and reads gather
     _scatter: dict[int, tuple[mx.array, ...]] = field(default_factory=dict, compare=False, repr=False)
@@ -162,7 +162,7 @@ def write_kv(k_buf: mx.array, v_buf: mx.array, fp: ForwardPass, keys: mx.array, 
 
 
 class _Buffers(Protocol):  # what a layer view needs of the slot batch
-    decode_attention: Any  # ``kv.decode_attention.DecodeAttention`` where the device runs it, else None
+    decode_attention: Any  # ``attention.DecodeAttention`` where the device runs it, else None
 
     def current_pass(self) -> ForwardPass | PackedPass: ...
 
@@ -197,7 +197,7 @@ class SlotLayerCache:
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """Write this layer's new keys/values, then attend (``model.own_body``): a decode pass through the fused
         per-row kernel where the slot batch has one (CUDA) and it is worth it (``DecodeAttention.worth``), a prefill
-        pass whose shape is new (CUDA: ``kv.prefill_attention``) through MLX's unfused ops, anything else through
+        pass whose shape is new (CUDA: ``attention.prefill``) through MLX's unfused ops, anything else through
         MLX's attention over the keys the pass reads, with its mask (what mlx-lm's attention does)."""
         fp = self._owner.current_pass()
         if isinstance(fp, PackedPass):  # a packed prefill pass (``kv.packed``): its own writes and attention

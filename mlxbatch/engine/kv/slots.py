@@ -73,9 +73,9 @@ class SlotBatch(RowMoves, SlotPasses):
         # prefill passes padded to recurring shapes (``slot_forward.bucketed_pass``): on CUDA, where each new attention
         # shape costs a cuDNN graph build; the runner sets it
         self.shape_buckets = False
-        self.decode_attention: Any = None  # fused per-row decode attention (``kv.decode_attention``, CUDA); the runner sets it
-        self.prefill_attention: Any = None  # ``kv.prefill_attention.PrefillAttention`` (CUDA); the runner sets it
-        self.packed_attention: Any = None  # ``kv.packed_attention.PackedAttention`` (CUDA): packed passes' attention
+        self.decode_attention: Any = None  # fused per-row decode attention (``attention.decode``, CUDA); the runner sets it
+        self.prefill_attention: Any = None  # ``attention.PrefillAttention`` (CUDA); the runner sets it
+        self.packed_attention: Any = None  # ``attention.PackedAttention`` (CUDA): packed passes' attention
         # a step's prefill rows as one packed pass (``forward_packed``, CUDA, where the host's work per pass binds);
         # the runner sets it
         self.packed_prefill = False

@@ -1,7 +1,7 @@
 """A decoder-only text model's body run layer by layer, with attention asked of the KV cache.
 
 mlx-lm's attention modules call MLX's attention themselves, so a cache can choose what keys a query sees (the mask)
-but not how attention runs. The engine's slot cache can do better at decode on CUDA (``kv.decode_attention``: each
+but not how attention runs. The engine's slot cache can do better at decode on CUDA (``attention.decode``: each
 row's own keys, fused, where MLX falls back to unfused masked attention), so for the common architectures
 (Llama, Mistral, Qwen2, Qwen3: pre-norm blocks of attention and MLP) this body runs the model's own modules in
 mlx-lm's order and hands the attention itself to the cache (``cache.attend``); a cache without ``attend`` gets
