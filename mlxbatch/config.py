@@ -36,7 +36,7 @@ class EngineConfig:
     step_memory_bytes: int | None = None
     warm_up: bool = True
     # every row's tokens and logprobs bitwise identical whatever shares its batch, cache hits, preemption and
-    # max_num_seqs: fixed forward shapes (engine.kv.invariant); costs speed, so off by default
+    # max_num_seqs: fixed forward shapes (engine.invariant); costs speed, so off by default
     batch_invariant: bool = False
     # launch each step before reading the last one's tokens, so that the host's work (reading results, scheduling,
     # building the next passes) runs while the device computes. Off by default: on the H200 it measured no faster

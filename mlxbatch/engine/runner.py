@@ -7,7 +7,7 @@ gets a cost function (``kv_cost``) to admit by memory, and it decides every reus
 forward; prefill chunks run batched too, in groups of similar length so right-padding stays small; the rows whose
 next token is due are sampled together. KV positions are committed only when the whole step succeeded, so a failed
 (out-of-memory) step leaves nothing half-counted. With ``batch_invariant`` the forwards run in fixed shapes instead
-(``kv.fixed_forwards``: slices, key widths and row tiles fixed by each row alone); sampling and commit are shared
+(``engine.invariant``: slices, key widths and row tiles fixed by each row alone); sampling and commit are shared
 (``engine.commit``: ``StepCommit``, the runner's base class).
 """
 
@@ -19,13 +19,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxbatch.engine import invariant
 from mlxbatch.engine.attention import DecodeAttention, PackedAttention, PrefillAttention
 from mlxbatch.engine.commit import StepCommit
 from mlxbatch.engine.decoding.structured import Matcher, SequenceGrammars
+from mlxbatch.engine.invariant import FixedForwards, InvariantSlots
 from mlxbatch.engine.kv import KVLayout, reuse
 from mlxbatch.engine.kv.compiled_decode import CompiledDecode
-from mlxbatch.engine.kv.fixed_forwards import FixedForwards
-from mlxbatch.engine.kv.invariant import InvariantSlots, check_rows, shapes_for, smallest_linear_out
 from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.model.own_body import OwnBody
@@ -76,13 +76,7 @@ class ModelRunner(StepCommit):
             assert isinstance(slots, InvariantSlots)
             body, head = (self._split.body, self._split.head) if self._split else (model, None)
             device = "cpu" if mx.default_device() == mx.cpu else "gpu"
-            shapes = shapes_for(device, geometry.dtype, smallest_linear_out(model))
-            failed = check_rows(body, head, shapes)
-            if failed:
-                hint = ("; OpenBLAS's float32 kernel for this CPU is not row-invariant: OPENBLAS_CORETYPE=Nehalem "
-                        "(x86-64) selects one that is" if device == "cpu" and geometry.dtype == "float32" else "")
-                raise InvalidRequestError("batch_invariant", True, f"cannot hold on this device: {failed}{hint}")
-            self._fixed = FixedForwards(slots, shapes, body, head, self.profile)
+            self._fixed = invariant.start(slots, model, body, head, geometry.dtype, device, self.profile)
         # prefill chunks and reused prefixes start at multiples of this (0: anywhere), for the scheduler
         self.invariant_slice = self._fixed.shapes.slice_tokens if self._fixed is not None else 0
         # CUDA: prefill passes in recurring shapes (each new attention shape is a cuDNN graph build there)

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from mlxbatch.engine import Engine, EngineConfig, ModelSpec, load_model
-from mlxbatch.engine.kv.invariant import Shapes, grouped_order
+from mlxbatch.engine.invariant.shapes import Shapes
+from mlxbatch.engine.invariant.slots import grouped_order
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.types import SamplingParams
 
@@ -104,9 +105,9 @@ def test_scheduler_aligns_chunks_and_reuse_to_the_slice_and_prefills_prompts_onl
 
 
 def test_the_engine_refuses_shapes_its_kernels_do_not_honour(tiny_loaded):
-    """The start-up check (kv.invariant.check_rows) catches a model or head whose rows depend on the batch (as
+    """The start-up check (invariant.shapes.check_rows) catches a model or head whose rows depend on the batch (as
     OpenBLAS's small-matrix kernel, or its Haswell/Zen kernels at any size, make them)."""
-    from mlxbatch.engine.kv.invariant import check_rows
+    from mlxbatch.engine.invariant.shapes import check_rows
     from mlxbatch.engine.model.split import split_model
 
     split = split_model(tiny_loaded.model)
@@ -152,7 +153,7 @@ def test_row_alone_equals_row_in_any_batch(tiny_loaded, tiny_bf16, dtype):
 def test_exact_row_tiles_as_on_a_gpu(tiny_loaded, monkeypatch):
     """The GPU policy (every forward exactly so many rows; 64-token slices, so cached blocks are reused four at a
     time), run on the CPU: rows alone, batched over several decode tiles, and after cache hits agree bitwise."""
-    from mlxbatch.engine.kv.invariant import InvariantSlots
+    from mlxbatch.engine.invariant.slots import InvariantSlots
 
     monkeypatch.setenv("MLXBATCH_INVARIANT_SHAPES", "slice=64,decode=12,prefill=3,head=12,exact=1")
     shapes, real = set(), InvariantSlots.forward_fixed

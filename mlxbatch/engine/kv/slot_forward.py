@@ -65,7 +65,7 @@ def plan_forward(start: int, offsets: Sequence[int], width: int, batched_writes:
                  slots: Sequence[int] | None = None) -> ForwardPass:
     """The plan of one forward pass over rows ``start .. start + len(offsets)``, or over the rows at ``slots`` (one
     a row: ``SlotBatch.rows_stay``). ``kv_width``: the queries read exactly that many key positions, always through
-    an array mask (batch-invariant passes, ``kv.invariant``: the attention's shapes then depend on the rows' own
+    an array mask (batch-invariant passes, ``engine.invariant``: the attention's shapes then depend on the rows' own
     lengths only; bucketed passes, ``bucketed_pass``: a few shapes recur). ``written``: only the first that many rows
     write their KV (the others pad the pass's rows)."""
     n, T = len(offsets), width

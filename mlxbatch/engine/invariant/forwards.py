@@ -1,7 +1,8 @@
 """One step's forwards in batch-invariant mode: the scheduler's decodes and prefill chunks as fixed-shape passes.
 
 Owns the plan of those passes (which rows run together, where padding rows write) and nothing else: the KV is the
-layout's (``kv.invariant.InvariantSlots``), the shape rules ``kv.invariant.Shapes``', sampling the runner's.
+layout's (``invariant.slots.InvariantSlots``), the shape rules ``invariant.shapes.Shapes``', sampling the runner's.
+``start`` makes them for an engine, once the start-up check passed (``invariant.shapes.check_rows``).
 - **Decode.** Decode rows are grouped by key width (``kv_width(length + 1)``) and kept contiguous in that order;
   each group runs in row spans of the fixed row count; a replaying row (preempted, recomputing its generated tokens
   one decode step at a time, so their KV is bitwise what decode made) feeds its next known token and is not due.
@@ -22,10 +23,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.kv.invariant import InvariantSlots, Shapes, grouped_order
+from mlxbatch.engine.invariant.shapes import Shapes, check_rows, shapes_for, smallest_linear_out
+from mlxbatch.engine.invariant.slots import InvariantSlots, grouped_order
 from mlxbatch.engine.outputs import StepProfile
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sched.step import PrefillChunk
+from mlxbatch.errors import InvalidRequestError
 
 
 @dataclass
@@ -171,3 +174,17 @@ class FixedForwards:
             prof.prefill_build_s += time.perf_counter() - t0
             prof.prefill_tokens += sum(c.end - c.start for c in prefills)
         return step
+
+
+def start(slots: InvariantSlots, model: Any, body: Any, head: Any, dtype: str, device: str,
+          profile: StepProfile) -> FixedForwards:
+    """The fixed-shape forwards of ``model`` (``body``: tokens -> hidden, ``head``: hidden -> logits or None) on
+    ``device`` ("cpu" or "gpu"); the flag is refused (``InvalidRequestError``) where the start-up check finds a row's
+    bits depend on the rows beside it."""
+    shapes = shapes_for(device, dtype, smallest_linear_out(model))
+    failed = check_rows(body, head, shapes)
+    if failed:
+        hint = ("; OpenBLAS's float32 kernel for this CPU is not row-invariant: OPENBLAS_CORETYPE=Nehalem "
+                "(x86-64) selects one that is" if device == "cpu" and dtype == "float32" else "")
+        raise InvalidRequestError("batch_invariant", True, f"cannot hold on this device: {failed}{hint}")
+    return FixedForwards(slots, shapes, body, head, profile)
