@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from mlxbatch.config import EngineConfig
+from mlxbatch.engine.backend import Backend
 from mlxbatch.engine.decoding.structured import GrammarCompiler
 from mlxbatch.engine.inputs import Prompt
 from mlxbatch.engine.intake import RequestGroup, RequestIntake
@@ -42,7 +43,7 @@ def reuse_step_here(vision: bool = False, batch_invariant: bool = False) -> int:
     """``EngineCore.reuse_step`` for a model on this machine's default device, without loading it (``mlxbatch
     plan``): a block on the CUDA text path, else 1. (A model whose body is not ours runs unpacked there and reuses
     to the token: this says a block for it too.)"""
-    return BLOCK_SIZE if cuda_text_path(vision, batch_invariant) else 1
+    return BLOCK_SIZE if cuda_text_path(Backend.detect(), vision, batch_invariant) else 1
 
 
 def max_num_seqs_here(configured: int | None) -> int:
@@ -64,8 +65,8 @@ class EngineCore(RequestIntake):
         self.memory = mem
         self._limits = MemoryLimits(dev.kind)
         self._limits.apply(dev.total_memory, self.worker.weights_bytes + mem.total, mem.step_bytes)
-        self.runner = ModelRunner(loaded.model, geo, mem.prefix_blocks, BLOCK_SIZE, vlm=loaded.vlm,
-                                  vision_cache_bytes=mem.vision_cache_bytes,
+        self.runner = ModelRunner(loaded.model, geo, self.worker.backend, mem.prefix_blocks, BLOCK_SIZE,
+                                  vlm=loaded.vlm, vision_cache_bytes=mem.vision_cache_bytes,
                                   batch_invariant=config.batch_invariant)
         # the batch the config leaves unset, sized by the device and the slots' budget as the runner charges it;
         # ``self.config`` holds the values in effect
@@ -99,7 +100,7 @@ class EngineCore(RequestIntake):
         self._pending: Launched | None = None  # the step launched last, until its tokens are read (``step``)
         if self.config.warm_up:
             self.worker.warm_up()
-            if self.worker.device.kind != "cpu":  # GPU kernels compile on first use: not inside the first real steps
+            if self.worker.backend.gpu:  # GPU kernels compile on first use: not inside the first real steps
                 self.warm_up_paths()
 
     def warm_up_paths(self) -> WarmUpReport:

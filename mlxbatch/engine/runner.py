@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from mlxbatch.engine import invariant
 from mlxbatch.engine.attention import DecodeAttention, PackedAttention, PrefillAttention
+from mlxbatch.engine.backend import Backend
 from mlxbatch.engine.commit import StepCommit
 from mlxbatch.engine.decoding.structured import Matcher, SequenceGrammars
 from mlxbatch.engine.invariant import FixedForwards, InvariantSlots
@@ -43,10 +44,10 @@ log = logging.getLogger(__name__)
 _OOM_MARKERS = ("out of memory", "outofmemory", "bad_alloc", "malloc", "failed to allocate")
 
 
-def cuda_text_path(vision: bool, batch_invariant: bool) -> bool:
-    """Whether a model runs the CUDA text path here: prefill passes in recurring shapes, and packed where the
-    model's body is ours (``OwnBody``: the common mlx-lm decoder layers)."""
-    return not vision and not batch_invariant and mx.default_device() == mx.gpu and not mx.metal.is_available()
+def cuda_text_path(backend: Backend, vision: bool, batch_invariant: bool) -> bool:
+    """Whether a model runs the CUDA text path on ``backend``: prefill passes in recurring shapes, and packed where
+    the model's body is ours (``OwnBody``: the common mlx-lm decoder layers)."""
+    return not vision and not batch_invariant and backend.cuda
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -57,8 +58,9 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 class ModelRunner(StepCommit):
-    def __init__(self, model: Any, geometry: KVGeometry, prefix_blocks: int = 0, block_size: int = 16,
-                 vlm: Any = None, vision_cache_bytes: int = 1 << 30, batch_invariant: bool = False) -> None:
+    def __init__(self, model: Any, geometry: KVGeometry, backend: Backend, prefix_blocks: int = 0,
+                 block_size: int = 16, vlm: Any = None, vision_cache_bytes: int = 1 << 30,
+                 batch_invariant: bool = False) -> None:
         self.model = model
         self._split = split_model(model)
         # vision-language models: rows are fed embeddings and multimodal positions instead of token ids
@@ -68,24 +70,25 @@ class ModelRunner(StepCommit):
         self.profile = StepProfile()
         self.traffic = self.profile.traffic  # the layout and the prefix store count their copies and syncs here
         self._fixed: FixedForwards | None = None  # batch-invariant mode: fixed-shape forwards
-        slots = (InvariantSlots if batch_invariant else SlotBatch)(geometry.num_layers, self.traffic)
+        # on a GPU rows move in one gather + scatter per buffer for all rows of a step (``KVLayout.batched_moves``)
+        slots = (InvariantSlots if batch_invariant else SlotBatch)(geometry.num_layers, self.traffic, backend.gpu)
         slots.allocate(geometry.kv_heads, geometry.head_dim, dtype)
         if batch_invariant:
             if vlm is not None:
                 raise InvalidRequestError("batch_invariant", True, "is not supported for vision-language models yet")
             assert isinstance(slots, InvariantSlots)
             body, head = (self._split.body, self._split.head) if self._split else (model, None)
-            device = "cpu" if mx.default_device() == mx.cpu else "gpu"
+            device = "gpu" if backend.gpu else "cpu"
             self._fixed = invariant.start(slots, model, body, head, geometry.dtype, device, self.profile)
         # prefill chunks and reused prefixes start at multiples of this (0: anywhere), for the scheduler
         self.invariant_slice = self._fixed.shapes.slice_tokens if self._fixed is not None else 0
         # CUDA: prefill passes in recurring shapes (each new attention shape is a cuDNN graph build there)
-        slots.shape_buckets = cuda_text_path(vlm is not None, batch_invariant)
+        slots.shape_buckets = cuda_text_path(backend, vlm is not None, batch_invariant)
         # CUDA decode steps: attention over each row's own keys, fused (MLX runs rows of different lengths unfused);
         # CUDA prefill: a new shape's attention unfused until the shape recurs (no cuDNN graph build for one pass)
         if isinstance(self._split.body if self._split else None, OwnBody) and vlm is None and not batch_invariant:
             assert self._split is not None
-            slots.decode_attention = DecodeAttention.create(self._split.body.heads, geometry.kv_heads,
+            slots.decode_attention = DecodeAttention.create(backend, self._split.body.heads, geometry.kv_heads,
                                                             geometry.head_dim, dtype)
             if slots.shape_buckets:
                 slots.prefill_attention = PrefillAttention(self._split.body.heads, geometry.kv_heads,
@@ -93,7 +96,7 @@ class ModelRunner(StepCommit):
                 slots.packed_prefill = True  # one prefill pass a step: the host's work per pass binds there
                 slots.rows_stay = True  # passes read and write rows by slot: promoting and retiring rows moves no KV
                 # its attention in one launch a layer, where the kernel runs and agrees with MLX's (else MLX's ops)
-                slots.packed_attention = PackedAttention.create(self._split.body.heads, geometry.kv_heads,
+                slots.packed_attention = PackedAttention.create(backend, self._split.body.heads, geometry.kv_heads,
                                                                 geometry.head_dim, dtype)
                 self._split.body.fuse()  # q/k/v and gate/up as one matmul each: fewer launches a layer
                 if slots.decode_attention is not None:  # decode passes of a recurring shape: no graph build
@@ -104,8 +107,8 @@ class ModelRunner(StepCommit):
                        if prefix_blocks > 0 else None)
         # CPU: prefill's last layer only where logits are needed (an extra small forward a step; on a GPU that
         # launch costs more than 1/L of the prefill saves)
-        self._prune_last = mx.default_device() == mx.cpu
-        self._grammars = SequenceGrammars()  # structured outputs: constrained sequences' matchers
+        self._prune_last = not backend.gpu
+        self._grammars = SequenceGrammars(backend.metal)  # structured outputs: constrained sequences' matchers
         self._last: Launched | None = None  # the last launched step, until its tokens are read (``collect``)
         self._promote: list[str] = []  # rows whose prefill ended in the last step: they join the decode rows next
         self._free: list[str] = []  # rows to drop when the next step starts

@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxbatch.engine import Engine, EngineConfig
 from mlxbatch.engine.attention import decode as decode_attention
+from mlxbatch.engine.backend import CPU, Backend
 from mlxbatch.engine.model.own_body import OwnBody, own_body
 from mlxbatch.engine.model.split import split_model
 from mlxbatch.types import SamplingParams
@@ -95,7 +96,8 @@ def test_decode_through_full_buffers_gives_the_same_tokens(tiny_loaded):
                                                     (64, 2, 64, False), (14, 4, 64, False)])
 def test_kernel_takes_head_layouts_its_shared_memory_holds(heads, kv_heads, dim, ok):
     assert decode_attention.DecodeAttention.supports(heads, kv_heads, dim, mx.bfloat16) is ok
-    assert decode_attention.DecodeAttention.create(heads, kv_heads, dim, mx.bfloat16) is None  # no CUDA here
+    for backend in (CPU, Backend("metal")):  # CUDA only: elsewhere MLX's attention
+        assert decode_attention.DecodeAttention.create(backend, heads, kv_heads, dim, mx.bfloat16) is None
 
 
 def test_few_long_rows_keep_mlx_attention():

@@ -15,6 +15,7 @@ import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
 from mlxbatch.engine.attention import packed as pa
+from mlxbatch.engine.backend import CPU, Backend
 from mlxbatch.engine.kv.packed import PackedPass
 from mlxbatch.engine.kv.slots import POSITION_STEP
 from mlxbatch.types import SamplingParams
@@ -125,6 +126,7 @@ def test_an_engine_through_the_unit_table_gives_the_grouped_passes_tokens(tiny_l
 
 
 def test_create_declines_without_cuda():
-    assert pa.PackedAttention.create(8, 2, 64, mx.bfloat16) is None  # the CPU (and Metal) keep MLX's ops
+    for backend in (CPU, Backend("metal")):  # the CPU and Metal keep MLX's ops
+        assert pa.PackedAttention.create(backend, 8, 2, 64, mx.bfloat16) is None
     assert not pa.PackedAttention.supports(8, 2, 96, mx.bfloat16)
     assert not pa.PackedAttention.supports(8, 2, 64, mx.float32)

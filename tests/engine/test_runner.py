@@ -29,7 +29,8 @@ def kv_of(runner: ModelRunner, rid: str, n: int) -> list[mx.array]:
 
 
 def test_copies_and_stores_follow_the_scheduler_output(tiny_loaded):
-    runner = ModelRunner(tiny_loaded.model, Worker(tiny_loaded).geometry, prefix_blocks=8, block_size=B)
+    w = Worker(tiny_loaded)
+    runner = ModelRunner(tiny_loaded.model, w.geometry, w.backend, prefix_blocks=8, block_size=B)
     prompt = [(7 * i) % 500 + 3 for i in range(40)]
     a = req("a", prompt)
     out = runner.execute(SchedulerOutput((), (PrefillChunk(a, 0, 40, True),), admissions=(Admission(a),),
@@ -46,7 +47,7 @@ def test_copies_and_stores_follow_the_scheduler_output(tiny_loaded):
     runner.execute(SchedulerOutput((), (PrefillChunk(c, 32, 34, True),),
                                    admissions=(Admission(c, CachedBlocks((5, 2), 32)),)))
     # the reference: the same prompts computed from scratch in a fresh runner
-    ref = ModelRunner(tiny_loaded.model, runner.geometry)
+    ref = ModelRunner(tiny_loaded.model, runner.geometry, w.backend)
     for r in (req("b", b.prompt_token_ids), req("c", c.prompt_token_ids)):
         ref.execute(SchedulerOutput((), (PrefillChunk(r, 0, r.num_prompt_tokens, True),), admissions=(Admission(r),)))
     for rid, n in (("b", 38), ("c", 34)):
@@ -55,7 +56,8 @@ def test_copies_and_stores_follow_the_scheduler_output(tiny_loaded):
 
 
 def test_a_prefill_chunk_that_does_not_end_the_prompt_samples_nothing(tiny_loaded):
-    runner = ModelRunner(tiny_loaded.model, Worker(tiny_loaded).geometry)
+    w = Worker(tiny_loaded)
+    runner = ModelRunner(tiny_loaded.model, w.geometry, w.backend)
     a = req("a", list(range(3, 43)))
     out = runner.execute(SchedulerOutput((), (PrefillChunk(a, 0, 20, False),), admissions=(Admission(a),)))
     assert out.sampled == {} and runner.batch.committed("a") == 20

@@ -236,11 +236,11 @@ def test_greedy_random_model_output_matches_its_constraint(tiny_loaded, tiny_com
 @pytest.mark.parametrize("kernel", ["fails", "differs", "agrees"])
 def test_the_metal_kernel_is_checked_once_against_the_portable_path(tiny_compiler, kernel, monkeypatch):
     """On a Mac the constrained rows go through llguidance's Metal kernel only if it agreed with the portable path
-    on the first batch (evaluated inside the check); here the Metal branch runs with the kernel injected."""
+    on the first batch (evaluated inside the check); here the Metal branch runs (``metal=True``: the engine's backend
+    says Metal) with the kernel injected."""
     from mlxbatch.engine.decoding import masks, structured
 
     monkeypatch.setattr(masks, "_METAL_CHECKED", {})
-    monkeypatch.setattr(masks, "_on_metal", lambda: True)
     calls = {"n": 0}
 
     def fake_metal(logits, rows, mask, ntok):
@@ -256,7 +256,7 @@ def test_the_metal_kernel_is_checked_once_against_the_portable_path(tiny_compile
     logits = mx.random.normal((3, tiny_compiler.vocab_size))
     want = masks._apply_portable(logits, [1], structured.fill_masks([m]), m.tokenizer_vocab)
     for _ in range(3):
-        got = constrain_logits(logits, [1], [m])
+        got = constrain_logits(logits, [1], [m], metal=True)
         assert mx.array_equal(got, want).item()
     assert masks._METAL_CHECKED == {"ok": kernel == "agrees"}
     # checked once; then used for every batch only when it agreed

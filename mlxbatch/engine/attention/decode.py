@@ -17,6 +17,7 @@ import logging
 import mlx.core as mx
 
 from mlxbatch.engine.attention.sources import kernel_source
+from mlxbatch.engine.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,9 @@ class DecodeAttention:
         return out
 
     @classmethod
-    def create(cls, heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> DecodeAttention | None:
-        """The kernel, if this device runs it and it agrees with MLX's masked attention on a ragged probe."""
-        if mx.default_device() != mx.gpu or mx.metal.is_available() or not hasattr(mx.fast, "cuda_kernel"):
+    def create(cls, backend: Backend, heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> DecodeAttention | None:
+        """The kernel, if this device runs it and it agrees with MLX's masked attention on a ragged probe (``backend``: the engine's device; CUDA only)."""
+        if not backend.cuda or not hasattr(mx.fast, "cuda_kernel"):
             return None
         if not cls.supports(heads, kv_heads, head_dim, dtype):
             return None

@@ -1,7 +1,8 @@
 """Applying the allowed-token bitmasks of a batch's constrained rows to its logits (``structured`` fills them).
 
-Portable MLX ops everywhere (the bits unpacked on the host, one ``mx.where``); llguidance's Metal kernel on a Metal
-default device, once it agreed with the portable path on the first real batch (``_metal_kernel_ok``).
+Portable MLX ops everywhere (the bits unpacked on the host, one ``mx.where``); llguidance's Metal kernel where the
+engine runs on Metal (the caller says so: ``engine.backend``), once it agreed with the portable path on the first real
+batch (``_metal_kernel_ok``).
 """
 
 from __future__ import annotations
@@ -15,19 +16,13 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-def apply(logits: mx.array, rows: list[int], mask: np.ndarray, ntok: int) -> mx.array:
+def apply(logits: mx.array, rows: list[int], mask: np.ndarray, ntok: int, metal: bool = False) -> mx.array:
     """``logits`` with the packed bitmask ``mask`` (one row per entry of ``rows``, ``ntok`` tokenizer ids) applied to
-    those rows: disallowed ids and columns past ``ntok`` at -inf; other rows bit-identical, the input untouched."""
-    if _on_metal() and _metal_kernel_ok(logits, rows, mask, ntok):
+    those rows: disallowed ids and columns past ``ntok`` at -inf; other rows bit-identical, the input untouched.
+    ``metal``: the logits are on Metal (llguidance's kernel may run)."""
+    if metal and _metal_kernel_ok(logits, rows, mask, ntok):
         return _apply_metal(logits, rows, mask, ntok)
     return _apply_portable(logits, rows, mask, ntok)
-
-
-def _on_metal() -> bool:
-    try:
-        return mx.default_device() == mx.gpu and mx.metal.is_available()
-    except Exception:  # noqa: BLE001 - no Metal module on this build
-        return False
 
 
 def _apply_metal(logits: mx.array, rows: list[int], mask: np.ndarray, ntok: int) -> mx.array:

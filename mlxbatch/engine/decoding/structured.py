@@ -196,9 +196,10 @@ def fill_masks(matchers: list[Matcher]) -> np.ndarray:
     return mask
 
 
-def constrain_logits(logits: mx.array, rows: list[int], matchers: list[Matcher]) -> mx.array:
+def constrain_logits(logits: mx.array, rows: list[int], matchers: list[Matcher], metal: bool = False) -> mx.array:
     """``logits`` [B, V] with the disallowed tokens of each constrained row (``rows[i]`` by ``matchers[i]``)
-    at -inf; other rows are returned bit-identical. The input array is not modified."""
+    at -inf; other rows are returned bit-identical. The input array is not modified. ``metal``: the engine runs on
+    Metal (llguidance's Metal kernel may apply the masks)."""
     if not rows:
         return logits
     if len(rows) != len(matchers):
@@ -206,18 +207,19 @@ def constrain_logits(logits: mx.array, rows: list[int], matchers: list[Matcher])
     rows = [int(r) for r in rows]
     mask = fill_masks(matchers)  # one parallel fill for every constrained row
     ntok = matchers[0].tokenizer_vocab
-    return masks.apply(logits, rows, mask, ntok)
+    return masks.apply(logits, rows, mask, ntok, metal)
 
 
 class SequenceGrammars:
     """The matchers of an engine's constrained sequences, by request id (the runner holds one of these).
 
     A sequence keeps its matcher across preemption (its generated tokens are kept too); the engine core
-    drops it when the sequence leaves the engine.
+    drops it when the sequence leaves the engine. ``metal``: the engine runs on Metal (``masks.apply``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, metal: bool = False) -> None:
         self._matchers: dict[str, Matcher] = {}
+        self._metal = metal
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -242,7 +244,7 @@ class SequenceGrammars:
         if not self._matchers:
             return logits
         rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
-        return constrain_logits(logits, rows, [self._matchers[request_ids[i]] for i in rows])
+        return constrain_logits(logits, rows, [self._matchers[request_ids[i]] for i in rows], self._metal)
 
     def advance(self, request_ids: list[str], token_ids: list[int]) -> None:
         """Each constrained sequence's matcher takes its sampled token."""

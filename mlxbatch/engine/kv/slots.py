@@ -45,7 +45,7 @@ class SlotBatch(RowMoves, SlotPasses):
     """KV for every admitted sequence; rows ``[0, n_decode)`` decode, rows ``[n_decode, n)`` prefill (rows of the
     batch's order: where ``rows_stay``, row ``i``'s KV is in slot ``slot_of(ids[i])``, else in slot ``i``)."""
 
-    def __init__(self, num_layers: int, traffic: Traffic | None = None) -> None:
+    def __init__(self, num_layers: int, traffic: Traffic | None = None, batched_moves: bool = False) -> None:
         self.num_layers = num_layers
         self.traffic = traffic if traffic is not None else Traffic()  # bytes copied and syncs, for the step profile
         self._pos_bytes = 0  # bytes of one position of one row, keys and values of every layer
@@ -66,7 +66,7 @@ class SlotBatch(RowMoves, SlotPasses):
         # how rows move: on a GPU one gather + one scatter per buffer for all rows of a step (each op and each sync
         # costs a launch: per-row copies were ~a third of a GPU step); on the CPU per-row slice copies (memcpy),
         # since CPU scatters go element by element
-        self.batched_moves = mx.default_device() == mx.gpu
+        self.batched_moves = batched_moves
         # rows stay in their slots (CUDA, where every pass reads and writes rows by slot; the runner sets it before
         # any row is added): promoting, arranging and retiring rows changes books only, no KV moves
         self.rows_stay = False

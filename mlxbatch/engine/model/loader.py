@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxbatch.engine.backend import Backend
 from mlxbatch.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
 
 
 def _on_cpu() -> bool:
-    return mx.default_device() == mx.cpu
+    return Backend.detect().kind == "cpu"  # (loading comes before any engine: its own ask)
 
 
 def stored_dtype(model: nn.Module) -> str:

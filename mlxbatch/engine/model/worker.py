@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxbatch import _blas, _cuda
+from mlxbatch.engine.backend import Backend
 from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.engine.model.memory import HostMemory, default_kv_fraction, device_available, host_memory
 from mlxbatch.engine.sched.sizing import BatchSize, DeviceFacts, device_defaults
@@ -70,12 +71,13 @@ class HealthReport:
     message: str = ""
 
 
-def device_info(host: HostMemory | None = None) -> DeviceInfo:
-    dev = mx.default_device()
+def device_info(backend: Backend | None = None, host: HostMemory | None = None) -> DeviceInfo:
+    """The facts of ``backend``'s device now (None: the device MLX runs on, ``Backend.detect``)."""
+    backend = backend or Backend.detect()
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     host = host or host_memory()
-    if dev == mx.gpu:
-        kind = "metal" if mx.metal.is_available() else "cuda"
+    if backend.gpu:
+        kind = backend.kind
         total, avail = device_available(kind, info, host, mx.get_active_memory() + mx.get_cache_memory())
         launch = _cuda.kernel_launch() if kind == "cuda" else ""
         return DeviceInfo(kind, str(info.get("device_name", kind)), total, avail, "", host.total, launch)
@@ -84,11 +86,13 @@ def device_info(host: HostMemory | None = None) -> DeviceInfo:
 
 
 class Worker:
-    """Device facts and services for one loaded model."""
+    """Device facts and services for one loaded model. ``backend``: the device, decided once (``Backend.detect``)
+    and passed to everything in the engine that does something differently per device."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, backend: Backend | None = None) -> None:
         self.loaded = loaded
-        self.device = device_info()
+        self.backend = backend or Backend.detect()
+        self.device = device_info(self.backend)
         self.geometry = self._measure_geometry()
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
 
@@ -108,7 +112,7 @@ class Worker:
         (None: the device's default share, smaller on small Macs)."""
         if fraction is None:
             fraction = default_kv_fraction(self.device.kind, self.device.host_memory)
-        free = device_info().available_memory
+        free = device_info(self.backend).available_memory
         if free <= 0:  # the backend did not say: assume 8 GiB rather than starving the batch
             log.warning("device memory unknown; assuming 8 GiB are free for KV")
             free = 8 << 30
