@@ -33,7 +33,7 @@ from mlx_lm import batch_generate, stream_generate
 
 from mlxbatch.bench import workloads as wl
 from mlxbatch.bench.memory import current_rss
-from mlxbatch.engine import Engine, EngineConfig, LoadedModel, ModelSpec, load_model
+from mlxbatch.engine import Engine, EngineConfig, LayoutOptions, LoadedModel, ModelSpec, load_model
 from mlxbatch.models.random_model import SHAPES, build_random_model
 from mlxbatch.types import SamplingParams
 
@@ -238,15 +238,13 @@ class Bench:
                  "generation_steps": s.generation_steps, "peak_memory_gb": s.peak_memory}
         return Run(name, wall, w.rows, w.prompt_tokens, sum(map(len, tokens)), tokens, extra)
 
-    def run_engine(self, w: wl.Workload, name: str = "engine", prepare: Callable[[Engine], None] | None = None,
+    def run_engine(self, w: wl.Workload, name: str = "engine", layout: LayoutOptions | None = None,
                    **config: Any) -> Run:
-        """mlxbatch Engine.generate (greedy, ignore_eos) on a fresh engine; construction is not timed.
-        ``prepare`` is called with the new engine before any row is added."""
+        """mlxbatch Engine.generate (greedy, ignore_eos) on a fresh engine; construction is not timed. ``layout``:
+        another device's layout decisions (None: this device's)."""
         params = SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True)
-        engine = Engine(self.loaded, EngineConfig(seed=0, **config))
+        engine = Engine(self.loaded, EngineConfig(seed=0, **config), layout=layout)
         try:
-            if prepare is not None:
-                prepare(engine)
             t0 = time.perf_counter()
             outs = engine.generate(w.prompts, params)
             wall = time.perf_counter() - t0

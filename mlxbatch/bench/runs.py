@@ -18,7 +18,8 @@ tokens: rows of one table compare, tables of two machines do not.
 rows that stay in their slots, batched copies, filled passes, a block reuse step; 4096 tokens a step), with MLX's
 ops as kernels. The planner, the scheduler and the copies' books are the same code everywhere, so a CPU run gives
 what a GPU run computes, copies and syncs, and the greedy tokens' hash must not move: engine work checked without a
-GPU. It sets the flags on the new engine's parts (``cuda_decisions``); the engine's face has no switch for it yet.
+GPU. The engine takes them at construction (``Engine(..., layout=CUDA_DECISIONS)``); its reuse step and filled
+passes follow the packed prefill.
 """
 
 from __future__ import annotations
@@ -26,16 +27,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from mlxbatch.bench import workloads as wl
 from mlxbatch.bench.harness import MB, Bench, MemoryProbe, Run, Table, log, ratio
 from mlxbatch.bench.meta import emit
 from mlxbatch.bench.options import parse_script_args
-from mlxbatch.engine import BLOCK_SIZE, Engine
+from mlxbatch.engine import LayoutOptions
 
 CUDA_STEP_TOKENS = 4096  # prefill tokens a step on NVIDIA GPUs (the engine's default there)
+# the CUDA text path's layout (the engine's ``runner.layout_for`` there): batched moves, rows that stay in their slots,
+# passes in recurring shapes, one packed prefill pass a step. The kernels stay MLX's ops, and the CPU's pruned prefill
+# stays (it never runs beside packed passes): only the decisions are CUDA's
+CUDA_DECISIONS = LayoutOptions(batched_moves=True, rows_stay=True, shape_buckets=True, packed_prefill=True,
+                               prune_last=True)
 GiB = 1 << 30
 
 
@@ -96,22 +101,6 @@ def parse_configs(text: str) -> dict[str, dict[str, Any]]:
     return out or {"default": {}}
 
 
-def cuda_decisions(max_num_seqs: int) -> Callable[[Engine], None]:
-    """What ``ModelRunner`` and ``EngineCore`` set where the device is a CUDA GPU, set on a new engine's parts (before
-    any row is added). The kernels stay MLX's ops: only the decisions are CUDA's."""
-
-    def prepare(engine: Engine) -> None:
-        core = engine.core
-        batch = core.runner.batch
-        batch.batched_moves = batch.rows_stay = batch.shape_buckets = batch.packed_prefill = True
-        core.reuse_step = BLOCK_SIZE
-        if core.scheduler.prefix is not None:
-            core.scheduler.prefix.live_margin = BLOCK_SIZE
-        core.scheduler.config = dataclasses.replace(core.scheduler.config, fill_slots=max_num_seqs // 16)
-
-    return prepare
-
-
 def token_hash(tokens: list[list[int]]) -> str:
     return hashlib.sha256(repr(tokens).encode()).hexdigest()[:12]
 
@@ -122,7 +111,7 @@ def engine_runs(b: Bench, runs: list[RunSpec], configs: dict[str, dict[str, Any]
     base: dict[str, Any] = {"max_num_seqs": C}
     if decisions:
         base.update(max_num_batched_tokens=CUDA_STEP_TOKENS, warm_up=False)
-    prepare = cuda_decisions(C) if decisions else None
+    layout = CUDA_DECISIONS if decisions else None
     b.run_engine(b.workload("label", min(64, max(8, C))), max_num_seqs=C)  # warm-up: kernels, first shapes
     tab = Table(f"engine runs: concurrency {C}" + (", CUDA's decisions" if decisions else "")
                 + f", {rounds} round(s) interleaved",
@@ -143,7 +132,7 @@ def engine_runs(b: Bench, runs: list[RunSpec], configs: dict[str, dict[str, Any]
         for rnd in range(1, rounds + 1):
             for name, cfg in configs.items():
                 with MemoryProbe() as probe:
-                    run: Run = b.run_engine(w, name=name, prepare=prepare,
+                    run: Run = b.run_engine(w, name=name, layout=layout,
                                             **{**base, **cfg, **({} if spec.cache else {"prefix_cache": False})})
                 p = run.extra["profile"]
                 peak = probe.mlx_peak - probe.mlx_base

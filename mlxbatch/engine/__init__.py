@@ -12,6 +12,7 @@ from mlxbatch.engine.async_core import AsyncEngineCore
 from mlxbatch.engine.core import EngineCore, max_num_seqs_here, reuse_step_here
 from mlxbatch.engine.decoding.structured import GrammarCompiler, grammar_text
 from mlxbatch.engine.inputs import PromptEncoder, encode_prompt
+from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.model.device_speed import DeviceSpeed
 from mlxbatch.engine.model.device_speed import measure as measure_device_speed
 from mlxbatch.engine.model.loader import LoadedModel, ModelSpec, load_model, resolve_path
@@ -24,7 +25,7 @@ from mlxbatch.engine.sched.prefix import LIVE_SOURCES
 from mlxbatch.engine.vision.adapter import is_vlm_folder
 
 __all__ = ["BLOCK_SIZE", "LIVE_SOURCES", "REGISTRY", "AsyncEngineCore", "DeviceInfo", "DeviceSpeed", "Engine",
-           "EngineConfig", "EngineCore", "GrammarCompiler", "LoadedModel", "ModelRegistry", "ModelSpec", "Plan",
+           "EngineConfig", "EngineCore", "GrammarCompiler", "LayoutOptions", "LoadedModel", "ModelRegistry", "ModelSpec", "Plan",
            "PromptEncoder", "Request", "RequestStatus", "Submission", "block_hashes", "common_prefix_len",
            "device_info", "encode_prompt", "grammar_text", "is_vlm_folder", "load_model", "max_num_seqs_here",
            "measure_device_speed", "plan", "resolve_path", "reuse_step_here", "submission_order"]

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from mlxbatch.config import EngineConfig
 from mlxbatch.engine.core import EngineCore, Prompt
+from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.model.loader import LoadedModel, ModelSpec
 from mlxbatch.engine.model.registry import REGISTRY
 from mlxbatch.engine.sched.planner import Submission, plan, submission_order
@@ -30,7 +31,10 @@ class Engine:
     """
 
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, *, dtype: str = "auto",
-                 adapter_path: str | None = None, trust_remote_code: bool = False) -> None:
+                 adapter_path: str | None = None, trust_remote_code: bool = False,
+                 layout: LayoutOptions | None = None) -> None:
+        """``layout``: the KV layout's options (None: what this device runs, ``runner.layout_for``); tests and
+        diagnostics take another device's decisions with it."""
         self._user = f"engine-{next(_engine_ids)}"
         if isinstance(model, LoadedModel):
             self._spec = None
@@ -38,7 +42,7 @@ class Engine:
         else:
             self._spec = ModelSpec(model, dtype, adapter_path, trust_remote_code)
             loaded = REGISTRY.acquire(self._spec, self._user)
-        self.core = EngineCore(loaded, config)
+        self.core = EngineCore(loaded, config, layout=layout)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
 

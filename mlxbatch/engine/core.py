@@ -19,6 +19,7 @@ from mlxbatch.engine.backend import Backend
 from mlxbatch.engine.decoding.structured import GrammarCompiler
 from mlxbatch.engine.inputs import Prompt
 from mlxbatch.engine.intake import RequestGroup, RequestIntake
+from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.engine.model.memory import MemoryLimits, plan_memory
 from mlxbatch.engine.model.worker import Worker, device_info
@@ -54,7 +55,7 @@ def max_num_seqs_here(configured: int | None) -> int:
 
 class EngineCore(RequestIntake):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
-                 worker: Worker | None = None) -> None:
+                 worker: Worker | None = None, *, layout: LayoutOptions | None = None) -> None:
         config = config or EngineConfig()
         self.loaded = loaded
         self.worker = worker or Worker(loaded)
@@ -67,7 +68,8 @@ class EngineCore(RequestIntake):
         self._limits.apply(dev.total_memory, self.worker.weights_bytes + mem.total, mem.step_bytes)
         self.runner = ModelRunner(loaded.model, geo, self.worker.backend, mem.prefix_blocks, BLOCK_SIZE,
                                   vlm=loaded.vlm, vision_cache_bytes=mem.vision_cache_bytes,
-                                  batch_invariant=config.batch_invariant)
+                                  batch_invariant=config.batch_invariant, layout=layout)
+        self._layout = layout  # (given: the warm-up's core takes it too)
         # the batch the config leaves unset, sized by the device and the slots' budget as the runner charges it;
         # ``self.config`` holds the values in effect
         self.batch_size = size_batch(dev.sizing_facts, mem.slot_budget, self.runner.kv_cost,
@@ -79,12 +81,12 @@ class EngineCore(RequestIntake):
         # the fewest tokens a reused prefix is worth extending by (the plan's ``min_step_tokens``, the prefix index's
         # running-row margin): a block where prefill passes are packed (CUDA: a partial block's store and copy-in
         # cost more there than computing a few tokens), else 1 (reuse to the token); fixed for the core's life
-        self.reuse_step = BLOCK_SIZE if self.runner.batch.packed_prefill else 1
+        self.reuse_step = BLOCK_SIZE if self.runner.layout.packed_prefill else 1
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, self.batch_size.max_num_batched_tokens, config.prefill_chunk_size,
                             mem.slot_budget, self.runner.invariant_slice,
                             # CUDA: a pass's fixed host cost binds, so its passes are filled (a 16th of the slots)
-                            self.config.max_num_seqs // 16 if self.runner.batch.packed_prefill else 0),
+                            self.config.max_num_seqs // 16 if self.runner.layout.packed_prefill else 0),
             self.runner.kv_cost,
             PrefixIndex(mem.prefix_blocks, BLOCK_SIZE, block_bytes, self.reuse_step) if mem.prefix_blocks else None)
         self._groups: dict[str, RequestGroup] = {}
@@ -113,7 +115,7 @@ class EngineCore(RequestIntake):
         cfg = dataclasses.replace(self.config, warm_up=False, max_num_seqs=8, max_num_batched_tokens=64,
                                   prefill_chunk_size=16, kv_budget_bytes=budget, prefix_cache=True,
                                   prefix_cache_bytes=4 * per_row)
-        return exercise(EngineCore(self.loaded, cfg, self.worker))
+        return exercise(EngineCore(self.loaded, cfg, self.worker, layout=self._layout))
 
     def abort(self, request_id: str) -> None:
         group = self._groups.get(request_id)

@@ -13,6 +13,7 @@ next token is due are sampled together. KV positions are committed only when the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -20,17 +21,16 @@ from typing import Any
 import mlx.core as mx
 
 from mlxbatch.engine import invariant
-from mlxbatch.engine.attention import DecodeAttention, PackedAttention, PrefillAttention
+from mlxbatch.engine.attention import AttentionKernels
 from mlxbatch.engine.backend import Backend
 from mlxbatch.engine.commit import StepCommit
 from mlxbatch.engine.decoding.structured import Matcher, SequenceGrammars
 from mlxbatch.engine.invariant import FixedForwards, InvariantSlots
-from mlxbatch.engine.kv import KVLayout, reuse
-from mlxbatch.engine.kv.compiled_decode import CompiledDecode
+from mlxbatch.engine.kv import KVLayout, LayoutOptions, reuse
 from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.model.own_body import OwnBody
-from mlxbatch.engine.model.split import split_model
+from mlxbatch.engine.model.split import SplitModel, split_model
 from mlxbatch.engine.model.worker import KVGeometry
 from mlxbatch.engine.outputs import Launched, RunnerOutput, RunnerStats, ScoredTokens, StepProfile
 from mlxbatch.engine.request import Request
@@ -50,6 +50,29 @@ def cuda_text_path(backend: Backend, vision: bool, batch_invariant: bool) -> boo
     return not vision and not batch_invariant and backend.cuda
 
 
+def layout_for(backend: Backend, split: SplitModel | None, geometry: KVGeometry, vision: bool,
+               batch_invariant: bool) -> LayoutOptions:
+    """The slot layout's options for a model on ``backend``: what follows from the device (``LayoutOptions.base``);
+    on the CUDA text path prefill passes in recurring shapes (each new attention shape is a cuDNN graph build there),
+    and where the model's body is ours (``OwnBody``) the engine's kernels and passes."""
+    cuda = cuda_text_path(backend, vision, batch_invariant)
+    base = dataclasses.replace(LayoutOptions.base(backend), shape_buckets=cuda)
+    if split is None or not isinstance(split.body, OwnBody) or vision or batch_invariant:
+        return base
+    # CUDA decode steps: attention over each row's own keys, fused (MLX runs rows of different lengths unfused);
+    # CUDA prefill: a new shape's attention unfused until the shape recurs (no cuDNN graph build for one pass), and
+    # a packed pass's attention in one launch a layer where that kernel runs and agrees with MLX's
+    kernels = AttentionKernels.create(backend, split.body.heads, geometry.kv_heads, geometry.head_dim,
+                                      getattr(mx, geometry.dtype), prefill=cuda)
+    if not cuda:
+        return dataclasses.replace(base, attention=kernels)
+    # one prefill pass a step (the host's work per pass binds there), whose rows are read and written by slot (rows
+    # stay: promoting and retiring rows moves no KV), in recurring shapes; decode passes of a recurring shape from a
+    # compiled graph (no graph build); q/k/v and gate/up as one matmul each (fewer launches a layer)
+    return dataclasses.replace(base, rows_stay=True, packed_prefill=True,
+                               compiled_decode=kernels.decode is not None, fuse=True, attention=kernels)
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError):
         return True
@@ -60,7 +83,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 class ModelRunner(StepCommit):
     def __init__(self, model: Any, geometry: KVGeometry, backend: Backend, prefix_blocks: int = 0,
                  block_size: int = 16, vlm: Any = None, vision_cache_bytes: int = 1 << 30,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, layout: LayoutOptions | None = None) -> None:
         self.model = model
         self._split = split_model(model)
         # vision-language models: rows are fed embeddings and multimodal positions instead of token ids
@@ -70,8 +93,10 @@ class ModelRunner(StepCommit):
         self.profile = StepProfile()
         self.traffic = self.profile.traffic  # the layout and the prefix store count their copies and syncs here
         self._fixed: FixedForwards | None = None  # batch-invariant mode: fixed-shape forwards
-        # on a GPU rows move in one gather + scatter per buffer for all rows of a step (``KVLayout.batched_moves``)
-        slots = (InvariantSlots if batch_invariant else SlotBatch)(geometry.num_layers, self.traffic, backend.gpu)
+        if layout is None:
+            layout = layout_for(backend, self._split, geometry, vlm is not None, batch_invariant)
+        self.layout = layout
+        slots = (InvariantSlots if batch_invariant else SlotBatch)(geometry.num_layers, self.traffic, layout)
         slots.allocate(geometry.kv_heads, geometry.head_dim, dtype)
         if batch_invariant:
             if vlm is not None:
@@ -82,32 +107,13 @@ class ModelRunner(StepCommit):
             self._fixed = invariant.start(slots, model, body, head, geometry.dtype, device, self.profile)
         # prefill chunks and reused prefixes start at multiples of this (0: anywhere), for the scheduler
         self.invariant_slice = self._fixed.shapes.slice_tokens if self._fixed is not None else 0
-        # CUDA: prefill passes in recurring shapes (each new attention shape is a cuDNN graph build there)
-        slots.shape_buckets = cuda_text_path(backend, vlm is not None, batch_invariant)
-        # CUDA decode steps: attention over each row's own keys, fused (MLX runs rows of different lengths unfused);
-        # CUDA prefill: a new shape's attention unfused until the shape recurs (no cuDNN graph build for one pass)
-        if isinstance(self._split.body if self._split else None, OwnBody) and vlm is None and not batch_invariant:
-            assert self._split is not None
-            slots.decode_attention = DecodeAttention.create(backend, self._split.body.heads, geometry.kv_heads,
-                                                            geometry.head_dim, dtype)
-            if slots.shape_buckets:
-                slots.prefill_attention = PrefillAttention(self._split.body.heads, geometry.kv_heads,
-                                                           geometry.head_dim, dtype)
-                slots.packed_prefill = True  # one prefill pass a step: the host's work per pass binds there
-                slots.rows_stay = True  # passes read and write rows by slot: promoting and retiring rows moves no KV
-                # its attention in one launch a layer, where the kernel runs and agrees with MLX's (else MLX's ops)
-                slots.packed_attention = PackedAttention.create(backend, self._split.body.heads, geometry.kv_heads,
-                                                                geometry.head_dim, dtype)
-                self._split.body.fuse()  # q/k/v and gate/up as one matmul each: fewer launches a layer
-                if slots.decode_attention is not None:  # decode passes of a recurring shape: no graph build
-                    slots.compiled_decode = CompiledDecode()
+        if layout.fuse:
+            assert self._split is not None and isinstance(self._split.body, OwnBody)
+            self._split.body.fuse()
         self.batch: KVLayout = slots
         self._store = (PrefixStore(geometry.num_layers, geometry.kv_heads, geometry.head_dim, dtype,
                                    geometry.bytes_per_token, prefix_blocks, block_size, self.traffic)
                        if prefix_blocks > 0 else None)
-        # CPU: prefill's last layer only where logits are needed (an extra small forward a step; on a GPU that
-        # launch costs more than 1/L of the prefill saves)
-        self._prune_last = not backend.gpu
         self._grammars = SequenceGrammars(backend.metal)  # structured outputs: constrained sequences' matchers
         self._last: Launched | None = None  # the last launched step, until its tokens are read (``collect``)
         self._promote: list[str] = []  # rows whose prefill ended in the last step: they join the decode rows next
@@ -132,11 +138,11 @@ class ModelRunner(StepCommit):
         self.profile.total_s += seconds
 
     def stats(self) -> RunnerStats:
-        policy = getattr(self.batch, "prefill_attention", None)  # CUDA: prefill passes run unfused (new shapes)
+        policy = self.layout.attention.prefill  # CUDA: prefill passes run unfused (new shapes)
         unfused = {"prefill_unfused_passes": policy.unfused_passes} if policy is not None else {}
-        if getattr(self.batch, "packed_attention", None) is not None:  # CUDA: packed passes' attention, one kernel
+        if self.layout.attention.packed is not None:  # CUDA: packed passes' attention, one kernel
             unfused["prefill_attention_kernel"] = 1
-        compiled = getattr(self.batch, "compiled_decode", None)  # CUDA: decode passes from compiled graphs
+        compiled = self.batch.compiled_decode  # CUDA: decode passes from compiled graphs
         if compiled is not None:
             unfused.update(decode_compiled_passes=compiled.passes, decode_traces=compiled.traces)
         return RunnerStats({**self.profile.as_dict(), **unfused}, self.batch.nbytes,
@@ -196,7 +202,7 @@ class ModelRunner(StepCommit):
             reuse.admit(batch, self._store, out.admissions, [c.request.request_id for g in groups for c in g])
             start = batch.n_decode
             # the passes: each group its own, or every group in one packed pass (``kv.packed``: no score rows)
-            packed = batch.packed_prefill and self._mm is None \
+            packed = self.layout.packed_prefill and self._mm is None \
                 and all(c.request.score_from is None for c in out.prefills)
             passes = [([c for g in groups for c in g], [len(g) for g in groups])] if packed else \
                 [(g, None) for g in groups]
@@ -211,7 +217,7 @@ class ModelRunner(StepCommit):
                     chunk_logits = self._forward_packed(start, tokens, sizes, last)
                 elif any(c.request.score_from is not None for c in group):
                     chunk_logits = self._score(start, group, tokens, last, seqs, scored)
-                elif self._prune_last and self._mm is None and len(last) == len(group) \
+                elif self.layout.prune_last and self._mm is None and len(last) == len(group) \
                         and all(len(t) > 1 for t in tokens):
                     chunk_logits = self._prefill_pruned(start, group, tokens)
                 else:

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.attention import AttentionKernels
 from mlxbatch.engine.attention.decode import DecodeAttention
+from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.kv.compiled_decode import CompiledDecode
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.types import SamplingParams
@@ -33,22 +35,25 @@ class FullBuffers:
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
 
-def _tokens(loaded, compiled: CompiledDecode | None, kernel: FullBuffers | None, overlap: bool = False,
-            stay: bool = False) -> list[list[int]]:
+def _tokens(loaded, compiled: bool, kernel: FullBuffers | None, overlap: bool = False,
+            stay: bool = False) -> tuple[list[list[int]], CompiledDecode | None]:
     # rows of different lengths, more rows than slots (rows finish and join: decode shapes come and go)
     prompts = [[(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([5, 40, 17, 90, 33, 61, 8, 120] * 3)]
     params = [SamplingParams(temperature=0, max_tokens=8 + 3 * (i % 5), ignore_eos=True) for i in range(len(prompts))]
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, warm_up=False, overlap_steps=overlap)
     with Engine(loaded, cfg) as eng:
-        batch = eng.core.runner.batch
-        assert batch.compiled_decode is None  # CPU: passes are built (the engine compiles them on CUDA)
-        batch.compiled_decode, batch.decode_attention = compiled, kernel
-        batch.rows_stay = stay  # (CUDA: rows stay in their slots, so decode rows are scattered over them)
+        assert eng.core.runner.batch.compiled_decode is None  # CPU: passes are built (the engine compiles them on CUDA)
+    # (CUDA: rows stay in their slots, so decode rows are scattered over them)
+    layout = LayoutOptions(compiled_decode=compiled, rows_stay=stay, prune_last=True,
+                           attention=AttentionKernels(decode=kernel))
+    with Engine(loaded, cfg, layout=layout) as eng:
+        cd = eng.core.runner.batch.compiled_decode
+        assert (cd is not None) == compiled
         outs = eng.generate(prompts, params)
-        if compiled is not None:
+        if cd is not None:
             stats = eng.stats()["profile"]
-            assert stats["decode_compiled_passes"] == compiled.passes and stats["decode_traces"] == compiled.traces
-    return [list(o.completions[0].token_ids) for o in outs]
+            assert stats["decode_compiled_passes"] == cd.passes and stats["decode_traces"] == cd.traces
+    return [list(o.completions[0].token_ids) for o in outs], cd
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["steps one at a time", "overlapped steps"])
@@ -56,19 +61,19 @@ def _tokens(loaded, compiled: CompiledDecode | None, kernel: FullBuffers | None,
                                                               "kernel call path, rows stay in their slots"])
 def test_compiled_passes_give_the_built_passes_tokens(tiny_loaded, kernel, overlap):
     """Overlapped, a decode pass is fed the step before's draw while it is still on the device (a lazy input)."""
-    built = _tokens(tiny_loaded, None, FullBuffers() if kernel else None, overlap)
-    compiled, stand_in = CompiledDecode(), FullBuffers() if kernel else None
-    got = _tokens(tiny_loaded, compiled, stand_in, overlap, stay=kernel == "stay")
-    assert got == built
+    built, _ = _tokens(tiny_loaded, False, FullBuffers() if kernel else None, overlap)
+    stand_in = FullBuffers() if kernel else None
+    got, compiled = _tokens(tiny_loaded, True, stand_in, overlap, stay=kernel == "stay")
+    assert got == built and compiled is not None
     assert compiled.traces >= 1 and compiled.passes > 2 * compiled.traces  # shapes recur: replays, not traces
     if stand_in is not None:  # traced once per shape: the kernel is called in traces and built passes only
         assert stand_in.calls > 0
 
 
-def _batch(model, lengths: list[int], stay: bool = False) -> SlotBatch:
-    """Rows ``r0 ..`` of these lengths, decoding; with ``stay``, rows stay in their slots and run in reverse order."""
-    batch = SlotBatch(len(model.layers))
-    batch.rows_stay = stay
+def _batch(model, lengths: list[int], stay: bool = False, compiled: bool = False) -> SlotBatch:
+    """Rows ``r0 ..`` of these lengths, decoding; with ``stay``, rows stay in their slots and run in reverse order;
+    with ``compiled``, decode passes of a recurring shape replay a compiled graph (``batch.compiled_decode``)."""
+    batch = SlotBatch(len(model.layers), options=LayoutOptions(rows_stay=stay, compiled_decode=compiled))
     attn = model.layers[0].self_attn
     batch.allocate(attn.n_kv_heads, model.args.hidden_size // model.args.num_attention_heads, mx.float32)
     for i, n in enumerate(lengths):
@@ -87,8 +92,8 @@ def test_each_replay_writes_at_its_own_rows_offsets(tiny_loaded, stay):
     """Same shape, new offsets every step: a replay must not write where the trace's step wrote."""
     model = tiny_loaded.model
     lengths = [3, 11, 6, 20]
-    built, comp = _batch(model, lengths), _batch(model, lengths, stay)
-    comp.compiled_decode = cd = CompiledDecode()
+    built, comp = _batch(model, lengths), _batch(model, lengths, stay, compiled=True)
+    cd = comp.compiled_decode
     for step in range(5):
         tokens = [[17 + step + r] for r in range(len(lengths))]
         # each sequence gets the same token in both (the compiled batch's rows may be in another order)
@@ -115,8 +120,8 @@ def test_a_replay_takes_its_offsets_from_the_last_pass_on_the_device(tiny_loaded
     (a device array it returned), not an array made from host data (on CUDA a host-written unified buffer, which the
     device faults in); where a row did not advance, they are made from the host's lengths again."""
     model = tiny_loaded.model
-    batch = _batch(model, [3, 11, 6, 20])
-    batch.compiled_decode = cd = CompiledDecode()
+    batch = _batch(model, [3, 11, 6, 20], compiled=True)
+    cd = batch.compiled_decode
     run, fed = cd.run, []
 
     def spy(slots, model, tokens, offsets, rows, keys, values):
@@ -151,8 +156,8 @@ def test_a_replay_writes_the_buffers_in_place(tiny_loaded):
     writes in place only when nothing else holds the old buffer; a copy of every buffer at every step would cost a
     GPU seconds and show nowhere else: the peak stays flat when the old buffers are freed as the new ones fill)."""
     model = tiny_loaded.model
-    batch = _batch(model, [4, 9, 2, 7])
-    batch.compiled_decode = cd = CompiledDecode()
+    batch = _batch(model, [4, 9, 2, 7], compiled=True)
+    cd = batch.compiled_decode
     for step in range(4):
         mx.eval(*batch.kv_arrays())
         before = [_address(b) for b in batch.kv_arrays()]
@@ -166,8 +171,10 @@ def test_a_replay_writes_the_buffers_in_place(tiny_loaded):
 
 def test_shapes_compile_on_their_second_sighting_and_only_the_last_are_kept(tiny_loaded):
     model = tiny_loaded.model
-    batch = _batch(model, [4, 9, 2, 7, 5, 3])
-    batch.compiled_decode = cd = CompiledDecode(after=2, keep=2)
+    batch = _batch(model, [4, 9, 2, 7, 5, 3], compiled=True)
+    cd = batch.compiled_decode
+    assert cd.after == 2
+    cd.keep = 2
     for rows in (2, 3, 2, 4, 3, 2, 4, 5, 2, 3):  # passes over the first ``rows`` rows (same buffers)
         batch.forward(model, 0, [[7]] * rows)
         mx.eval(*batch.kv_arrays())

@@ -7,6 +7,7 @@ import random
 import mlx.core as mx
 import pytest
 
+from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.kv.packed import is_run
 from mlxbatch.engine.kv.slots import SlotBatch
 
@@ -25,9 +26,8 @@ def _reference_last_logits(model, ids):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_operations_match_single_sequence_forward(model, seed, mode):
     rng = random.Random(seed)
-    batch = SlotBatch(len(model.layers))
-    batch.batched_moves = batched = mode != "per-row"
-    batch.rows_stay = mode == "stay"
+    batched = mode != "per-row"
+    batch = SlotBatch(len(model.layers), options=LayoutOptions(batched_moves=batched, rows_stay=mode == "stay"))
     scattered = 0  # passes over rows whose slots are not one run (rows stay: their writes scatter, reads gather)
     k = model.layers[0].self_attn
     batch.allocate(k.n_kv_heads, model.args.hidden_size // model.args.num_attention_heads, mx.float32)
@@ -99,8 +99,7 @@ def test_random_operations_match_single_sequence_forward(model, seed, mode):
 def test_rows_that_stay_keep_their_slots_and_kv_through_retirements_and_a_shrink(model):
     """Where rows stay (CUDA), a retired row's slot goes to the next admitted row (the lowest free first), the others
     never move, and a shrink first moves the rows held past the smaller capacity into free slots below it."""
-    batch = SlotBatch(len(model.layers))
-    batch.batched_moves = batch.rows_stay = True
+    batch = SlotBatch(len(model.layers), options=LayoutOptions(batched_moves=True, rows_stay=True))
     batch.allocate(model.layers[0].self_attn.n_kv_heads,
                    model.args.hidden_size // model.args.num_attention_heads, mx.float32)
     prompts = {f"r{i}": [(11 * i + j) % 400 + 3 for j in range(5 + i % 7)] for i in range(40)}

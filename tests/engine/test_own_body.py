@@ -15,8 +15,10 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.attention import AttentionKernels
 from mlxbatch.engine.attention import decode as decode_attention
 from mlxbatch.engine.backend import CPU, Backend
+from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.model.own_body import OwnBody, own_body
 from mlxbatch.engine.model.split import split_model
 from mlxbatch.types import SamplingParams
@@ -82,10 +84,9 @@ def test_decode_through_full_buffers_gives_the_same_tokens(tiny_loaded):
     outs = {}
     for fused in (False, True):
         cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, warm_up=False)
-        with Engine(tiny_loaded, cfg) as eng:
-            assert eng.core.runner.batch.decode_attention is None  # CPU: MLX's attention
-            if fused:
-                eng.core.runner.batch.decode_attention = Counted()
+        layout = LayoutOptions(prune_last=True, attention=AttentionKernels(decode=Counted())) if fused else None
+        with Engine(tiny_loaded, cfg, layout=layout) as eng:
+            assert (eng.core.runner.batch.decode_attention is None) != fused  # CPU: MLX's attention
             outs[fused] = [list(o.completions[0].token_ids) for o in eng.generate(prompts, params)]
     assert calls["decode"] >= 11 * tiny_loaded.model.args.num_hidden_layers
     assert outs[True] == outs[False]

@@ -7,12 +7,14 @@ regroups them only for attention, group by group, over the slot rows' keys.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import mlx.core as mx
 import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.kv.packed import TOKEN_STEP, PackedPass, host_arrays
 from mlxbatch.engine.kv.slots import POSITION_STEP, SlotBatch
 from mlxbatch.engine.outputs import Traffic
@@ -55,8 +57,7 @@ def test_plan_maps_every_token_to_its_query_slot_and_back(seed):
 
 def _batch(rows: int, pos_cap: int = 512) -> SlotBatch:
     """A float32 slot batch of the tiny model's geometry, rows of random KV at different lengths."""
-    b = SlotBatch(2, Traffic())
-    b.batched_moves = True
+    b = SlotBatch(2, Traffic(), LayoutOptions(batched_moves=True))
     b.allocate(2, 32, mx.float32)
     b._ensure(rows, pos_cap)
     for i in range(rows):
@@ -99,11 +100,15 @@ def test_a_packed_pass_gives_each_row_what_its_own_pass_gives(tiny_loaded):
 
 
 def _run(tiny_loaded, prompts, packed: bool, stay: bool = False, **cfg) -> tuple[list, dict, list[int]]:
-    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, **cfg))
+    # CUDA's passes (and CUDA's rows staying in their slots); the CPU's prefill would run its last layer for the last
+    # tokens only (``prune_last``: off here, as on CUDA)
+    cuda = LayoutOptions(batched_moves=True, shape_buckets=True, packed_prefill=packed, rows_stay=stay)
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, **cfg), layout=cuda)
+    # the runs differ in their passes only: the schedule that packed passes bring (reuse by the block, filled passes,
+    # ``EngineCore.reuse_step``) is put back to the token's
+    eng.core.reuse_step = eng.core.scheduler.prefix.live_margin = 1
+    eng.core.scheduler.config = dataclasses.replace(eng.core.scheduler.config, fill_slots=0)
     b = eng.core.runner.batch
-    b.batched_moves, b.shape_buckets, b.packed_prefill = True, True, packed  # CUDA's path
-    b.rows_stay = stay  # (and CUDA's rows stay in their slots)
-    eng.core.runner._prune_last = False  # (a CPU's prefill runs its last layer for the last tokens only)
     passes: list[int] = []  # the step of each prefill pass
     forward, forward_packed = b.forward, b.forward_packed
 

@@ -14,8 +14,10 @@ import mlx.core as mx
 import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.attention import AttentionKernels
 from mlxbatch.engine.attention import packed as pa
 from mlxbatch.engine.backend import CPU, Backend
+from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.kv.packed import PackedPass
 from mlxbatch.engine.kv.slots import POSITION_STEP
 from mlxbatch.types import SamplingParams
@@ -84,15 +86,13 @@ class TableAttention:
 
 
 def _run(tiny_loaded, prompts, kernel: bool):
+    args = tiny_loaded.model.args
+    stand_in = TableAttention(args.num_attention_heads, args.num_key_value_heads) if kernel else None
+    cuda = LayoutOptions(batched_moves=True, shape_buckets=True, packed_prefill=True,  # CUDA's path
+                         attention=AttentionKernels(packed=stand_in))
     eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=32, max_num_batched_tokens=1024,
-                                           prefill_chunk_size=256))
+                                           prefill_chunk_size=256), layout=cuda)
     b = eng.core.runner.batch
-    b.batched_moves, b.shape_buckets, b.packed_prefill = True, True, True  # CUDA's path
-    eng.core.runner._prune_last = False
-    stand_in = None
-    if kernel:
-        runner = eng.core.runner
-        stand_in = b.packed_attention = TableAttention(runner._split.body.heads, runner.geometry.kv_heads)
     plans: list[PackedPass] = []
     forward_packed = b.forward_packed
 

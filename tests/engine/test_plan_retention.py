@@ -14,6 +14,7 @@ from test_prefix_cache import fewshot_like, label_like
 
 from mlxbatch import SamplingParams
 from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.sched.planner import plan, submission_order
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -130,14 +131,13 @@ def test_shared_prefixes_are_reused_to_the_token(tiny_loaded):
 def test_batched_copy_ins_of_the_gpu_path_give_the_same_output(tiny_loaded):
     prompts = fewshot_like(20, seed=3) + label_like(10, seed=4)
     ref = Engine(tiny_loaded, EngineConfig(prefix_cache=False, warm_up=False)).generate(prompts, GREEDY)
-    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=6))
-    eng.core.runner.batch.batched_moves = True  # one gather + one scatter per buffer for all rows of a step
+    gpu_moves = LayoutOptions(batched_moves=True, prune_last=True)  # one gather + one scatter per buffer for all rows
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=6), layout=gpu_moves)  # of a step
     outs = eng.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     st = eng.stats()["prefix_cache"]
     assert st["tokens_reused"] > 0 and eng.stats()["profile"]["moved_bytes"] > 0
-    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=6))  # unplanned: copies from running rows
-    eng.core.runner.batch.batched_moves = True
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=6), layout=gpu_moves)  # unplanned: copies
     ids = [eng.core.add_request(p, GREEDY) for p in sorted(prompts)]
     done = {o.request_id: o for o in eng.core.run_until_done()}
     assert [done[ids[sorted(prompts).index(p)]].token_ids for p in prompts] == [o.token_ids for o in ref]

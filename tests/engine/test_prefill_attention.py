@@ -9,7 +9,9 @@ import mlx.core as mx
 import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.attention import AttentionKernels
 from mlxbatch.engine.attention.prefill import PrefillAttention, unfused
+from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.types import SamplingParams
 
 
@@ -61,12 +63,12 @@ def test_the_engine_gives_the_same_tokens_with_new_shapes_unfused(tiny_loaded):
     outputs, policies = [], []
     for on in (False, True):
         cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, warm_up=False)
-        with Engine(tiny_loaded, cfg) as eng:
-            batch = eng.core.runner.batch
-            g = eng.core.worker.geometry
-            policy = PrefillAttention(eng.core.runner._split.body.heads, g.kv_heads, g.head_dim, mx.float32, after=1,
-                                      seen=Counter()) if on else None
-            batch.prefill_attention = policy
+        args = tiny_loaded.model.args
+        policy = PrefillAttention(args.num_attention_heads, args.num_key_value_heads,
+                                  args.hidden_size // args.num_attention_heads, mx.float32, after=1,
+                                  seen=Counter()) if on else None
+        with Engine(tiny_loaded, cfg, layout=LayoutOptions(prune_last=True,
+                                                           attention=AttentionKernels(prefill=policy))) as eng:
             outputs.append([list(o.completions[0].token_ids) for o in eng.generate(prompts, params)])
             policies.append(policy)
     assert outputs[0] == outputs[1]

@@ -7,6 +7,7 @@ import pytest
 
 from mlxbatch import SamplingParams
 from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.errors import InvalidRequestError
 
 ITEMS = [
@@ -32,11 +33,10 @@ def direct(loaded, context: str, cont: str) -> tuple[list[float], list[bool]]:
 def test_scores_equal_a_full_forward(tiny_loaded, cfg):
     cfg = dict(cfg)
     cuda_path = cfg.pop("cuda_path", False)
-    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, **cfg))
-    if cuda_path:  # CUDA's flags: bucketed passes, packed prefill, rows staying in their slots (score rows run
-        b = eng.core.runner.batch  # bucketed passes over their slots beside packed generation rows)
-        b.batched_moves = b.shape_buckets = b.packed_prefill = b.rows_stay = True
-        eng.core.runner._prune_last = False
+    # CUDA's flags: bucketed passes, packed prefill, rows staying in their slots (score rows run bucketed passes over
+    # their slots beside packed generation rows)
+    cuda = LayoutOptions(batched_moves=True, shape_buckets=True, packed_prefill=True, rows_stay=True)
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, **cfg), layout=cuda if cuda_path else None)
     # scoring rows share the batch with generation rows
     gen = eng.core.add_request("Hello there", SamplingParams(temperature=0, max_tokens=6))
     outs = eng.score(ITEMS)

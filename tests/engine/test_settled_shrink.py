@@ -9,7 +9,7 @@ import pytest
 
 from mlxbatch import SamplingParams
 from mlxbatch.engine import Engine, EngineConfig
-from mlxbatch.engine.kv import slots
+from mlxbatch.engine.kv import LayoutOptions, slots
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.outputs import Traffic
 
@@ -61,8 +61,7 @@ def test_one_token_rows_do_not_resize_the_batch_every_step(tiny_loaded, stay):
     prompts = [shared + [(300 + 7 * i + j) % 900 + 50 for j in range(20 + i % 9)] for i in range(200)]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=512, warm_up=False)
-    with Engine(tiny_loaded, cfg) as eng:
-        eng.core.runner.batch.batched_moves = eng.core.runner.batch.rows_stay = stay
+    with Engine(tiny_loaded, cfg, layout=LayoutOptions(batched_moves=stay, rows_stay=stay, prune_last=True)) as eng:
         outs = eng.generate(prompts, params)
         steps = eng.stats()["profile"]["steps"]
         resizes = eng.core.runner.traffic.resizes

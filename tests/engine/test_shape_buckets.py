@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.kv.slot_forward import bucket
 from mlxbatch.engine.kv.slots import POSITION_STEP, SlotBatch
 from mlxbatch.types import SamplingParams
@@ -30,9 +31,7 @@ def test_padding_rows_write_nothing_and_real_rows_match_exact_shapes(tiny_loaded
     mx.random.seed(0)
     results = []
     for buckets in (False, True):
-        b = SlotBatch(2)
-        b.batched_moves = True
-        b.shape_buckets = buckets
+        b = SlotBatch(2, options=LayoutOptions(batched_moves=True, shape_buckets=buckets))
         b.allocate(2, 32, mx.float32)
         for i in range(10):
             n = 20 + 3 * i
@@ -84,10 +83,7 @@ def test_bucketed_engine_gives_the_same_tokens_with_far_fewer_attention_shapes(t
 
         monkeypatch.setattr(SlotBatch, "forward", forward)
         cfg = EngineConfig(max_num_seqs=48, max_num_batched_tokens=512, prefix_cache=cache, warm_up=False)
-        with Engine(tiny_loaded, cfg) as eng:
-            eng.core.runner.batch.batched_moves = True
-            eng.core.runner.batch.shape_buckets = buckets
-            eng.core.runner._prune_last = False
+        with Engine(tiny_loaded, cfg, layout=LayoutOptions(batched_moves=True, shape_buckets=buckets)) as eng:
             outs = eng.generate(prompts, params)
             prefill[buckets] = eng.stats()["profile"]["prefill_tokens"]
         outputs[buckets] = [list(o.completions[0].token_ids) for o in outs]
@@ -95,10 +91,8 @@ def test_bucketed_engine_gives_the_same_tokens_with_far_fewer_attention_shapes(t
     assert outputs[True] == outputs[False]
     assert prefill[True] == prefill[False]
     monkeypatch.setattr(SlotBatch, "forward", orig)
-    with Engine(tiny_loaded, cfg) as eng:  # and rows staying in their slots (CUDA): bucketed passes over scattered slots
-        b = eng.core.runner.batch
-        b.batched_moves = b.shape_buckets = b.rows_stay = True
-        eng.core.runner._prune_last = False
+    stay = LayoutOptions(batched_moves=True, shape_buckets=True, rows_stay=True)
+    with Engine(tiny_loaded, cfg, layout=stay) as eng:  # and rows staying in their slots (CUDA): bucketed passes
         outs = eng.generate(prompts, params)
         assert eng.stats()["profile"]["prefill_tokens"] == prefill[False]
     assert [list(o.completions[0].token_ids) for o in outs] == outputs[False]
@@ -116,9 +110,7 @@ def test_padding_never_grows_the_slots_past_an_exact_pass(tiny_loaded):
     no more positions than admission charged for (exact: 250 + 40 -> 512; bucket(40) = 40, fine; 250 + 230 -> 512,
     bucket(230) = 256 would need 506 -> still 512; 200 + 300 -> 512, bucket(300) = 320 would need 520 -> 768)."""
     for offset, tokens, want_cap in ((250, 40, 512), (250, 230, 512), (200, 300, 512)):
-        b = SlotBatch(2)
-        b.batched_moves = True
-        b.shape_buckets = True
+        b = SlotBatch(2, options=LayoutOptions(batched_moves=True, shape_buckets=True))
         b.allocate(2, 32, mx.float32)
         kv = [(mx.zeros((1, 2, offset, 32)), mx.zeros((1, 2, offset, 32))) for _ in range(2)]
         for i in range(2):

@@ -14,6 +14,7 @@ import mlx.core as mx
 import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.kv.prefix_store import PrefixStore
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.outputs import Traffic
@@ -52,9 +53,7 @@ def _admitted(b: SlotBatch, admit) -> tuple[int, Traffic]:
 def _batch(batched: bool, rows_cap: int, pos_cap: int, running: int, stay: bool = False) -> SlotBatch:
     """A slot batch grown to the given capacity, with ``running`` decoding rows of 300 positions each and a source
     row ``src`` of 200 committed positions (``stay``: rows stay in their slots, the CUDA path)."""
-    b = SlotBatch(L, Traffic())
-    b.batched_moves = batched
-    b.rows_stay = stay
+    b = SlotBatch(L, Traffic(), LayoutOptions(batched_moves=batched, rows_stay=stay))
     b.allocate(H, D, mx.float32)
     b._ensure(rows_cap, pos_cap)
     for i in range(running):
@@ -210,11 +209,10 @@ def test_engine_run_moves_the_same_after_earlier_work(tiny_loaded, batched):
         outs = eng.generate(prompts, params)
         return eng.core.runner.traffic.since(before), [o.completions[0].token_ids for o in outs]
 
-    with Engine(tiny_loaded, cfg) as fresh:
-        fresh.core.runner.batch.batched_moves = batched
+    moves = LayoutOptions(batched_moves=batched, prune_last=True)
+    with Engine(tiny_loaded, cfg, layout=moves) as fresh:
         t_fresh, out_fresh = measured(fresh)
-    with Engine(tiny_loaded, cfg) as used:
-        used.core.runner.batch.batched_moves = batched
+    with Engine(tiny_loaded, cfg, layout=moves) as used:
         used.generate(other, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
         t_used, out_used = measured(used)
     assert out_used == out_fresh
@@ -253,8 +251,7 @@ def test_batched_cache_stores_match_row_by_row_in_one_gather_and_scatter():
         stores.append(BlockStore(rid, first[rid], ids, ids))
 
     def stored(batched: bool) -> tuple[PrefixStore, Traffic, int]:
-        b = SlotBatch(L, Traffic())
-        b.batched_moves = batched
+        b = SlotBatch(L, Traffic(), LayoutOptions(batched_moves=batched))
         b.allocate(H, D, mx.float32)
         b._ensure(128, 2048)
         for rid, n in lengths.items():
@@ -352,8 +349,7 @@ def test_copy_ins_are_sliced_so_their_transient_memory_is_bounded():
     blk = [mx.random.normal((rows * blocks, H, 16, D)) for _ in range(2 * L)]
 
     def admitted(max_bytes: int) -> tuple[SlotBatch, Traffic, int]:
-        b = SlotBatch(L, Traffic())
-        b.batched_moves = True
+        b = SlotBatch(L, Traffic(), LayoutOptions(batched_moves=True))
         b.allocate(H, D, mx.float32)
         b._ensure(rows, 256)
         store = PrefixStore(L, H, D, mx.float32, POS_BYTES, rows * blocks, 16, b.traffic)
@@ -392,8 +388,7 @@ def test_cached_prefixes_many_rows_share_are_gathered_once(shared):
     from mlxbatch.engine.sched.scheduler import Admission
 
     rows, blocks = 16, 8
-    b = SlotBatch(L, Traffic())
-    b.batched_moves = True
+    b = SlotBatch(L, Traffic(), LayoutOptions(batched_moves=True))
     b.allocate(H, D, mx.float32)
     b._ensure(rows, 256)
     store = PrefixStore(L, H, D, mx.float32, POS_BYTES, rows * blocks, 16, b.traffic)
@@ -439,8 +434,7 @@ def test_a_decode_only_step_waits_for_the_device_once(tiny_loaded, overlap):
 def _bf16_batch(batched: bool, running: int = 0) -> SlotBatch:
     """A bfloat16 slot batch (the GPU's KV dtype) of capacity 128 x 2048,
     random contents, ``running`` decoding rows of 300 positions and a source row ``src`` of 200."""
-    b = SlotBatch(L, Traffic())
-    b.batched_moves = batched
+    b = SlotBatch(L, Traffic(), LayoutOptions(batched_moves=batched))
     b.allocate(H, D, mx.bfloat16)
     b._ensure(128, 2048)
     key = mx.random.key(3)
@@ -526,8 +520,7 @@ per-row moves."""
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, prefill_chunk_size=64, warm_up=False)
     runs = []
     for batched, earlier in ((True, None), (True, other), (False, None)):
-        with Engine(loaded, cfg) as eng:
-            eng.core.runner.batch.batched_moves = batched
+        with Engine(loaded, cfg, layout=LayoutOptions(batched_moves=batched, prune_last=True)) as eng:
             if earlier:
                 eng.generate(earlier, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
             before = eng.core.runner.traffic.snapshot()
@@ -552,9 +545,9 @@ def test_admitted_rows_get_their_prefix_once_in_their_pass_place(tiny_loaded, ba
 
     # a running row is copied from where it shares more than the cache's whole blocks: 70 tokens (4 blocks and 6)
     shared = list(range(100, 170 if source == "running row" else 164))
-    eng = Engine(tiny_loaded, EngineConfig(max_num_seqs=16, warm_up=False))
+    eng = Engine(tiny_loaded, EngineConfig(max_num_seqs=16, warm_up=False),
+                 layout=LayoutOptions(batched_moves=batched, prune_last=True))
     core = eng.core
-    core.runner.batch.batched_moves = batched
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     # (the first row outlives the others: it leaves no hole among them for a row to move into)
     core.add_request(shared + [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),

@@ -53,7 +53,7 @@ class InvariantSlots(SlotBatch):
         write at offsets the caller chose where nothing committed lives."""
         n, T = len(tokens), len(tokens[0])
         self._ensure(start + n, max(kv_width, max(o + T for o in offsets)))
-        self._pass = plan_forward(start, offsets, T, self.batched_moves, kv_width=kv_width)
+        self._pass = plan_forward(start, offsets, T, self.options.batched_moves, kv_width=kv_width)
         return model(mx.array([list(t) for t in tokens], dtype=mx.int32), cache=self.layers)
 
     def shrink(self) -> None:
@@ -70,7 +70,7 @@ class InvariantSlots(SlotBatch):
     def arrange_decode(self, order: Sequence[str]) -> None:
         """Put the decode rows in this order (a permutation of them); rows already in place do not move."""
         assert sorted(order) == sorted(self.ids[: self.n_decode])
-        if not self.batched_moves:
+        if not self.options.batched_moves:
             for j, rid in enumerate(order):
                 self._swap(self.row_of(rid), j)
             return

@@ -9,21 +9,58 @@ another implementation of the same protocol.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
 
+from mlxbatch.engine.attention import AttentionKernels
+from mlxbatch.engine.backend import Backend
 from mlxbatch.engine.outputs import Traffic
+
+
+@dataclass(frozen=True)
+class LayoutOptions:
+    """How the running batch's rows are laid out and their passes run on a device: decided once, when the runner is
+    made (``runner.layout_for``), and fixed for the layout's life. ``base`` gives what follows from the device alone;
+    the CUDA text path (a model whose body is ours) adds the rest. Tests and diagnostics pass other values to run
+    another device's decisions here (``Engine(..., layout=)``)."""
+
+    # rows move (and blocks are read) in one gather + scatter per buffer for all rows of a step, a scatter where a
+    # prefix goes to scattered rows: on a GPU, where each op and each sync costs a launch (per-row copies were ~a
+    # third of a GPU step); on the CPU per-row slice copies (memcpy), since CPU scatters go element by element
+    batched_moves: bool = False
+    # rows stay in their slots (CUDA, where every pass reads and writes rows by slot): promoting, arranging and
+    # retiring rows changes books only, no KV moves
+    rows_stay: bool = False
+    # prefill passes padded to recurring shapes (``slot_forward.bucketed_pass``): on CUDA, where each new attention
+    # shape costs a cuDNN graph build
+    shape_buckets: bool = False
+    # a step's prefill rows as one packed pass (``forward_packed``, CUDA, where the host's work per pass binds)
+    packed_prefill: bool = False
+    # decode passes replayed from compiled graphs (``kv.compiled_decode``: CUDA, with the decode kernel)
+    compiled_decode: bool = False
+    # the runner's: a CPU prefill runs its last layer only for the rows whose logits are needed (an extra small
+    # forward a step; on a GPU that launch costs more than 1/L of the prefill saves)
+    prune_last: bool = False
+    # the runner's: the model's q/k/v and gate/up as one matmul each (``OwnBody.fuse``: fewer launches a layer, CUDA)
+    fuse: bool = False
+    attention: AttentionKernels = field(default_factory=AttentionKernels)  # the engine's kernels (CUDA), else MLX's
+
+    @staticmethod
+    def base(backend: Backend) -> LayoutOptions:
+        """What follows from the device alone: batched moves on a GPU, the pruned prefill on the CPU."""
+        return LayoutOptions(batched_moves=backend.gpu, prune_last=not backend.gpu)
 
 
 class KVLayout(Protocol):
     """KV of every admitted sequence, one row each: rows ``[0, n_decode)`` decode, the rest prefill."""
 
     traffic: Traffic  # what the layout copies and waits for (shared with the runner's step profile)
+    options: LayoutOptions  # its layout and passes (read only)
     n_decode: int
-    batched_moves: bool  # rows move (and blocks are read) in one gather + scatter per buffer per step: the GPU path
-    packed_prefill: bool  # a step's prefill rows run as one packed pass (``forward_packed``): the CUDA path
     ids: list[str]  # request id per row, in row order (read only)
+    compiled_decode: Any  # ``kv.compiled_decode.CompiledDecode`` where ``options.compiled_decode`` (its counts)
 
     def __contains__(self, request_id: str) -> bool: ...
 

@@ -75,7 +75,7 @@ class AttentionGroup:
     mask: mx.array | str | None  # "causal" when the group's rows start at one offset (run unfused: that mask made
     # once, ``[width, keys]``), else a bool array
     fused: bool = True  # MLX's fused attention, else ``attention.unfused`` (CUDA: a shape not seen enough)
-    gather: mx.array | None = None  # [rows] the rows' slots where they are not one run (``SlotBatch.rows_stay``)
+    gather: mx.array | None = None  # [rows] the rows' slots where they are not one run (``LayoutOptions.rows_stay``)
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class PackedPass:
         end rounded up to ``kv_step`` through a mask, or causally when its rows start together (then its width stays
         within that end). ``policy`` (``attention.PrefillAttention``, CUDA) says which groups run fused.
         With ``kernel`` (``attention.PackedAttention``) the pass has its work units instead of groups.
-        ``slots``: each row's slot in the buffers where they are not rows ``start ..`` (``SlotBatch.rows_stay``)."""
+        ``slots``: each row's slot in the buffers where they are not rows ``start ..`` (``LayoutOptions.rows_stay``)."""
         assert sum(sizes) == len(offsets) == len(lengths) and all(n > 0 for n in lengths)
         first = [0]
         for n in lengths:

@@ -103,7 +103,7 @@ def store_blocks(batch: KVLayout, store: PrefixStore, stores: Sequence[BlockStor
     CPU row by row."""
     if not stores:
         return []
-    if batch.batched_moves:
+    if batch.options.batched_moves:
         B = store.block_size
         keys, values = batch.read_blocks([(s.request_id, (s.first_block + j) * B)
                                           for s in stores for j in range(len(s.block_ids))], B)

@@ -74,7 +74,7 @@ class RowMoves:
     def _swap(self, a: int, b: int) -> None:
         if a == b:
             return
-        if self.rows_stay:
+        if self.options.rows_stay:
             self._move_rows([(a, b), (b, a)])
             return
         na, nb = self.lengths[a], self.lengths[b]  # a row without KV (just admitted) moves by its books alone
@@ -101,7 +101,7 @@ class RowMoves:
         With batched moves all of them move at once: one gather, one sync and one scatter per buffer (a swap per
         row costs two syncs each, which is a GPU pipeline drain apiece: ~16 a step when 8 rows a step finish).
         """
-        if not self.batched_moves and not self.rows_stay:
+        if not self.options.batched_moves and not self.options.rows_stay:
             for rid in request_ids:
                 self.promote(rid)
             return
@@ -122,7 +122,7 @@ class RowMoves:
         place with one scatter per buffer (a swap per row would cost a device sync each: ~200 a step on a GPU).
         """
         assert all(self.row_of(rid) >= self.n_decode for rid in request_ids)
-        if not self.batched_moves and not self.rows_stay:
+        if not self.options.batched_moves and not self.options.rows_stay:
             for j, rid in enumerate(request_ids):
                 self._swap(self.row_of(rid), self.n_decode + j)
             return
@@ -141,14 +141,14 @@ class RowMoves:
         for s, d in moves:
             self.ids[d], self.lengths[d] = ids[s], lengths[s]
             self._row[ids[s]] = d
-            if self.rows_stay:
+            if self.options.rows_stay:
                 self._slot[d] = slots[s]
-        if self.rows_stay:
+        if self.options.rows_stay:
             return
         held = [(s, d) for s, d in moves if lengths[s]]
         if not held:
             return
-        if not self.batched_moves:  # the CPU: row by row, in order (``remove_many``'s moves read no row written before)
+        if not self.options.batched_moves:  # the CPU: row by row, in order (``remove_many``'s moves read no row written before)
             for s, d in held:
                 self._put_row(d, lengths[s], self._row_copies(s, lengths[s]))
             return
@@ -180,7 +180,7 @@ class RowMoves:
         prefixes shared by fewer go together in one gather and one scatter per buffer (chat's admissions: each row
         its own conversation; a write per prefix made its prefill 2x slower on the H200). On the CPU every copy is a
         slice write anyway."""
-        return BROADCAST_ROWS if self.batched_moves else 1
+        return BROADCAST_ROWS if self.options.batched_moves else 1
 
     def copy_prefixes(self, copies: Sequence[tuple[str, str, int]]) -> None:
         """(destination, source, n): each destination row (admitted, empty) gets the source row's first ``n``
@@ -222,7 +222,7 @@ class RowMoves:
         self._ensure(len(self.ids), n + 1)
         self.traffic.moved_bytes += len(rows) * n * self._pos_bytes
         runs = _runs(rows)
-        put = mx.array(rows, dtype=mx.int32) if self.batched_moves and len(runs) > MAX_RUNS else None
+        put = mx.array(rows, dtype=mx.int32) if self.options.batched_moves and len(runs) > MAX_RUNS else None
         for i, src in enumerate(kv):
             buf = (self._keys if i < self.num_layers else self._values)[i % self.num_layers]
             if put is not None:
@@ -237,7 +237,7 @@ class RowMoves:
         gone = {rid for rid in request_ids if rid in self._row}
         if not gone:
             return
-        if self.rows_stay:  # the others keep their order and slots; the retired rows' slots are free
+        if self.options.rows_stay:  # the others keep their order and slots; the retired rows' slots are free
             keep = [i for i, rid in enumerate(self.ids) if rid not in gone]
             for i, rid in enumerate(self.ids):
                 if rid in gone:
@@ -261,7 +261,7 @@ class RowMoves:
 
     def remove(self, request_id: str) -> None:
         """Retire a row; the region's last row fills the hole (at most two rows copied; none where rows stay)."""
-        if self.rows_stay:
+        if self.options.rows_stay:
             self.remove_many([request_id])
             return
         row = self._row.pop(request_id)

@@ -37,7 +37,7 @@ class ForwardPass:
     rows: mx.array  # [rows] the pass's slot rows (lazy: built only if a fused decode attention reads it)
     key_lengths: mx.array  # [rows] keys each row's last query sees: offset + T (lazy, as ``rows``)
     fused: bool = True  # a prefill pass: MLX's fused attention, else ``attention.unfused`` (CUDA, new shapes)
-    gather: mx.array | None = None  # [rows] the rows' slots where they are not one run (``SlotBatch.rows_stay``):
+    gather: mx.array | None = None  # [rows] the rows' slots where they are not one run (``LayoutOptions.rows_stay``):
     # then ``start``/``stop`` only count the rows, writes scatter and reads gather
     _scatter: dict[int, tuple[mx.array, ...]] = field(default_factory=dict, compare=False, repr=False)
 

@@ -48,15 +48,15 @@ class SlotPasses:
             out = self._compiled_decode(model, tokens, offsets)
             if out is not None:
                 return out
-        if self.shape_buckets and T > 1:
+        if self.options.shape_buckets and T > 1:
             self._ensure(start + n, round_up(max(o + T for o in offsets), POSITION_STEP))  # as an exact pass
-            room = self._rows_cap if self.rows_stay else self._rows_cap - start  # padding rows' slots (read only)
+            room = self._rows_cap if self.options.rows_stay else self._rows_cap - start  # padding rows' slots (read only)
             fp = bucketed_pass(start, offsets, T, room, POSITION_STEP, self.slots(start, start + n))
         else:
             self._ensure(start + n, max(o + T for o in offsets))
-            fp = plan_forward(start, offsets, T, self.batched_moves, slots=self.slots(start, start + n))
-        if T > 1 and self.prefill_attention is not None:  # CUDA: a new shape's attention unfused, no cuDNN build
-            fused = self.prefill_attention.fused(fp.stop - fp.start, fp.width, fp.t_used, self._pos_cap, fp.mask)
+            fp = plan_forward(start, offsets, T, self.options.batched_moves, slots=self.slots(start, start + n))
+        if T > 1 and self.options.attention.prefill is not None:  # CUDA: a new shape's attention unfused, no cuDNN build
+            fused = self.options.attention.prefill.fused(fp.stop - fp.start, fp.width, fp.t_used, self._pos_cap, fp.mask)
             fp = dataclasses.replace(fp, fused=fused)
         self._pass = fp
         rows, width = fp.stop - fp.start, fp.width
@@ -85,7 +85,7 @@ class SlotPasses:
         offsets = self.lengths[start : start + len(tokens)]
         self._ensure(start + len(tokens), round_up(max(o + len(t) for o, t in zip(offsets, tokens)), POSITION_STEP))
         plan = PackedPass.plan(start, offsets, [len(t) for t in tokens], sizes, POSITION_STEP,
-                               self.prefill_attention, self._pos_cap, self.packed_attention,
+                               self.options.attention.prefill, self._pos_cap, self.options.attention.packed,
                                self.slots(start, start + len(tokens)))
         self._pass = plan
         flat = [t for row in tokens for t in row]
@@ -118,10 +118,10 @@ class SlotPasses:
 
     def _decode_slots(self, n: int) -> mx.array:
         """The slots of rows ``0 .. n`` as an array, made again only when they changed."""
-        key = tuple(self._slot[:n]) if self.rows_stay else n
+        key = tuple(self._slot[:n]) if self.options.rows_stay else n
         if self._decode_key != key:
             self._decode_key = key
-            self._decode_rows = mx.array(list(key), dtype=mx.int32) if self.rows_stay else mx.arange(n, dtype=mx.int32)
+            self._decode_rows = mx.array(list(key), dtype=mx.int32) if self.options.rows_stay else mx.arange(n, dtype=mx.int32)
         assert self._decode_rows is not None
         return self._decode_rows
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import Any
 
 import mlx.core as mx
 
-from mlxbatch.engine.kv import copies
+from mlxbatch.engine.attention import DecodeAttention
+from mlxbatch.engine.kv import LayoutOptions, copies
+from mlxbatch.engine.kv.compiled_decode import CompiledDecode
 from mlxbatch.engine.kv.packed import PackedPass, round_up
 from mlxbatch.engine.kv.row_moves import RowMoves
 from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache
@@ -45,8 +46,10 @@ class SlotBatch(RowMoves, SlotPasses):
     """KV for every admitted sequence; rows ``[0, n_decode)`` decode, rows ``[n_decode, n)`` prefill (rows of the
     batch's order: where ``rows_stay``, row ``i``'s KV is in slot ``slot_of(ids[i])``, else in slot ``i``)."""
 
-    def __init__(self, num_layers: int, traffic: Traffic | None = None, batched_moves: bool = False) -> None:
+    def __init__(self, num_layers: int, traffic: Traffic | None = None,
+                 options: LayoutOptions | None = None) -> None:
         self.num_layers = num_layers
+        self.options = options or LayoutOptions()  # (default: the plain path, rows by slice copies)
         self.traffic = traffic if traffic is not None else Traffic()  # bytes copied and syncs, for the step profile
         self._pos_bytes = 0  # bytes of one position of one row, keys and values of every layer
         self.ids: list[str] = []  # request id per row (read only outside: moves keep ``_row`` in step)
@@ -63,24 +66,8 @@ class SlotBatch(RowMoves, SlotPasses):
         self._oversized_calls = 0  # ``shrink_if_settled``'s count
         self._pass: ForwardPass | PackedPass | None = None  # the forward pass in progress
         self.layers = [SlotLayerCache(self, i) for i in range(num_layers)]
-        # how rows move: on a GPU one gather + one scatter per buffer for all rows of a step (each op and each sync
-        # costs a launch: per-row copies were ~a third of a GPU step); on the CPU per-row slice copies (memcpy),
-        # since CPU scatters go element by element
-        self.batched_moves = batched_moves
-        # rows stay in their slots (CUDA, where every pass reads and writes rows by slot; the runner sets it before
-        # any row is added): promoting, arranging and retiring rows changes books only, no KV moves
-        self.rows_stay = False
-        # prefill passes padded to recurring shapes (``slot_forward.bucketed_pass``): on CUDA, where each new attention
-        # shape costs a cuDNN graph build; the runner sets it
-        self.shape_buckets = False
-        self.decode_attention: Any = None  # fused per-row decode attention (``attention.decode``, CUDA); the runner sets it
-        self.prefill_attention: Any = None  # ``attention.PrefillAttention`` (CUDA); the runner sets it
-        self.packed_attention: Any = None  # ``attention.PackedAttention`` (CUDA): packed passes' attention
-        # a step's prefill rows as one packed pass (``forward_packed``, CUDA, where the host's work per pass binds);
-        # the runner sets it
-        self.packed_prefill = False
-        # decode passes replayed from compiled graphs (``kv.compiled_decode.CompiledDecode``, CUDA); the runner sets it
-        self.compiled_decode: Any = None
+        # decode passes replayed from compiled graphs (its traces and counts: this layout's own)
+        self.compiled_decode = CompiledDecode() if self.options.compiled_decode else None
         self._decode_key: tuple[int, ...] | int | None = None  # ``_decode_slots``' last rows, and their array
         self._decode_rows: mx.array | None = None
         # the last compiled decode pass's offsets + 1: as host ints, and the device array (``_compiled_decode``)
@@ -92,6 +79,11 @@ class SlotBatch(RowMoves, SlotPasses):
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._row
 
+    @property
+    def decode_attention(self) -> DecodeAttention | None:
+        """The fused decode kernel the layer caches attend with, where the device runs it."""
+        return self.options.attention.decode
+
     def row_of(self, request_id: str) -> int:
         """The sequence's row in the batch's order."""
         return self._row[request_id]
@@ -99,11 +91,11 @@ class SlotBatch(RowMoves, SlotPasses):
     def slot_of(self, request_id: str) -> int:
         """The sequence's slot in the buffers."""
         row = self._row[request_id]
-        return self._slot[row] if self.rows_stay else row
+        return self._slot[row] if self.options.rows_stay else row
 
     def slots(self, start: int, stop: int) -> list[int] | None:
         """The slots of rows ``[start, stop)`` where rows stay, else None (they are slots ``start ..``)."""
-        return self._slot[start:stop] if self.rows_stay else None
+        return self._slot[start:stop] if self.options.rows_stay else None
 
     def _reindex(self) -> None:
         self._row = {rid: i for i, rid in enumerate(self.ids)}
@@ -184,7 +176,7 @@ class SlotBatch(RowMoves, SlotPasses):
             return
         need_rows, need_pos = need
         rows, pos = min(self._rows_cap, row_capacity(2 * need_rows)), min(self._pos_cap, need_pos)
-        if self.rows_stay:
+        if self.options.rows_stay:
             self._compact(rows)
         copies.replace_each((self._keys, self._values), lambda old: mx.contiguous(old[:rows, :, :pos, :]), self.traffic)
         self.traffic.grown_bytes += self.nbytes
@@ -212,9 +204,8 @@ class SlotBatch(RowMoves, SlotPasses):
         """Admit a sequence as a prefilling row (the last in the order), optionally starting from ``length`` positions
         of ``kv``. Where rows stay, it takes the lowest free slot."""
         assert request_id not in self._row and self._keys, "allocate() first; ids are unique"
-        assert self.rows_stay or not self._slot, "rows_stay is set before any row is added"
         slot = len(self.ids)
-        if self.rows_stay:
+        if self.options.rows_stay:
             if self._free_slots:
                 slot = heapq.heappop(self._free_slots)
             else:
@@ -278,7 +269,7 @@ class SlotBatch(RowMoves, SlotPasses):
         assert self._row == {rid: i for i, rid in enumerate(self.ids)}, "row index out of step with the rows"
         assert len(self.lengths) == len(self.ids) and 0 <= self.n_decode <= len(self.ids)
         assert all(0 <= n <= self._pos_cap for n in self.lengths) and len(self.ids) <= max(self._rows_cap, 0)
-        if self.rows_stay:
+        if self.options.rows_stay:
             assert len(self._slot) == len(self.ids) and len(set(self._slot)) == len(self._slot), "slots held twice"
             assert sorted(self._slot + self._free_slots) == list(range(self._span)), "slots lost or made up"
             assert self._span <= self._rows_cap
