@@ -83,7 +83,7 @@ def _batch(model, lengths: list[int], stay: bool = False, compiled: bool = False
             batch.advance(f"r{i}", n)
     if stay:
         batch.arrange(list(reversed(batch.ids)))
-    batch.n_decode = len(lengths)
+    batch.promote_many(list(batch.ids))  # every row decodes (they are in place: nothing moves)
     return batch
 
 

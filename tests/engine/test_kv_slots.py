@@ -158,20 +158,20 @@ def test_cost_is_what_the_buffers_allocate(model):
     lengths = [40, 300, 7, 120, 299]
     for i, n in enumerate(lengths):  # sequences admitted one by one, each reserving n positions
         batch.add(f"r{i}")
-        batch._ensure(len(batch.ids), n)
+        batch.ensure(len(batch.ids), n)
     per_position = 2 * len(model.layers) * kv_heads * head_dim * 4
     assert batch.nbytes == SlotBatch.cost_positions(lengths) * per_position  # 8 rows x 512 positions
     # after many rows finished the buffers shrink and then grow again, always to a capacity cost_positions charges
     # for (a power of two: 5 rows left keep 16 and 11 rows stay in 16, not 10 and then 20)
     for i in range(15):
         batch.add(f"m{i}")
-        batch._ensure(len(batch.ids), 300)
+        batch.ensure(len(batch.ids), 300)
     assert batch.nbytes == SlotBatch.cost_positions([300] * 20) * per_position  # 32 rows x 512 positions
     batch.remove_many([f"m{i}" for i in range(15)])
     batch.shrink()
     for i in range(6):
         batch.add(f"n{i}")
-        batch._ensure(len(batch.ids), 300)
+        batch.ensure(len(batch.ids), 300)
         rows = batch.nbytes // (512 * per_position)
         assert rows & (rows - 1) == 0 and rows <= 16, rows
 

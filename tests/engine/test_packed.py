@@ -59,7 +59,7 @@ def _batch(rows: int, pos_cap: int = 512) -> SlotBatch:
     """A float32 slot batch of the tiny model's geometry, rows of random KV at different lengths."""
     b = SlotBatch(2, Traffic(), LayoutOptions(batched_moves=True))
     b.allocate(2, 32, mx.float32)
-    b._ensure(rows, pos_cap)
+    b.ensure(rows, pos_cap)
     for i in range(rows):
         n = 20 + 9 * i
         kv = [(mx.random.normal((1, 2, n, 32), key=mx.random.key(10 * i + j)),

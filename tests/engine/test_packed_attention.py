@@ -98,7 +98,7 @@ def _run(tiny_loaded, prompts, kernel: bool):
 
     def recorded(*a, **k):
         out = forward_packed(*a, **k)
-        plans.append(b._pass)
+        plans.append(b.passes.last_pass)
         return out
 
     b.forward_packed = recorded

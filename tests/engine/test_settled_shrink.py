@@ -20,7 +20,7 @@ def test_oversized_buffers_shrink_after_the_calls_in_a_row_only():
     for i in range(40):
         b.add(f"r{i}")
         b.advance(f"r{i}", 300)
-    b._ensure(40, 301)
+    b.ensure(40, 301)
     big, grown = b.nbytes, b.traffic.resizes
     b.remove_many([f"r{i}" for i in range(38)])  # 2 rows left of 64: oversized
     for _ in range(slots.SHRINK_CALLS - 1):
@@ -38,7 +38,7 @@ def test_a_batch_needed_again_resets_the_count():
     names = [f"r{i}" for i in range(40)]
     for rid in names:
         b.add(rid)
-    b._ensure(40, 64)
+    b.ensure(40, 64)
     grown = b.traffic.resizes
     for _ in range(3):  # oversized for fewer calls than needed, then full again: never shrunk
         b.remove_many(names)

@@ -78,7 +78,7 @@ def test_bucketed_engine_gives_the_same_tokens_with_far_fewer_attention_shapes(t
             fp = self.current_pass()
             if fp.width > 1:
                 seen.append((fp.stop - fp.start, fp.width, fp.t_used, isinstance(fp.mask, mx.array),
-                             fp.stop == self._rows_cap, (max(fp.offsets) + fp.width) % POSITION_STEP == 0))
+                             fp.stop == self.buffers.rows_cap, (max(fp.offsets) + fp.width) % POSITION_STEP == 0))
             return out
 
         monkeypatch.setattr(SlotBatch, "forward", forward)
@@ -117,6 +117,6 @@ def test_padding_never_grows_the_slots_past_an_exact_pass(tiny_loaded):
             b.add(f"r{i}", kv, offset)
         b.forward(tiny_loaded.model, 0, [[5] * tokens, [6] * (tokens - 1)])
         mx.eval(b.kv_arrays())
-        assert b._pos_cap == want_cap, (offset, tokens, b._pos_cap)
+        assert b.buffers.pos_cap == want_cap, (offset, tokens, b.buffers.pos_cap)
         fp = b.current_pass()
         assert max(fp.offsets) + fp.width <= want_cap

@@ -55,7 +55,7 @@ def _batch(batched: bool, rows_cap: int, pos_cap: int, running: int, stay: bool 
     row ``src`` of 200 committed positions (``stay``: rows stay in their slots, the CUDA path)."""
     b = SlotBatch(L, Traffic(), LayoutOptions(batched_moves=batched, rows_stay=stay))
     b.allocate(H, D, mx.float32)
-    b._ensure(rows_cap, pos_cap)
+    b.ensure(rows_cap, pos_cap)
     for i in range(running):
         b.add(f"run{i}")
         b.advance(f"run{i}", 300)
@@ -253,7 +253,7 @@ def test_batched_cache_stores_match_row_by_row_in_one_gather_and_scatter():
     def stored(batched: bool) -> tuple[PrefixStore, Traffic, int]:
         b = SlotBatch(L, Traffic(), LayoutOptions(batched_moves=batched))
         b.allocate(H, D, mx.float32)
-        b._ensure(128, 2048)
+        b.ensure(128, 2048)
         for rid, n in lengths.items():
             b.add(rid, kv[rid], n)
         store = PrefixStore(L, H, D, mx.float32, POS_BYTES, 4096, 16, b.traffic)
@@ -299,13 +299,13 @@ def test_resizes_never_hold_the_old_and_the_new_capacity_at_once(what, monkeypat
         tr = Traffic()
         b = SlotBatch(L, tr)
         b.allocate(H, D, mx.float32)
-        b._ensure(64, 2048)
+        b.ensure(64, 2048)
         for i in range(40):
             b.add(f"r{i}")
             b.advance(f"r{i}", 200)
         old, before = b.nbytes, tr.resize_syncs
         if what == "slots grow":
-            alloc = _allocated(lambda: b._ensure(128, 2048))
+            alloc = _allocated(lambda: b.ensure(128, 2048))
         else:
             for i in range(35):
                 b.remove(f"r{i}")
@@ -327,7 +327,7 @@ def test_small_resizes_are_one_sync():
     b.allocate(H, D, mx.float32)
     for i in range(40):  # rows double 4 -> 64: four growths
         b.add(f"r{i}")
-    b._ensure(40, 600)  # positions 256 -> 768
+    b.ensure(40, 600)  # positions 256 -> 768
     assert tr.resizes == 5 and tr.resize_syncs == 5
     store = PrefixStore(L, H, D, mx.float32, POS_BYTES, 8192, 16, tr)
     store._ensure(100)
@@ -351,7 +351,7 @@ def test_copy_ins_are_sliced_so_their_transient_memory_is_bounded():
     def admitted(max_bytes: int) -> tuple[SlotBatch, Traffic, int]:
         b = SlotBatch(L, Traffic(), LayoutOptions(batched_moves=True))
         b.allocate(H, D, mx.float32)
-        b._ensure(rows, 256)
+        b.ensure(rows, 256)
         store = PrefixStore(L, H, D, mx.float32, POS_BYTES, rows * blocks, 16, b.traffic)
         ids = list(range(rows * blocks))
         store.write_blocks(ids, blk[:L], blk[L:])
@@ -390,7 +390,7 @@ def test_cached_prefixes_many_rows_share_are_gathered_once(shared):
     rows, blocks = 16, 8
     b = SlotBatch(L, Traffic(), LayoutOptions(batched_moves=True))
     b.allocate(H, D, mx.float32)
-    b._ensure(rows, 256)
+    b.ensure(rows, 256)
     store = PrefixStore(L, H, D, mx.float32, POS_BYTES, rows * blocks, 16, b.traffic)
     blk = [mx.random.normal((rows * blocks, H, 16, D)) for _ in range(2 * L)]
     store.write_blocks(list(range(rows * blocks)), blk[:L], blk[L:])
@@ -436,9 +436,9 @@ def _bf16_batch(batched: bool, running: int = 0) -> SlotBatch:
     random contents, ``running`` decoding rows of 300 positions and a source row ``src`` of 200."""
     b = SlotBatch(L, Traffic(), LayoutOptions(batched_moves=batched))
     b.allocate(H, D, mx.bfloat16)
-    b._ensure(128, 2048)
+    b.ensure(128, 2048)
     key = mx.random.key(3)
-    for bufs in (b._keys, b._values):
+    for bufs in (b.buffers.keys, b.buffers.values):
         for i in range(L):
             key, sub = mx.random.split(key)
             bufs[i] = mx.random.normal(bufs[i].shape, key=sub).astype(mx.bfloat16)

@@ -52,9 +52,9 @@ class InvariantSlots(SlotBatch):
         ``kv_width`` keys; returns every position's output ``[rows, T, dim]``. Rows past the real ones (padding)
         write at offsets the caller chose where nothing committed lives."""
         n, T = len(tokens), len(tokens[0])
-        self._ensure(start + n, max(kv_width, max(o + T for o in offsets)))
-        self._pass = plan_forward(start, offsets, T, self.options.batched_moves, kv_width=kv_width)
-        return model(mx.array([list(t) for t in tokens], dtype=mx.int32), cache=self.layers)
+        self.ensure(start + n, max(kv_width, max(o + T for o in offsets)))
+        fp = plan_forward(start, offsets, T, self.options.batched_moves, kv_width=kv_width)
+        return self.passes.run(model, fp, mx.array([list(t) for t in tokens], dtype=mx.int32))
 
     def shrink(self) -> None:
         """Give capacity back only once no row is left: forwards run past the last row (padding rows) and read key
@@ -69,9 +69,4 @@ class InvariantSlots(SlotBatch):
 
     def arrange_decode(self, order: Sequence[str]) -> None:
         """Put the decode rows in this order (a permutation of them); rows already in place do not move."""
-        assert sorted(order) == sorted(self.ids[: self.n_decode])
-        if not self.options.batched_moves:
-            for j, rid in enumerate(order):
-                self._swap(self.row_of(rid), j)
-            return
-        self._move_rows([(s, d) for d, s in enumerate(self.row_of(rid) for rid in order) if s != d])
+        self.rows.arrange_decode(order)

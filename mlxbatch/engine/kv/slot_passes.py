@@ -1,10 +1,12 @@
 """The slot batch's forward passes: a pass over rows of the batch, a step's prefill rows as one packed pass, and
 decode passes replayed from compiled graphs.
 
-A base of ``SlotBatch`` (``kv.slots``), which owns the buffers and books these read: the pass plans its rows' writes
-and reads (``kv.slot_forward``, ``kv.packed``), sets it as the pass in progress, and calls the model with the layer
-caches (``SlotLayerCache``), which ask it for the pass and the buffers of their layer. Calls the batch's
-``_ensure`` (room for the pass), ``slots`` and ``slot_of``.
+Owns the pass in progress, the layer caches (``SlotLayerCache``: one layer's view of the buffers in mlx-lm's cache
+protocol), and the compiled decode passes' traces and carried offsets. A pass plans its rows' writes and reads
+(``kv.slot_forward``, ``kv.packed``) from the rows' books (``kv.rows``: offsets, slots), sets the plan as the pass in
+progress, and calls the model with the layer caches, which ask for the pass and their layer's buffers
+(``kv.buffers``). What a pass does follows the layout's options: recurring shapes, the engine's attention kernels,
+compiled decode passes.
 """
 
 from __future__ import annotations
@@ -15,14 +17,41 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxbatch.engine.attention import DecodeAttention
+from mlxbatch.engine.kv import LayoutOptions
+from mlxbatch.engine.kv.buffers import POSITION_STEP, SlotBuffers
+from mlxbatch.engine.kv.compiled_decode import CompiledDecode
 from mlxbatch.engine.kv.packed import PackedPass, host_arrays, round_up
-from mlxbatch.engine.kv.slot_forward import ForwardPass, bucketed_pass, plan_forward, write_kv
-
-POSITION_STEP = 256  # buffers' positions grow by this much, and bucketed passes read keys in multiples of it
+from mlxbatch.engine.kv.rows import SlotRows
+from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache, bucketed_pass, plan_forward, write_kv
 
 
 class SlotPasses:
-    """A base of ``SlotBatch``: its forward passes, and the hooks its layer caches call during one."""
+    """The forward passes over the rows of a slot batch, and the hooks its layer caches call during one."""
+
+    def __init__(self, rows: SlotRows, buffers: SlotBuffers, options: LayoutOptions) -> None:
+        self._rows = rows
+        self._buffers = buffers
+        self.options = options
+        self.num_layers = buffers.num_layers
+        self._pass: ForwardPass | PackedPass | None = None  # the forward pass in progress (or the last one)
+        self.layers = [SlotLayerCache(self, i) for i in range(buffers.num_layers)]
+        # decode passes replayed from compiled graphs (its traces and counts: this layout's own)
+        self.compiled_decode = CompiledDecode() if options.compiled_decode else None
+        self._decode_key: tuple[int, ...] | int | None = None  # ``_decode_slots``' last rows, and their array
+        self._decode_rows: mx.array | None = None
+        # the last compiled decode pass's offsets + 1: as host ints, and the device array (``_compiled_decode``)
+        self._next_offsets: tuple[list[int], mx.array] | None = None
+
+    @property
+    def decode_attention(self) -> DecodeAttention | None:
+        """The fused decode kernel the layer caches attend with, where the device runs it."""
+        return self.options.attention.decode
+
+    @property
+    def last_pass(self) -> ForwardPass | PackedPass | None:
+        """The pass in progress, or the last one built (None after a compiled decode pass)."""
+        return self._pass
 
     def forward(self, model: Any, start: int, tokens: Sequence[Sequence[int]] | mx.array, full: bool = False,
                 offsets: Sequence[int] | None = None) -> mx.array:
@@ -43,22 +72,24 @@ class SlotPasses:
         # where each row's new tokens start: its committed length, unless an earlier forward of the same step
         # (not committed yet) already wrote some
         explicit = offsets is not None
-        offsets = list(offsets) if offsets is not None else self.lengths[start : start + n]
+        offsets = list(offsets) if offsets is not None else self._rows.lengths[start : start + n]
         if T == 1 and start == 0 and not explicit and not full and self.compiled_decode is not None:
             out = self._compiled_decode(model, tokens, offsets)
             if out is not None:
                 return out
+        slots = self._rows.slots(start, start + n)
         if self.options.shape_buckets and T > 1:
-            self._ensure(start + n, round_up(max(o + T for o in offsets), POSITION_STEP))  # as an exact pass
-            room = self._rows_cap if self.options.rows_stay else self._rows_cap - start  # padding rows' slots (read only)
-            fp = bucketed_pass(start, offsets, T, room, POSITION_STEP, self.slots(start, start + n))
+            self._rows.ensure(start + n, round_up(max(o + T for o in offsets), POSITION_STEP))  # as an exact pass
+            cap = self._buffers.rows_cap
+            room = cap if self.options.rows_stay else cap - start  # padding rows' slots (read only)
+            fp = bucketed_pass(start, offsets, T, room, POSITION_STEP, slots)
         else:
-            self._ensure(start + n, max(o + T for o in offsets))
-            fp = plan_forward(start, offsets, T, self.options.batched_moves, slots=self.slots(start, start + n))
-        if T > 1 and self.options.attention.prefill is not None:  # CUDA: a new shape's attention unfused, no cuDNN build
-            fused = self.options.attention.prefill.fused(fp.stop - fp.start, fp.width, fp.t_used, self._pos_cap, fp.mask)
+            self._rows.ensure(start + n, max(o + T for o in offsets))
+            fp = plan_forward(start, offsets, T, self.options.batched_moves, slots=slots)
+        policy = self.options.attention.prefill
+        if T > 1 and policy is not None:  # CUDA: a new shape's attention unfused, no cuDNN build
+            fused = policy.fused(fp.stop - fp.start, fp.width, fp.t_used, self._buffers.pos_cap, fp.mask)
             fp = dataclasses.replace(fp, fused=fused)
-        self._pass = fp
         rows, width = fp.stop - fp.start, fp.width
         if isinstance(tokens, mx.array):
             assert (rows, width) == (n, 1)
@@ -67,7 +98,7 @@ class SlotPasses:
             pad = tokens if rows == n and width == 1 else \
                 [list(t) + [0] * (width - len(t)) for t in tokens] + [[0] * width] * (rows - n)
             inputs = mx.array(pad, dtype=mx.int32)
-        out = model(inputs, cache=self.layers)
+        out = self.run(model, fp, inputs)
         if rows > n:
             out = out[:n]
         if full:
@@ -77,28 +108,36 @@ class SlotPasses:
         last = mx.array([len(t) - 1 for t in tokens], dtype=mx.int32)
         return mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :]
 
+    def run(self, model: Any, fp: ForwardPass | PackedPass, inputs: mx.array) -> mx.array:
+        """Call the model on ``inputs`` with ``fp`` as the pass in progress (its layer caches read it)."""
+        self._pass = fp
+        return model(inputs, cache=self.layers)
+
     def forward_packed(self, model: Any, start: int, tokens: Sequence[Sequence[int]], sizes: Sequence[int],
                        rows: Sequence[int]) -> mx.array:
         """Prefill rows ``[start, start+len(tokens))`` over their new tokens in one packed pass (``kv.packed``: the
         tokens end to end, attention in pass groups of ``sizes`` rows); returns the last output of each row in
         ``rows`` (``[len(rows), dim]``). ``model`` must attend through the layer caches (``model.own_body``)."""
-        offsets = self.lengths[start : start + len(tokens)]
-        self._ensure(start + len(tokens), round_up(max(o + len(t) for o, t in zip(offsets, tokens)), POSITION_STEP))
-        plan = PackedPass.plan(start, offsets, [len(t) for t in tokens], sizes, POSITION_STEP,
-                               self.options.attention.prefill, self._pos_cap, self.options.attention.packed,
-                               self.slots(start, start + len(tokens)))
-        self._pass = plan
+        offsets = self._rows.lengths[start : start + len(tokens)]
+        self._rows.ensure(start + len(tokens),
+                          round_up(max(o + len(t) for o, t in zip(offsets, tokens)), POSITION_STEP))
+        kernels = self.options.attention
+        plan = PackedPass.plan(start, offsets, [len(t) for t in tokens], sizes, POSITION_STEP, kernels.prefill,
+                               self._buffers.pos_cap, kernels.packed, self._rows.slots(start, start + len(tokens)))
         flat = [t for row in tokens for t in row]
         inputs, last = host_arrays(flat + [0] * (plan.padded - plan.tokens), [plan.last[r] for r in rows])
-        out = model(inputs[:, None], cache=self.layers)  # [padded, 1, dim]
+        out = self.run(model, plan, inputs[:, None])  # [padded, 1, dim]
         return out[last, 0, :]
 
     def _compiled_decode(self, model: Any, tokens: Sequence[Sequence[int]] | mx.array, offsets: list[int]
                          ) -> mx.array | None:
         """A decode pass over rows ``0 .. len(offsets)`` from a compiled graph, if its shape is compiled."""
+        compiled = self.compiled_decode
+        assert compiled is not None
         n = len(offsets)
-        self._ensure(n, max(offsets) + 1)
-        if not self.compiled_decode.accepts(self, n, self._keys[0].shape[1], self._pos_cap):
+        self._rows.ensure(n, max(offsets) + 1)
+        buffers = self._buffers
+        if not compiled.accepts(self, n, buffers.keys[0].shape[1], buffers.pos_cap):
             return None
         carried = self._next_offsets
         if carried is not None and carried[0] == offsets:  # every row advanced by one: the last pass's offsets + 1
@@ -111,17 +150,19 @@ class SlotPasses:
             ids, off = host_arrays([t for row in tokens for t in row], offsets)
             inputs = ids[:, None]
         self._next_offsets = None
-        out = self.compiled_decode.run(self, model, inputs, off, self._decode_slots(n), self._keys, self._values)
+        out = compiled.run(self, model, inputs, off, self._decode_slots(n), buffers.keys, buffers.values)
         if out is not None:  # the device's offsets + 1, for the next pass if its rows all advanced by one
-            self._next_offsets = ([o + 1 for o in offsets], self.compiled_decode.next_offsets)
+            self._next_offsets = ([o + 1 for o in offsets], compiled.next_offsets)
         return out
 
     def _decode_slots(self, n: int) -> mx.array:
         """The slots of rows ``0 .. n`` as an array, made again only when they changed."""
-        key = tuple(self._slot[:n]) if self.options.rows_stay else n
+        slots = self._rows.slots(0, n)
+        key = tuple(slots) if slots is not None else n
         if self._decode_key != key:
             self._decode_key = key
-            self._decode_rows = mx.array(list(key), dtype=mx.int32) if self.options.rows_stay else mx.arange(n, dtype=mx.int32)
+            self._decode_rows = mx.array(list(key), dtype=mx.int32) if slots is not None else \
+                mx.arange(n, dtype=mx.int32)
         assert self._decode_rows is not None
         return self._decode_rows
 
@@ -130,10 +171,11 @@ class SlotPasses:
         """Put ``keys``/``values`` in place of the buffers and ``fp`` as the pass in progress; returns the buffers
         they replace (``kv.compiled_decode``: a trace runs the layer caches over its own buffers, and the written
         buffers a compiled pass returns replace the old ones)."""
-        old = self._keys, self._values
-        self._keys, self._values, self._pass = keys, values, fp
+        old = self._buffers.swap(keys, values)
+        self._pass = fp
         return old
 
+    # -- the layer caches' hooks ------------------------------------------------------------------
     def current_pass(self) -> ForwardPass | PackedPass:
         assert self._pass is not None, "layer caches are read during a forward pass only"
         return self._pass
@@ -141,8 +183,8 @@ class SlotPasses:
     def write_layer(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         fp = self.current_pass()
         assert isinstance(fp, ForwardPass), "a packed pass writes through ``SlotLayerCache.attend``"
-        return write_kv(self._keys[layer], self._values[layer], fp, keys, values)
+        k_buf, v_buf = self._buffers.layer(layer)
+        return write_kv(k_buf, v_buf, fp, keys, values)
 
     def layer_buffers(self, layer: int) -> tuple[mx.array, mx.array]:
-        return self._keys[layer], self._values[layer]
-
+        return self._buffers.layer(layer)

@@ -1,10 +1,16 @@
-"""Row moves of the slot batch: promoting, arranging and retiring rows, and copying prefixes from row to row.
+"""The slot batch's rows: their order, slots and committed lengths, and how they move.
 
-Owns how rows change places in the batch's order (``kv.slots``) and keep their books in step. Where a row's place is
-its slot, promoting, arranging or retiring one sequence moves at most two rows' KV; with batched moves (a GPU) all the
-rows a call moves go at once, in one gather, one sync and one scatter per buffer; on the CPU row by row (slice copies).
-Where rows stay in their slots (``rows_stay``, CUDA), the same calls change the books only (the order and each row's
-slot). A running row's prefix is copied into a new row's slot by a gather and a scatter (``copy_prefixes``).
+Owns the books of the running batch (``SlotRows``): each sequence's row in the batch's order (decoding rows first,
+``[0, n_decode)``, prefilling rows after them), its slot in the buffers and its committed length, and every operation
+that changes them: admitting, promoting, arranging and retiring rows, and copying prefixes from row to row. The KV
+copies these need are the buffers' (``kv.buffers``).
+- **Rows move** (the CPU, and GPU paths without the engine's kernels): row ``i`` is slot ``i``, so promoting,
+  arranging or retiring one sequence moves at most two rows' KV; with batched moves (a GPU) all the rows a call
+  moves go at once, in one gather, one sync and one scatter per buffer; on the CPU row by row (slice copies).
+- **Rows stay** (``LayoutOptions.rows_stay``: CUDA, whose passes read and write each row's own slot): the same calls
+  change the books only (the order and each row's slot). A retired row's slot goes to the next admitted one (the
+  lowest free first), and only a shrink moves the rows held past its smaller capacity (``compact``).
+A running row's prefix is copied into a new row's slot by a gather and a scatter (``copy_prefixes``).
 """
 
 from __future__ import annotations
@@ -14,11 +20,11 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-# on a GPU, new rows that share a prefix are written by broadcast from this many (``RowMoves.broadcast_rows``)
+from mlxbatch.engine.kv import LayoutOptions
+from mlxbatch.engine.kv.buffers import SlotBuffers
+
+# on a GPU, new rows that share a prefix are written by broadcast from this many (``SlotRows.broadcast_rows``)
 BROADCAST_ROWS = 8
-# a shared prefix goes into at most this many runs of neighbouring rows by slice writes (a kernel per buffer each),
-# into rows more scattered than that by one scatter per buffer (``RowMoves.write_prefix``)
-MAX_RUNS = 8
 
 
 def _fill(kept: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -28,46 +34,79 @@ def _fill(kept: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]]:
     return list(zip([r for r in kept if r >= hi], [p for p in range(lo, hi) if p not in inside]))
 
 
-def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
-    """Sorted distinct rows as ``[a, b)`` runs of neighbours."""
-    out: list[tuple[int, int]] = []
-    for r in rows:
-        if out and out[-1][1] == r:
-            out[-1] = (out[-1][0], r + 1)
-        else:
-            out.append((r, r + 1))
-    return out
+class SlotRows:
+    """Rows ``[0, n_decode)`` decode, rows ``[n_decode, n)`` prefill; where rows stay, row ``i``'s KV is in slot
+    ``slot_of(ids[i])``, else in slot ``i``."""
 
+    def __init__(self, buffers: SlotBuffers, options: LayoutOptions) -> None:
+        self.buffers = buffers
+        self.options = options
+        self.ids: list[str] = []  # request id per row (read only outside: moves keep ``_row`` in step)
+        self._row: dict[str, int] = {}  # request id -> its row
+        self.lengths: list[int] = []  # KV positions committed per row (read only outside)
+        self._slot: list[int] = []  # where rows stay: each row's slot in the buffers (else row i is slot i)
+        self._free_slots: list[int] = []  # where rows stay: slots below ``_span`` no row holds (a heap)
+        self._span = 0  # where rows stay: slots handed out (the highest used + 1, or more)
+        self.n_decode = 0
 
-class RowMoves:
-    """A base of ``SlotBatch``: moves its rows in its buffers (``_keys``, ``_values``) and books (``ids``,
-    ``lengths``, ``n_decode``, ``_row``; where ``rows_stay``, ``_slot`` and ``_free_slots``), counted in its
-    ``traffic``; calls its ``row_of``, ``slot_of``, ``_reindex`` and ``_ensure``."""
+    def __len__(self) -> int:
+        return len(self.ids)
 
-    def _row_copies(self, row: int, n: int) -> list[mx.array]:
-        """Evaluated copies of one row's first ``n`` positions, every layer's keys then values, in one sync.
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._row
 
-        A lazy slice would keep the buffer referenced, and the update that follows would then copy the whole
-        buffer instead of writing in place (measured on CPU: 67 ms vs 0.1 ms); one eval for all layers keeps
-        a row move to a single device sync (on a GPU, one per layer cost ~10 ms a move).
-        """
-        out = [mx.contiguous(buf[row, :, :n, :]) for buf in (*self._keys, *self._values)]
-        self.traffic.evaluate(out)
-        return out
+    def row_of(self, request_id: str) -> int:
+        """The sequence's row in the batch's order."""
+        return self._row[request_id]
 
-    def _put_row(self, row: int, n: int, copies: list[mx.array]) -> None:
-        """A row move's write (the CPU path): one row's positions ``0..n-1`` from ``copies``."""
-        self.traffic.moved_bytes += n * self._pos_bytes
-        self.traffic.row_moved_bytes += n * self._pos_bytes
-        for buf, arr in zip((*self._keys, *self._values), copies):
-            buf[row, :, :n, :] = arr
+    def slot_of(self, request_id: str) -> int:
+        """The sequence's slot in the buffers."""
+        row = self._row[request_id]
+        return self._slot[row] if self.options.rows_stay else row
 
+    def slots(self, start: int, stop: int) -> list[int] | None:
+        """The slots of rows ``[start, stop)`` where rows stay, else None (they are slots ``start ..``)."""
+        return self._slot[start:stop] if self.options.rows_stay else None
+
+    def ensure(self, rows: int, positions: int) -> None:
+        """Buffers for rows ``0 .. rows`` (and every slot handed out) of ``positions`` positions."""
+        self.buffers.ensure(max(rows, self._span), positions)
+
+    def _reindex(self) -> None:
+        self._row = {rid: i for i, rid in enumerate(self.ids)}
+
+    # -- admitting and committing ---------------------------------------------------------------
+    def add(self, request_id: str, kv: Sequence[tuple[mx.array, mx.array]] = (), length: int = 0) -> None:
+        """Admit a sequence as a prefilling row (the last in the order), optionally starting from ``length`` positions
+        of ``kv``. Where rows stay, it takes the lowest free slot."""
+        assert request_id not in self._row and self.buffers.keys, "allocate() first; ids are unique"
+        slot = len(self.ids)
+        if self.options.rows_stay:
+            if self._free_slots:
+                slot = heapq.heappop(self._free_slots)
+            else:
+                slot, self._span = self._span, self._span + 1
+            self._slot.append(slot)
+        self.ensure(slot + 1, length + 1)
+        self.buffers.write_row(slot, kv, length)
+        self._row[request_id] = len(self.ids)
+        self.ids.append(request_id)
+        self.lengths.append(length)
+
+    def committed(self, request_id: str) -> int:
+        return self.lengths[self.row_of(request_id)]
+
+    def advance(self, request_id: str, count: int) -> None:
+        """Commit ``count`` new positions of one row (after the step that wrote them succeeded)."""
+        self.lengths[self.row_of(request_id)] += count
+
+    # -- moves -----------------------------------------------------------------------------------
     def _copy_row(self, src: int, dst: int) -> None:
         if src == dst:
             return
         n = self.lengths[src]
         if n:
-            self._put_row(dst, n, self._row_copies(src, n))
+            self.buffers.put_row(dst, n, self.buffers.row_copies(src, n))
         self.ids[dst], self.lengths[dst] = self.ids[src], self.lengths[src]
         self._row[self.ids[dst]] = dst
 
@@ -78,12 +117,12 @@ class RowMoves:
             self._move_rows([(a, b), (b, a)])
             return
         na, nb = self.lengths[a], self.lengths[b]  # a row without KV (just admitted) moves by its books alone
-        ra = self._row_copies(a, na) if na else None
-        rb = self._row_copies(b, nb) if nb else None
+        ra = self.buffers.row_copies(a, na) if na else None
+        rb = self.buffers.row_copies(b, nb) if nb else None
         if rb is not None:
-            self._put_row(a, nb, rb)
+            self.buffers.put_row(a, nb, rb)
         if ra is not None:
-            self._put_row(b, na, ra)
+            self.buffers.put_row(b, na, ra)
         self.ids[a], self.ids[b] = self.ids[b], self.ids[a]
         self._row[self.ids[a]], self._row[self.ids[b]] = a, b
         self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
@@ -132,6 +171,15 @@ class RowMoves:
         dst = list(range(self.n_decode, self.n_decode + len(order)))
         self._move_rows([(s, d) for s, d in zip(src, dst) if s != d])
 
+    def arrange_decode(self, order: Sequence[str]) -> None:
+        """Put the decode rows in this order (a permutation of them); rows already in place do not move."""
+        assert sorted(order) == sorted(self.ids[: self.n_decode])
+        if not self.options.batched_moves:
+            for j, rid in enumerate(order):
+                self._swap(self.row_of(rid), j)
+            return
+        self._move_rows([(s, d) for d, s in enumerate(self.row_of(rid) for rid in order) if s != d])
+
     def _move_rows(self, moves: Sequence[tuple[int, int]]) -> None:
         """Rows ``src -> dst`` at once (a permutation of the rows involved), KV and books; a row without KV (just
         admitted, its prefix not copied in yet) moves by its books alone, and so does every row where rows stay."""
@@ -148,31 +196,15 @@ class RowMoves:
         held = [(s, d) for s, d in moves if lengths[s]]
         if not held:
             return
-        if not self.options.batched_moves:  # the CPU: row by row, in order (``remove_many``'s moves read no row written before)
-            for s, d in held:
-                self._put_row(d, lengths[s], self._row_copies(s, lengths[s]))
+        if not self.options.batched_moves:  # the CPU: row by row, in order (``remove_many``'s moves read no row
+            for s, d in held:  # written before)
+                self.buffers.put_row(d, lengths[s], self.buffers.row_copies(s, lengths[s]))
             return
         n = max(lengths[s] for s, _ in held)
-        self._copy_rows([s for s, _ in held], [d for _, d in held], n)
-        self.traffic.row_moved_bytes += len(held) * n * self._pos_bytes
+        self.buffers.copy_rows([s for s, _ in held], [d for _, d in held], n)
+        self.buffers.traffic.row_moved_bytes += len(held) * n * self.buffers.position_bytes
 
-    def _copy_rows(self, src: Sequence[int], dst: Sequence[int], n: int) -> None:
-        """Positions ``0..n-1`` of rows ``src`` into rows ``dst``, all rows at once: one gather per buffer, one
-        sync, one scatter per buffer."""
-        take = mx.array(src, dtype=mx.int32)
-        copies = [mx.take(buf[:, :, :n, :], take, axis=0) for buf in (*self._keys, *self._values)]
-        self.traffic.evaluate(copies)  # nothing lazy may reference the buffers while they are written in place
-        self._put_rows(dst, n, copies)
-
-    def _put_rows(self, dst: Sequence[int], n: int, copies: list[mx.array]) -> None:
-        """Rows ``dst``'s positions ``0..n-1`` from ``copies`` (every layer's keys then values, ``[rows, H, n, D]``,
-        evaluated): one scatter per buffer."""
-        put = mx.array(dst, dtype=mx.int32)
-        self.traffic.moved_bytes += len(dst) * n * self._pos_bytes
-        for i, c in enumerate(copies):
-            target = self._keys if i < self.num_layers else self._values
-            target[i % self.num_layers][put, :, :n, :] = c
-
+    # -- prefix copies ---------------------------------------------------------------------------
     @property
     def broadcast_rows(self) -> int:
         """New rows that must share a prefix for it to be read once and written into them all at once
@@ -195,42 +227,28 @@ class RowMoves:
             if k:
                 groups.setdefault((s, k), []).append(d)
         if groups:
-            self._ensure(len(self.ids), max(k for _, k in groups) + 1)
+            self.ensure(len(self.ids), max(k for _, k in groups) + 1)
             wide = {key: dsts for key, dsts in groups.items() if len(dsts) >= self.broadcast_rows}
             rest = [(d, s, k) for (s, k), dsts in groups.items() if (s, k) not in wide for d in dsts]
-            reads = [[mx.contiguous(buf[self.slot_of(s), :, :k, :]) for buf in (*self._keys, *self._values)]
-                     for s, k in wide]
+            reads = [self.buffers.read_prefix(self.slot_of(s), k) for s, k in wide]
             n = max((k for _, _, k in rest), default=0)
-            take = mx.array([self.slot_of(s) for _, s, _ in rest], dtype=mx.int32)
-            gathered = [mx.take(buf[:, :, :n, :], take, axis=0) for buf in (*self._keys, *self._values)] if rest else []
-            self.traffic.evaluate(reads, gathered)  # nothing lazy may reference the buffers while they are written
+            gathered = self.buffers.gather([self.slot_of(s) for _, s, _ in rest], n) if rest else []
+            self.buffers.traffic.evaluate(reads, gathered)  # nothing lazy may reference the buffers while written
             for dsts, kv in zip(wide.values(), reads):
                 self.write_prefix(dsts, kv)
             if rest:
-                self._put_rows([self.slot_of(d) for d, _, _ in rest], n, gathered)
+                self.buffers.put_rows([self.slot_of(d) for d, _, _ in rest], n, gathered)
         for d, _, k in copies:
             self.lengths[self.row_of(d)] = k
 
     def write_prefix(self, request_ids: Sequence[str], kv: Sequence[mx.array]) -> None:
-        """One prefix into rows: ``kv`` holds every layer's keys then values, each ``[H, n, D]`` (evaluated, or lazy
-        reads of anything but these buffers), for positions ``0 .. n``. A broadcast slice write per buffer for each
-        run of neighbouring rows (the runner keeps a step's rows that share a prefix neighbours in each pass); rows
-        in more than ``MAX_RUNS`` runs take one scatter per buffer instead on a GPU (a CPU's scatter goes element by
-        element: slices always). Lengths are the caller's."""
-        rows = sorted(self.slot_of(rid) for rid in request_ids)
-        n = kv[0].shape[1]
-        self._ensure(len(self.ids), n + 1)
-        self.traffic.moved_bytes += len(rows) * n * self._pos_bytes
-        runs = _runs(rows)
-        put = mx.array(rows, dtype=mx.int32) if self.options.batched_moves and len(runs) > MAX_RUNS else None
-        for i, src in enumerate(kv):
-            buf = (self._keys if i < self.num_layers else self._values)[i % self.num_layers]
-            if put is not None:
-                buf[put, :, :n, :] = src[None]
-                continue
-            for a, b in runs:
-                buf[a:b, :, :n, :] = src[None]
+        """One prefix into rows (``SlotBuffers.write_prefix``: a broadcast slice write per run of neighbouring rows;
+        the runner keeps a step's rows that share a prefix neighbours in each pass). Lengths are the caller's."""
+        slots = sorted(self.slot_of(rid) for rid in request_ids)
+        self.ensure(len(self.ids), kv[0].shape[1] + 1)
+        self.buffers.write_prefix(slots, kv, self.options.batched_moves)
 
+    # -- retiring ---------------------------------------------------------------------------------
     def remove_many(self, request_ids: Sequence[str]) -> None:
         """Retire rows. Each region's holes are filled by its own rows from past its new end, so only those move:
         with batched moves in one gather + scatter, on the CPU row by row."""
@@ -275,3 +293,30 @@ class RowMoves:
             self._copy_row(last, row)
         self.ids.pop()  # the last row (its id, if it moved, now also stands in the hole)
         self.lengths.pop()
+
+    def compact(self, rows: int) -> None:
+        """Where rows stay: rows held in slots ``rows ..`` move to free slots below it (before the buffers shrink to
+        ``rows``)."""
+        used = set(self._slot)
+        high = [i for i, s in enumerate(self._slot) if s >= rows]
+        low = [s for s in range(rows) if s not in used][: len(high)]
+        if high:
+            n = max(self.lengths[i] for i in high)
+            if n:
+                self.buffers.copy_rows([self._slot[i] for i in high], low, n)
+                self.buffers.traffic.row_moved_bytes += len(high) * n * self.buffers.position_bytes
+            for i, s in zip(high, low):
+                self._slot[i] = s
+        used = set(self._slot)
+        self._span = max(used, default=-1) + 1
+        self._free_slots = [s for s in range(self._span) if s not in used]  # sorted: a heap
+
+    def check_integrity(self) -> None:
+        """Assert the books agree (tests call it after every operation)."""
+        assert self._row == {rid: i for i, rid in enumerate(self.ids)}, "row index out of step with the rows"
+        assert len(self.lengths) == len(self.ids) and 0 <= self.n_decode <= len(self.ids)
+        assert all(0 <= n <= self.buffers.pos_cap for n in self.lengths) and len(self.ids) <= self.buffers.rows_cap
+        if self.options.rows_stay:
+            assert len(self._slot) == len(self.ids) and len(set(self._slot)) == len(self._slot), "slots held twice"
+            assert sorted(self._slot + self._free_slots) == list(range(self._span)), "slots lost or made up"
+            assert self._span <= self.buffers.rows_cap
