@@ -1,9 +1,11 @@
 """The end of a runner step: the draw of the due rows' next tokens and the commit of the step's books.
 
-``StepCommit`` (``ModelRunner``'s base class) draws every due row's next token at once (forked samples from their
-parent's logits), commits the step's books once every pass is built (KV positions, finished prompts' blocks to the
-prefix store, forks' copies of their parent's KV) and launches what is left of the step. Rows whose prefill ended join
-the decode rows, and freed rows leave, when the next step starts (``_settle_rows``: a row move waits for the device).
+``StepCommit`` (the runner holds one) draws every due row's next token at once (forked samples from their parent's
+logits), commits the step's books once every pass is built (KV positions, finished prompts' blocks to the prefix
+store, forks' copies of their parent's KV) and launches what is left of the step. It owns the last launched step until
+its tokens are read (the next decode pass is fed its draw on the device: ``decode_tokens``) and the row moves the step
+leaves: rows whose prefill ended join the decode rows, and freed rows leave, when the next step starts
+(``settle_rows``: a row move waits for the device).
 """
 
 from __future__ import annotations
@@ -16,24 +18,26 @@ from mlxbatch.engine.decoding.sampling import SampleRow, draw, draw_greedy
 from mlxbatch.engine.decoding.structured import SequenceGrammars
 from mlxbatch.engine.kv import KVLayout, reuse
 from mlxbatch.engine.kv.prefix_store import PrefixStore
-from mlxbatch.engine.outputs import Launched, ScoredTokens, StepProfile, Traffic
+from mlxbatch.engine.outputs import Launched, ScoredTokens, StepProfile
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sched.step import SchedulerOutput
 
 
 class StepCommit:
-    """``ModelRunner``'s draw and commit (the attributes below are ``ModelRunner``'s, set in its ``__init__``)."""
+    """A runner's draw and commit, on its KV layout, prefix store and matchers, counted in its step profile."""
 
-    profile: StepProfile
-    traffic: Traffic
-    batch: KVLayout
-    _store: PrefixStore | None
-    _grammars: SequenceGrammars
-    _last: Launched | None
-    _promote: list[str]
-    _free: list[str]
+    def __init__(self, batch: KVLayout, store: PrefixStore | None, grammars: SequenceGrammars,
+                 profile: StepProfile) -> None:
+        self.batch = batch
+        self._store = store
+        self._grammars = grammars
+        self.profile = profile
+        self.traffic = profile.traffic
+        self.last: Launched | None = None  # the last launched step, until its tokens are read (``collected``)
+        self._promote: list[str] = []  # rows whose prefill ended in the last step: they join the decode rows next
+        self._free: list[str] = []  # rows to drop when the next step starts
 
-    def _draw_commit(self, out: SchedulerOutput, due: list[Request], logits: list[mx.array],
+    def draw_commit(self, out: SchedulerOutput, due: list[Request], logits: list[mx.array],
                      scored: dict[str, ScoredTokens]) -> Launched:
         """Draw every due row's next token (forked samples from their parent's logits), commit the step's books, and
         launch what is left of the step."""
@@ -71,8 +75,26 @@ class StepCommit:
         else:
             prof.prefill_build_s += build
         step = Launched(tuple(r.request_id for r in due), drawn, n, scored)
-        self._last = step if drawn is not None else None
+        self.last = step if drawn is not None else None
         return step
+
+    def collected(self, step: Launched) -> None:
+        """``step``'s tokens were read: the next decode pass is fed from the host, not from its draw."""
+        if step is self.last:
+            self.last = None
+
+    def decode_tokens(self, rows: list[Request]) -> list[list[int]] | mx.array:
+        """The decode pass's inputs: each row's last token, from the last step's draw while it is still on the device
+        (every decoding row was due in the step before), else from the host."""
+        last = self.last
+        if last is None or last.drawn is None:
+            return [[r.last_token] for r in rows]
+        pos = last.index
+        assert all(r.request_id in pos for r in rows), "a decoding row was not drawn in the step before"
+        at = [pos[r.request_id] for r in rows]
+        if at == list(range(len(at))):  # the last draw's first rows, in order (most steps): a view, no gather
+            return last.drawn.chosen[: len(at), None]
+        return last.drawn.chosen[mx.array(at, dtype=mx.int32)][:, None]
 
     def _commit(self, out: SchedulerOutput) -> list[mx.array]:
         """The step's books: its KV positions count, finished prompts' blocks go to the prefix store (lazily: returns
@@ -94,7 +116,14 @@ class StepCommit:
         self._promote = [rid for rid in self.batch.ids[self.batch.n_decode :] if rid in done]
         return pending
 
-    def _settle_rows(self) -> None:
+    def free(self, request_ids: list[str]) -> None:
+        """Drop these rows when the next step starts (the step in flight may still read them), or now when nothing
+        is in flight."""
+        self._free += request_ids
+        if self.last is None:
+            self.settle_rows()
+
+    def settle_rows(self) -> None:
         """Row moves left by the last step (promotions, then frees), before this step touches the rows."""
         if self._promote:
             leaving = set(self._free)  # (a row done as its prefill ended is not promoted first)

@@ -8,7 +8,7 @@ forward; prefill chunks run batched too, in groups of similar length so right-pa
 next token is due are sampled together. KV positions are committed only when the whole step succeeded, so a failed
 (out-of-memory) step leaves nothing half-counted. With ``batch_invariant`` the forwards run in fixed shapes instead
 (``engine.invariant``: slices, key widths and row tiles fixed by each row alone); sampling and commit are shared
-(``engine.commit``: ``StepCommit``, the runner's base class).
+(``engine.commit``: the runner's ``StepCommit``).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in text for m in _OOM_MARKERS)
 
 
-class ModelRunner(StepCommit):
+class ModelRunner:
     def __init__(self, model: Any, geometry: KVGeometry, backend: Backend, prefix_blocks: int = 0,
                  block_size: int = 16, vlm: Any = None, vision_cache_bytes: int = 1 << 30,
                  batch_invariant: bool = False, layout: LayoutOptions | None = None) -> None:
@@ -115,9 +115,8 @@ class ModelRunner(StepCommit):
                                    geometry.bytes_per_token, prefix_blocks, block_size, self.traffic)
                        if prefix_blocks > 0 else None)
         self._grammars = SequenceGrammars(backend.metal)  # structured outputs: constrained sequences' matchers
-        self._last: Launched | None = None  # the last launched step, until its tokens are read (``collect``)
-        self._promote: list[str] = []  # rows whose prefill ended in the last step: they join the decode rows next
-        self._free: list[str] = []  # rows to drop when the next step starts
+        # the draw and the commit of each step, the last launched step and the row moves it leaves
+        self._steps = StepCommit(slots, self._store, self._grammars, self.profile)
 
     def kv_cost(self, reserved_lengths: list[int]) -> int:
         if self._fixed is not None:
@@ -170,8 +169,7 @@ class ModelRunner(StepCommit):
             return RunnerOutput(scored=step.scored)
         self.traffic.wait_for(step.launch)  # (its time goes to the launch's kind)
         tokens_out = step.drawn.read()
-        if step is self._last:
-            self._last = None  # the host knows the last step's tokens: the next decode pass is fed from them
+        self._steps.collected(step)  # the host knows the step's tokens: the next decode pass is fed from them
         done: frozenset[str] = frozenset()
         if len(self._grammars):  # constrained sequences (none: no per-row work here)
             t1 = time.perf_counter()
@@ -187,7 +185,7 @@ class ModelRunner(StepCommit):
         return not len(self._grammars) and self._mm is None and self._fixed is None
 
     def _launch(self, out: SchedulerOutput) -> Launched:
-        self._settle_rows()
+        self._steps.settle_rows()
         if self._fixed is not None:
             return self._launch_fixed(out)
         prof, batch, traffic = self.profile, self.batch, self.traffic
@@ -237,24 +235,11 @@ class ModelRunner(StepCommit):
             by_id = {r.request_id: r for r in out.decodes}
             rows = [by_id[rid] for rid in batch.ids[: batch.n_decode]]
             seqs = [RowInput(r, r.num_tokens - 1, 1) for r in rows] if self._mm is not None else None
-            logits.insert(0, self._forward(0, self._decode_tokens(rows), seqs=seqs))
+            logits.insert(0, self._forward(0, self._steps.decode_tokens(rows), seqs=seqs))
             due = rows + due
             prof.decode_build_s += time.perf_counter() - t0 - (traffic.wait_s - w0)
             prof.decode_tokens += len(rows)
-        return self._draw_commit(out, due, logits, scored)
-
-    def _decode_tokens(self, rows: list[Request]) -> list[list[int]] | mx.array:
-        """The decode pass's inputs: each row's last token, from the last step's draw while it is still on the device
-        (every decoding row was due in the step before), else from the host."""
-        last = self._last
-        if last is None or last.drawn is None:
-            return [[r.last_token] for r in rows]
-        pos = last.index
-        assert all(r.request_id in pos for r in rows), "a decoding row was not drawn in the step before"
-        at = [pos[r.request_id] for r in rows]
-        if at == list(range(len(at))):  # the last draw's first rows, in order (most steps): a view, no gather
-            return last.drawn.chosen[: len(at), None]
-        return last.drawn.chosen[mx.array(at, dtype=mx.int32)][:, None]
+        return self._steps.draw_commit(out, due, logits, scored)
 
     def _launch_fixed(self, out: SchedulerOutput) -> Launched:
         """The step in batch-invariant mode: fixed-shape forwards, then the shared draw and commit."""
@@ -266,7 +251,7 @@ class ModelRunner(StepCommit):
         if step.score_hidden:
             lg = fx.logits(step.score_hidden).astype(mx.float32)
             scored = score_positions(lg, step.score_targets, step.score_owners, self.traffic)
-        return self._draw_commit(out, step.due, [fx.logits(step.hidden)] if step.due else [], scored)
+        return self._steps.draw_commit(out, step.due, [fx.logits(step.hidden)] if step.due else [], scored)
 
     def _score(self, start: int, group: list[PrefillChunk], tokens: list[list[int]], last: list[int],
                seqs: list[RowInput], scored: dict[str, ScoredTokens]) -> mx.array:
@@ -312,9 +297,7 @@ class ModelRunner(StepCommit):
         if self._mm is not None:
             for rid in request_ids:
                 self._mm.free(rid)
-        self._free += request_ids
-        if self._last is None:  # nothing in flight reads them: now
-            self._settle_rows()
+        self._steps.free(request_ids)
 
 
 def _pad_groups(chunks: tuple[PrefillChunk, ...], admitted: list[str] | None = None, max_waste: float = 0.25
