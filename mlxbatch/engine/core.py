@@ -1,17 +1,17 @@
 """EngineCore: the step loop (schedule -> execute -> update), written once.
 
 Owns the requests in flight; submissions become sequences (``n`` samples become ``n`` sequences with derived seeds)
-after validation in ``engine.intake`` (``RequestIntake``, its base class). ``step()`` is the only place where the
-scheduler, the runner and the requests meet. ``AsyncEngineCore`` drives the same loop from asyncio on one dedicated
-thread.
+after validation in ``engine.intake`` (its ``RequestIntake``), then are queued here. ``step()`` is the only place where
+the scheduler, the runner and the requests meet. ``AsyncEngineCore`` drives the same loop from asyncio on one
+dedicated thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from mlxbatch.config import EngineConfig
@@ -31,9 +31,10 @@ from mlxbatch.engine.sched.prefix import PrefixIndex
 from mlxbatch.engine.sched.scheduler import Scheduler
 from mlxbatch.engine.sched.sizing import size_batch
 from mlxbatch.engine.sched.step import SchedulerConfig, SchedulerOutput
+from mlxbatch.engine.vision.adapter import MultimodalPrompt
 from mlxbatch.engine.warmup import WarmUpReport, exercise
-from mlxbatch.errors import OutOfMemoryError
-from mlxbatch.types import RequestOutput, StreamDelta
+from mlxbatch.errors import EngineClosedError, OutOfMemoryError
+from mlxbatch.types import ImageInput, RequestOutput, SamplingParams, StreamDelta
 
 __all__ = ["EngineCore", "Prompt", "max_num_seqs_here", "reuse_step_here"]  # Prompt: api and async_core import it from here
 
@@ -53,7 +54,7 @@ def max_num_seqs_here(configured: int | None) -> int:
     return configured if configured is not None else device_info().batch_defaults.max_num_seqs
 
 
-class EngineCore(RequestIntake):
+class EngineCore:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  worker: Worker | None = None, *, layout: LayoutOptions | None = None) -> None:
         config = config or EngineConfig()
@@ -89,16 +90,11 @@ class EngineCore(RequestIntake):
                             self.config.max_num_seqs // 16 if self.runner.layout.packed_prefill else 0),
             self.runner.kv_cost,
             PrefixIndex(mem.prefix_blocks, BLOCK_SIZE, block_bytes, self.reuse_step) if mem.prefix_blocks else None)
+        self.intake = RequestIntake(loaded, self.config.seed)  # submissions -> validated sequences
         self._groups: dict[str, RequestGroup] = {}
         self._aborted: set[str] = set()  # groups aborted since the last step
         self._seqs: dict[str, Request] = {}
-        self._ids = itertools.count()
         self._closed = False
-        tok = loaded.tokenizer
-        self._eos = frozenset(int(t) for t in (tok.eos_token_ids or ()))
-        self._vocab_size = len(tok._tokenizer)
-        self._hidden_ids = frozenset(int(t) for t in (getattr(tok, "all_special_ids", None) or ()))
-        self._compiler: GrammarCompiler | None = None
         self._pending: Launched | None = None  # the step launched last, until its tokens are read (``step``)
         if self.config.warm_up:
             self.worker.warm_up()
@@ -116,6 +112,47 @@ class EngineCore(RequestIntake):
                                   prefill_chunk_size=16, kv_budget_bytes=budget, prefix_cache=True,
                                   prefix_cache_bytes=4 * per_row)
         return exercise(EngineCore(self.loaded, cfg, self.worker, layout=self._layout))
+
+    # -- submission ----------------------------------------------------------------------------
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """Compiles output constraints for this model's tokenizer (built on first use, then cached)."""
+        return self.intake.compiler
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: text, token ids, or chat messages (rendered with the chat template)."""
+        return self.intake.encode(prompt)
+
+    def encode_images(self, prompt: Prompt, images: Sequence[ImageInput]) -> MultimodalPrompt:
+        """Token ids and image inputs of a prompt with images; a text-only model refuses them (InvalidRequestError)."""
+        return self.intake.encode_images(prompt, images)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, stream: bool = False, cache_tokens: int | None = None,
+                    images: Sequence[ImageInput] = ()) -> str:
+        """Validate and queue one request (``RequestIntake.request``: ``cache_tokens`` is the plan's retention,
+        ``images`` go with a text or chat prompt); raises InvalidRequestError (the engine goes on) if it cannot run."""
+        if self._closed:
+            raise EngineClosedError("the engine has shut down")
+        return self._queue(self.intake.request(prompt, params, request_id, stream, cache_tokens, images,
+                                               self._groups))
+
+    def add_score_request(self, context: Prompt, continuations: Sequence[str | Sequence[int]],
+                          request_id: str | None = None, cache_tokens: int | None = None) -> str:
+        """Queue the scoring of each continuation after ``context`` (``RequestIntake.score_request``)."""
+        if self._closed:
+            raise EngineClosedError("the engine has shut down")
+        return self._queue(self.intake.score_request(context, continuations, request_id, cache_tokens, self._groups))
+
+    def _queue(self, group: RequestGroup) -> str:
+        """A validated request's sequences in flight: books, constraints (a matcher each), the scheduler's queue."""
+        self._groups[group.request_id] = group
+        for s in group.sequences:
+            self._seqs[s.request_id] = s
+            if s.params.constraint is not None:
+                self.runner.set_constraint(s.request_id, self.compiler.matcher(s.params.constraint))
+            self.scheduler.add(s)
+        return group.request_id
 
     def abort(self, request_id: str) -> None:
         group = self._groups.get(request_id)

@@ -1,9 +1,11 @@
-"""Request intake: submissions -> validated sequences, queued (``RequestIntake``, ``EngineCore``'s base class).
+"""Request intake: submissions -> validated sequences (``RequestIntake``; the engine core holds one).
 
 A prompt is encoded (text, token ids, chat messages, images) and checked against the model's context and vocabulary,
 an output constraint against the grammar compiler. ``n`` samples become ``n`` sequences with derived seeds (a text
 prompt is prefilled once: samples 1..n-1 fork sample 0's KV); a score request's candidates become one sequence, or one
-each. A request's sequences form a ``RequestGroup``, which the step loop (``engine.core``) finishes and reports.
+each. A request's sequences form a ``RequestGroup``, which the engine core queues, and its step loop finishes and
+reports (``engine.core``). Owns the model's token facts (EOS, specials, vocabulary), the grammar compiler and the
+request ids it hands out; nothing is queued here, so a refused request leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -11,22 +13,19 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxbatch.config import EngineConfig
 from mlxbatch.engine.decoding.detok import TextTracker
 from mlxbatch.engine.decoding.sampling import derive_seed, uniform_for
 from mlxbatch.engine.decoding.structured import GrammarCompiler, short_value
 from mlxbatch.engine.inputs import Prompt, encode_prompt
 from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.runner import ModelRunner
 from mlxbatch.engine.sched.blocks import stable_hash
-from mlxbatch.engine.sched.scheduler import Scheduler
 from mlxbatch.engine.vision.adapter import MultimodalPrompt
-from mlxbatch.errors import EngineClosedError, InvalidRequestError
+from mlxbatch.errors import InvalidRequestError
 from mlxbatch.types import ImageInput, RequestOutput, RequestTimings, SamplingParams
 
 _SCORE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # scoring generates nothing; greedy, no seed
@@ -59,20 +58,18 @@ class RequestGroup:
 
 
 class RequestIntake:
-    """``EngineCore``'s submission side (the attributes below are ``EngineCore``'s, set in its ``__init__``)."""
+    """Validates submissions for one model and makes their sequences (``request``, ``score_request``).
+    ``seed``: the engine's seed (``EngineConfig.seed``), from which unseeded requests get theirs."""
 
-    config: EngineConfig
-    loaded: LoadedModel
-    runner: ModelRunner
-    scheduler: Scheduler
-    _groups: dict[str, RequestGroup]
-    _seqs: dict[str, Request]
-    _ids: itertools.count[int]
-    _closed: bool
-    _eos: frozenset[int]
-    _vocab_size: int
-    _hidden_ids: frozenset[int]
-    _compiler: GrammarCompiler | None
+    def __init__(self, loaded: LoadedModel, seed: int | None) -> None:
+        self.loaded = loaded
+        self._seed = seed
+        self._ids = itertools.count()
+        tok = loaded.tokenizer
+        self.eos = frozenset(int(t) for t in (tok.eos_token_ids or ()))
+        self._vocab_size = len(tok._tokenizer)
+        self._hidden_ids = frozenset(int(t) for t in (getattr(tok, "all_special_ids", None) or ()))
+        self._compiler: GrammarCompiler | None = None
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -80,7 +77,7 @@ class RequestIntake:
         if self._compiler is None:
             width = self.loaded.config.get("vocab_size") or self._vocab_size
             try:
-                self._compiler = GrammarCompiler(self.loaded.tokenizer, width, self._eos)
+                self._compiler = GrammarCompiler(self.loaded.tokenizer, width, self.eos)
             except (ValueError, TypeError) as exc:  # e.g. a slow (non-Rust) tokenizer
                 msg = f"this model's tokenizer does not support constrained decoding: {exc}"
                 raise InvalidRequestError("constraint", "<any>", msg) from exc
@@ -101,10 +98,10 @@ class RequestIntake:
             raise InvalidRequestError("prompt", type(prompt).__name__, "with images, give text or chat messages")
         return self.loaded.vlm.encode(prompt, images)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = False, cache_tokens: int | None = None,
-                    images: Sequence[ImageInput] = ()) -> str:
-        """Validate and queue one request; raises InvalidRequestError (the engine goes on) if it cannot run.
+    def request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, stream: bool,
+                cache_tokens: int | None, images: Sequence[ImageInput], taken: Container[str]) -> RequestGroup:
+        """Validate one request and make its sequences; raises InvalidRequestError (the engine goes on) if it cannot
+        run. ``taken``: the request ids in flight (a given id must not be one).
 
         ``cache_tokens`` is the plan's retention for this prompt: how many of its leading tokens later requests
         share (their KV is kept in the prefix cache, longer cached prefixes of it are dropped once it is
@@ -112,13 +109,11 @@ class RequestIntake:
         ``images`` go with a text or chat prompt (vision-language models); ``prompt`` may also be a
         ``MultimodalPrompt`` that ``encode_images`` made.
         """
-        if self._closed:
-            raise EngineClosedError("the engine has shut down")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", type(params).__name__, "expected SamplingParams")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._groups:
+        if request_id in taken:
             raise InvalidRequestError("request_id", request_id, "already in flight")
         mm = None
         if images:
@@ -133,14 +128,14 @@ class RequestIntake:
             raise InvalidRequestError("constraint", short_value(params.constraint), reason)
         seed = params.seed
         if seed is None:
-            seed = (int(uniform_for(self.config.seed, stable_hash(request_id) & 0xFFFFFFFF) * (1 << 53))
-                    if self.config.seed is not None else secrets.randbits(63))
+            seed = (int(uniform_for(self._seed, stable_hash(request_id) & 0xFFFFFFFF) * (1 << 53))
+                    if self._seed is not None else secrets.randbits(63))
         incremental = stream or bool(params.stop)
         # sample 0 prefills the prompt; samples 1..n-1 fork its KV when that prefill ends (prefill once)
         seqs = [
             Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}", group_id=request_id, index=i,
-                prompt_token_ids=ids, params=params, seed=derive_seed(seed, i), eos_token_ids=self._eos,
+                prompt_token_ids=ids, params=params, seed=derive_seed(seed, i), eos_token_ids=self.eos,
                 max_context=ctx, cache_tokens=cache_tokens, mm=mm,
                 # samples 1..n-1 fork sample 0's KV (text rows; an image row's samples prefill on their own)
                 fork_parent=f"{request_id}#0" if i and mm is None else None,
@@ -149,13 +144,7 @@ class RequestIntake:
             )
             for i in range(params.n)
         ]
-        self._groups[request_id] = RequestGroup(request_id, seqs, stream)
-        for s in seqs:
-            self._seqs[s.request_id] = s
-            if params.constraint is not None:
-                self.runner.set_constraint(s.request_id, self.compiler.matcher(params.constraint))
-            self.scheduler.add(s)
-        return request_id
+        return RequestGroup(request_id, seqs, stream)
 
     def _check_ids(self, ids: list[int], what: str, shown: Any, room: int = 1) -> None:
         ctx = self.loaded.context_length
@@ -168,9 +157,9 @@ class RequestIntake:
         if max(ids) >= vocab or min(ids) < 0:
             raise InvalidRequestError(what, f"token id {max(ids)}", f"outside the vocabulary (size {vocab})")
 
-    def add_score_request(self, context: Prompt, continuations: Sequence[str | Sequence[int]],
-                          request_id: str | None = None, cache_tokens: int | None = None) -> str:
-        """Queue the scoring of each continuation after ``context``: log-probability per token, their sum and
+    def score_request(self, context: Prompt, continuations: Sequence[str | Sequence[int]], request_id: str | None,
+                      cache_tokens: int | None, taken: Container[str]) -> RequestGroup:
+        """The scoring of each continuation after ``context``: log-probability per token, their sum and
         whether each token is the greedy choice (the output's completions, in order; nothing is generated).
 
         Context and continuations are tokenized separately (a continuation's leading space stays its own), so
@@ -180,10 +169,8 @@ class RequestIntake:
         the first computes it, the others wait for its blocks and reuse them. ``cache_tokens``: the
         plan's retention of the context (what the next row's context shares with it), as for ``add_request``.
         """
-        if self._closed:
-            raise EngineClosedError("the engine has shut down")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._groups:
+        if request_id in taken:
             raise InvalidRequestError("request_id", request_id, "already in flight")
         ctx_ids = self.encode(context)
         self._check_ids(ctx_ids, "context", context, room=0)
@@ -202,7 +189,7 @@ class RequestIntake:
         def sequence(i: int, ids: list[int], score_tokens: tuple[int, ...] = ()) -> Request:
             return Request(
                 request_id=f"{request_id}#{i}", group_id=request_id, index=i, prompt_token_ids=ctx_ids + ids,
-                params=_SCORE_PARAMS, seed=0, eos_token_ids=self._eos, max_context=self.loaded.context_length,
+                params=_SCORE_PARAMS, seed=0, eos_token_ids=self.eos, max_context=self.loaded.context_length,
                 text=TextTracker(tok, (), False, False, self._hidden_ids, self._vocab_size),
                 score_from=len(ctx_ids), score_tokens=score_tokens, cache_tokens=cache_tokens)
 
@@ -210,8 +197,4 @@ class RequestIntake:
             seqs = [sequence(0, [], tuple(ids[0] for ids in cands))]
         else:
             seqs = [sequence(i, ids) for i, ids in enumerate(cands)]
-        self._groups[request_id] = RequestGroup(request_id, seqs, False)
-        for s in seqs:
-            self._seqs[s.request_id] = s
-            self.scheduler.add(s)
-        return request_id
+        return RequestGroup(request_id, seqs, False)

@@ -141,7 +141,7 @@ def test_n_samples_get_distinct_derived_seeds(engine):
 
 
 def test_max_tokens_eos_and_min_tokens(engine):
-    eos = next(iter(engine.core._eos))
+    eos = next(iter(engine.core.intake.eos))
     out = engine.generate(["import os"], SamplingParams(temperature=0, max_tokens=5))[0]
     assert len(out.token_ids) <= 5
     forced = engine.generate(["import os"], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(out.token_ids[2],)))
