@@ -151,7 +151,7 @@ def run_with_step(loaded, prompts, step: int):
     prefix = eng.core.scheduler.prefix
     prefix.live_margin = step
     seen = {"store_steps": 0, "partials": 0, "partial_copy_ins": 0}
-    plan_stores, note, match = prefix.plan_stores, prefix._note_partial, prefix.match
+    plan_stores, note, match = prefix.plan_stores, prefix.partials.note, prefix.match
 
     def counted_stores(finishing):
         stores = plan_stores(finishing)
@@ -167,7 +167,7 @@ def run_with_step(loaded, prompts, step: int):
         seen["partial_copy_ins"] += getattr(src, "num_tokens", 0) % prefix.block_size != 0
         return src
 
-    prefix.plan_stores, prefix._note_partial, prefix.match = counted_stores, counted_note, counted_match
+    prefix.plan_stores, prefix.partials.note, prefix.match = counted_stores, counted_note, counted_match
     p = plan(prompts, min_step_tokens=step)
     ids = {s.index: eng.core.add_request(prompts[s.index], GREEDY, cache_tokens=s.cache_tokens)
            for s in submission_order(p)}

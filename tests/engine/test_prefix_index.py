@@ -376,9 +376,9 @@ def test_partial_books_keep_what_the_pool_holds_and_stay_bounded():
         admit(ix, a)
         finish_prefill(ix, a)
         gone(ix, a)
-    noted = sum(len(hs) for by_len in ix._partial_lengths.values() for hs in by_len.values())
-    assert noted <= 1024 + 1 and noted == ix._partials_noted
-    held = {h for by_len in ix._partial_lengths.values() for hs in by_len.values() for h in hs if ix.pool.has(h)}
+    noted = sum(len(hs) for by_len in ix.partials.lengths.values() for hs in by_len.values())
+    assert noted <= 1024 + 1 and noted == ix.partials.noted
+    held = {h for by_len in ix.partials.lengths.values() for hs in by_len.values() for h in hs if ix.pool.has(h)}
     assert held  # the most recent partials are still cached and still noted
     last = req("z", [100 + 1099, 1, 2, 3, 5, 6, 9, 9, 9], cache_tokens=0)
     ix.begin_step()
@@ -397,7 +397,7 @@ def test_prompts_sharing_blocks_with_the_last_hashed_get_the_chain_hashing_all_o
         ix.begin_step()
         r = req(f"r{i}", tokens)
         admit(ix, r)
-        assert ix._chain(r) == block_hashes(tokens, B)
+        assert ix.chains.chain(r) == block_hashes(tokens, B)
 
 
 def test_a_running_row_must_beat_the_cache_by_the_live_margin():

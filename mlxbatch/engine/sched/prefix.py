@@ -12,11 +12,12 @@ decision about them, on the scheduler's side of the step (pure Python: the runne
   sequence's KV and last logits when its prefill ends, as another sample of it (nothing computed).
 - **Waiting** (``in_progress``): a sequence whose next prefix blocks an admitted sequence is computing right now can
   wait a step or two, so the shared prefix is computed once.
-- **Keeping** (``plan_stores`` / ``commit``, ``sched.prefix_keeping``): which blocks of a prompt whose prefill ends
-  the cache keeps (the plan's retention, partial blocks where later sequences share a prompt to mid-block), and which
-  blocks the plan says no later sequence shares (evicted).
-A prompt's block hashes are computed once per sequence (the blocks it shares with the last one hashed: taken from
-that one's). Does not own the KV tensors (the runner's prefix store).
+- **Keeping** (``plan_stores`` / ``commit``: its ``PrefixKeeping``, ``sched.prefix_keeping``): which blocks of a
+  prompt whose prefill ends the cache keeps (the plan's retention, partial blocks where later sequences share a prompt
+  to mid-block), and which blocks the plan says no later sequence shares (evicted).
+Its books are small classes it composes (``sched.prefix_books``): each sequence's block hashes, computed once (the
+blocks it shares with the last one hashed: taken from that one's), the partial blocks stored, the prefixes being
+computed. Does not own the KV tensors (the runner's prefix store).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlxbatch.engine.request import Request, RequestStatus
-from mlxbatch.engine.sched.blocks import BLOCK_SIZE, BlockPool, block_hashes, partial_hash
+from mlxbatch.engine.sched.blocks import BLOCK_SIZE, BlockPool, partial_hash
 from mlxbatch.engine.sched.planner import common_prefix_len
-from mlxbatch.engine.sched.prefix_keeping import BlockStore, PrefixKeeping
+from mlxbatch.engine.sched.prefix_books import BlockChains, InFlight, PartialBlocks
+from mlxbatch.engine.sched.prefix_keeping import BlockStore, PrefixKeeping, stored_tokens
 
 __all__ = ["LIVE_SOURCES", "BlockStore", "CachedBlocks", "PrefixIndex", "PrefixSource", "RunningRow"]
 
@@ -54,7 +56,7 @@ class RunningRow:
 PrefixSource = CachedBlocks | RunningRow
 
 
-class PrefixIndex(PrefixKeeping):
+class PrefixIndex:
     def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE, bytes_per_block: int = 0,
                  live_margin: int = 1) -> None:
         self.block_size = block_size
@@ -65,58 +67,56 @@ class PrefixIndex(PrefixKeeping):
         self._recent: collections.deque[Request] = collections.deque(maxlen=LIVE_SOURCES)
         self._admitted_at: dict[str, int] = {}  # request id -> the step it was admitted in
         self._step = 0
-        # block hashes that admitted sequences are computing now (cached once their prefill ends)
-        self._computing: dict[str, list[int]] = {}
-        self._computing_count: collections.Counter[int] = collections.Counter()
-        self._chains: dict[str, list[int]] = {}  # request id -> its tokens' block hashes (until it is freed)
-        self._last_hashed: tuple[list[int], list[int]] | None = None  # the last text prompt hashed: tokens, chain
-        self._planned: list[Request] = []  # admitted this step with a plan retention to apply
-        self._held: list[CachedBlocks] = []  # matched this step, retained until the step's stores are allocated
+        self.chains = BlockChains(block_size)  # each sequence's block hashes
+        self.partials = PartialBlocks()  # the partial blocks stored after each full block
+        self._inflight = InFlight()  # the blocks admitted sequences are computing now, and who waits for them
+        self.keeping = PrefixKeeping(self.pool, self.chains, self.partials, self._inflight)
         # a whole prompt -> the admitted sequence prefilling it last (text, not scoring): a twin forks its KV
         self._prompts: dict[tuple[int, int, tuple[int, ...]], Request] = {}
         self._prompt_keys: dict[str, tuple[int, int, tuple[int, ...]]] = {}
-        self._partials_seen: dict[str, tuple[int, int]] = {}  # request id -> (hash, tokens) of the partial it matched
-        # the partial blocks stored after each full block (its hash; None: the prompt's start), by their tokens: a
-        # lookup hashes only the lengths stored there (a superset of those cached: ``_prune_partials`` prunes it)
-        self._partial_lengths: dict[int | None, dict[int, set[int]]] = {}
-        self._partials_noted = 0
-        self._waiters: list[tuple[Request, int]] = []  # waiting this step (in_progress), with the block they wait for
-        # sequences that waited (in_progress) and are not admitted yet -> their reusable whole blocks' hashes: the
-        # plan's eviction (``_drop_after``) spares these, since such a sequence is admitted after rows the plan put
-        # behind it (a prefix's last planned user may be admitted before a sequence that still shares it)
-        self._pending: dict[str, list[int]] = {}
-        # a prompt forked by twins -> the retention points its twins had besides its own ``cache_tokens`` (a twin's
-        # next row shares less with it): the prompt keeps a partial block at each, as the twin would have
-        self._fork_points: dict[str, set[int]] = {}
         self.lookups = 0
         self.tokens_reused = 0  # prompt tokens whose KV came from the cache
         self.live_tokens_reused = 0  # ... or from a running row
-        self.plan_evictions = 0  # blocks dropped because the plan said nobody needs them any more
+
+    @property
+    def plan_evictions(self) -> int:
+        """Blocks dropped because the plan said nobody needs them any more."""
+        return self.keeping.plan_evictions
+
+    # -- keeping (``PrefixKeeping``) -----------------------------------------------------------------
+    def plan_stores(self, finishing: Sequence[Request]) -> tuple[BlockStore, ...]:
+        """Cache blocks for the prompts whose prefill ends this step (registered by ``commit`` if it succeeds)."""
+        return self.keeping.plan_stores(finishing)
+
+    def commit(self, stores: Sequence[BlockStore], finished_prefills: Sequence[Request]) -> None:
+        """The step succeeded: stored blocks join the index; then the plan's dead prefixes go."""
+        self.keeping.commit(stores, finished_prefills)
+
+    def abort_step(self, stores: Sequence[BlockStore]) -> None:
+        """The step failed: its stores never happened."""
+        self.keeping.abort_step(stores)
 
     # -- admission ------------------------------------------------------------------------------------
     def begin_step(self) -> None:
         self._step += 1
-        self._waiters = []
+        self._inflight.new_step()
 
     def match(self, request: Request) -> PrefixSource | None:
         """Where ``request``'s reused KV comes from (None: nothing to reuse); counts it as admitted this step."""
         tokens = request.tokens(0, request.num_tokens)
-        chain = self._chain(request)
-        self._pending.pop(request.request_id, None)
+        chain = self.chains.chain(request)
         # a scoring sequence must compute the position before its continuation (it predicts the first token)
         cached = self._cached(tokens if request.score_from is None else tokens[: request.score_from], chain,
                               request.request_id, to_the_end=not request.media)
         usable = (len(tokens) - 1) // self.block_size
-        hashes = chain[: min(usable, self._stored_tokens(request) // self.block_size)]
-        self._computing[request.request_id] = hashes
-        self._computing_count.update(hashes)
+        hashes = chain[: min(usable, stored_tokens(request) // self.block_size)]
+        self._inflight.start(request.request_id, hashes)  # (it waits no more)
         live = self._running_row(request, tokens, cached.num_tokens if cached is not None else 0)
         self._recent.append(request)
         self._admitted_at[request.request_id] = self._step
         if self._forkable(request):
             self._prompts[self._prompt_key(request)] = request
-        if request.cache_tokens is not None:
-            self._planned.append(request)
+        self.keeping.admitted(request)
         if live is not None:  # a running sequence holds more of this prefix than the cache's whole blocks
             if cached is not None:
                 self.pool.release(list(cached.block_ids))
@@ -124,7 +124,7 @@ class PrefixIndex(PrefixKeeping):
             self.live_tokens_reused += live.num_tokens
             return live
         if cached is not None:
-            self._held.append(cached)
+            self.keeping.hold(cached.block_ids)
         return cached
 
     def _cached(self, tokens: Sequence[int], chain: list[int], rid: str, to_the_end: bool = True) -> CachedBlocks | None:
@@ -143,14 +143,13 @@ class PrefixIndex(PrefixKeeping):
         if to_the_end and len(ids) == limit // B < len(chain) and self.pool.has(chain[len(ids)]):
             ids += self.pool.match([chain[len(ids)]])  # the prompt ends in this block: its last token is computed
             n = limit
-        elif n < limit and prev in self._partial_lengths:
-            stored = self._partial_lengths[prev]
+        elif n < limit and (stored := self.partials.after(prev)) is not None:
             most = min(B - 1, (len(tokens) if to_the_end else limit) - n)
             for r in sorted((r for r in stored if r <= most), reverse=True):
                 h = partial_hash(prev, tokens[n : n + r])
                 if h in stored[r] and self.pool.has(h):
                     ids += self.pool.match([h])
-                    self._partials_seen[rid] = (h, n + r)
+                    self.keeping.matched_partial(rid, h, n + r)
                     n = min(n + r, limit)
                     break
         if not ids:
@@ -209,10 +208,9 @@ class PrefixIndex(PrefixKeeping):
         if parent.cache_tokens is not None:
             if request.cache_tokens is None:
                 parent.cache_tokens = None
-                self._fork_points.pop(parent.request_id, None)
+                self.keeping.fork_points(parent.request_id, None)
                 return
-            points = self._fork_points.setdefault(parent.request_id, set())
-            points.update((parent.cache_tokens, request.cache_tokens))
+            self.keeping.fork_points(parent.request_id, (parent.cache_tokens, request.cache_tokens))
             parent.cache_tokens = max(parent.cache_tokens, request.cache_tokens)
 
     @staticmethod
@@ -223,7 +221,7 @@ class PrefixIndex(PrefixKeeping):
         """The whole prompt, by its full blocks' chained hash and the tokens after them (computed once)."""
         key = self._prompt_keys.get(r.request_id)
         if key is None:
-            chain = self._chain(r)
+            chain = self.chains.chain(r)
             n = len(chain) * self.block_size
             key = self._prompt_keys[r.request_id] = (r.num_prompt_tokens, chain[-1] if chain else 0,
                                                      tuple(r.prompt_token_ids[n:]))
@@ -235,90 +233,29 @@ class PrefixIndex(PrefixKeeping):
         Admitting it later (once those blocks are cached) computes a shared prefix once instead of once per
         sequence admitted in the meantime.
         """
-        if not self._computing_count:
+        if not self._inflight.busy:
             return False
-        hashes = self._chain(request)[: (request.num_tokens - 1) // self.block_size]
+        hashes = self.chains.chain(request)[: (request.num_tokens - 1) // self.block_size]
         cached = 0
         for h in hashes:
             if not self.pool.has(h):
                 break
             cached += 1
-        waits = cached < len(hashes) and self._computing_count[hashes[cached]] > 0
+        waits = cached < len(hashes) and self._inflight.count(hashes[cached]) > 0
         if waits:
-            self._waiters.append((request, hashes[cached]))
-            self._pending[request.request_id] = hashes
+            self._inflight.wait(request, hashes[cached], hashes)
         return waits
 
     # -- freeing --------------------------------------------------------------------------------------
     def free(self, request_id: str) -> None:
-        self._done_computing(request_id)
-        self._chains.pop(request_id, None)
-        self._pending.pop(request_id, None)
-        self._fork_points.pop(request_id, None)
-        self._partials_seen.pop(request_id, None)
+        self._inflight.forget(request_id)
+        self.chains.forget(request_id)
+        self.keeping.forget(request_id)
         self._admitted_at.pop(request_id, None)
         key = self._prompt_keys.pop(request_id, None)
         src = self._prompts.get(key) if key is not None else None
         if src is not None and src.request_id == request_id:
             del self._prompts[key]
-
-    # -- helpers --------------------------------------------------------------------------------------
-    def _note_partial(self, prev: int | None, length: int, h: int) -> None:
-        """A partial block of ``length`` tokens after the full block ``prev`` is stored under ``h`` (``_cached``
-        looks for partials among these)."""
-        self._partial_lengths.setdefault(prev, {}).setdefault(length, set()).add(h)
-        self._partials_noted += 1
-
-    def _prune_partials(self) -> None:
-        """Forget the partials the pool no longer holds, once there are more than a few times the pool's blocks (at
-        a step's start: every partial noted before is cached by now, or evicted, or its step failed)."""
-        if self._partials_noted <= max(1024, 2 * self.pool.num_blocks):
-            return
-        has = self.pool.has
-        pruned: dict[int | None, dict[int, set[int]]] = {}
-        for prev, by_length in self._partial_lengths.items():
-            for length, hashes in by_length.items():
-                held = {h for h in hashes if has(h)}
-                if held:
-                    pruned.setdefault(prev, {})[length] = held
-        self._partial_lengths = pruned
-        self._partials_noted = sum(len(hs) for by_length in pruned.values() for hs in by_length.values())
-
-    def _chain(self, request: Request) -> list[int]:
-        """``request``'s full blocks' chained hashes, computed once. Sequences come mostly in the plan's order, next to
-        the ones they share a prefix with: the blocks a text prompt shares with the last one hashed are taken from
-        its chain (a few-shot job's rows share hundreds of tokens and differ in their last few blocks)."""
-        B = self.block_size
-        chain = self._chains.get(request.request_id)
-        if chain is None or len(chain) < request.num_tokens // B:  # a preempted sequence also has output tokens
-            n = request.num_tokens // B * B
-            tokens = request.tokens(0, n)
-            known: list[int] = []
-            if not request.media and self._last_hashed is not None:
-                last_tokens, last_chain = self._last_hashed
-                known = last_chain[: common_prefix_len(tokens, last_tokens) // B]
-            chain = self._chains[request.request_id] = block_hashes(tokens, B, request.media, known)
-            self._last_hashed = None if request.media else (tokens, chain)
-        return chain
-
-    @staticmethod
-    def _stored_tokens(request: Request) -> int:
-        """Prompt tokens whose full blocks this sequence offers the cache once its prefill is done (and keeps past
-        its admission): the plan's retention, and for a scoring sequence its context too (its siblings need it)."""
-        n = request.num_prompt_tokens
-        if request.cache_tokens is None:
-            return n
-        keep = max(request.cache_tokens, request.score_from - 1) if request.has_score_siblings else request.cache_tokens
-        return min(n, keep)
-
-    def _done_computing(self, rid: str) -> None:
-        counts = self._computing_count
-        for h in self._computing.pop(rid, None) or ():
-            left = counts[h] - 1
-            if left > 0:
-                counts[h] = left
-            else:
-                del counts[h]  # no zero counts: an empty counter says nobody computes anything
 
     def stats(self) -> dict[str, int]:
         st = self.pool.stats

@@ -1,6 +1,7 @@
 """Prefix keeping: which prompt blocks the prefix cache keeps when a prefill ends, and which the plan says are dead.
 
-The keeping side of the prefix index's decisions (``sched.prefix``), on its books. A prefill that ends this step
+The keeping side of the prefix index's decisions (``sched.prefix``: its ``PrefixKeeping``), on the books they share
+(``sched.prefix_books``, the block pool). A prefill that ends this step
 offers the blocks of its first ``cache_tokens`` prompt tokens (the plan's retention; ``None`` without a plan offers
 all), and a partial block up to exactly ``cache_tokens`` (for a scoring sequence: its context but the last token) and
 at each depth a sequence that waited for its blocks this step shares it to (served to the token once admitted);
@@ -19,8 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.sched.blocks import NoFreeBlocks, partial_hash
+from mlxbatch.engine.sched.blocks import BlockPool, NoFreeBlocks, partial_hash
 from mlxbatch.engine.sched.planner import common_prefix_len
+from mlxbatch.engine.sched.prefix_books import BlockChains, InFlight, PartialBlocks
 
 
 @dataclass(frozen=True)
@@ -33,27 +35,78 @@ class BlockStore:
     hashes: tuple[int, ...]
 
 
-class PrefixKeeping:
-    """A base of ``PrefixIndex``: plans, commits and evicts on its books (``block_size``, ``pool``, ``_held``,
-    ``_computing``, ``_waiters``, ``_pending``, ``_planned``, ``_fork_points``, ``_partials_seen``,
-    ``plan_evictions``); calls its ``_chain``, ``_stored_tokens``, ``_done_computing``, ``_note_partial`` and ``_prune_partials``."""
+def stored_tokens(request: Request) -> int:
+    """Prompt tokens whose full blocks this sequence offers the cache once its prefill is done (and keeps past its
+    admission): the plan's retention, and for a scoring sequence its context too (its siblings need it)."""
+    n = request.num_prompt_tokens
+    if request.cache_tokens is None:
+        return n
+    keep = max(request.cache_tokens, request.score_from - 1) if request.has_score_siblings else request.cache_tokens
+    return min(n, keep)
 
+
+class PrefixKeeping:
+    """Plans, commits and evicts the prefix cache's blocks. Owns what a step matched and admitted with a plan (until
+    its stores are planned and committed), the retention points of prompts forked by twins, the partial blocks
+    sequences matched, and the count of blocks the plan evicted."""
+
+    def __init__(self, pool: BlockPool, chains: BlockChains, partials: PartialBlocks, inflight: InFlight) -> None:
+        self.block_size = pool.block_size
+        self.pool = pool
+        self._chains = chains
+        self._partials = partials
+        self._inflight = inflight
+        self._planned: list[Request] = []  # admitted this step with a plan retention to apply
+        self._held: list[tuple[int, ...]] = []  # blocks matched this step, retained until its stores are allocated
+        # a prompt forked by twins -> the retention points its twins had besides its own ``cache_tokens`` (a twin's
+        # next row shares less with it): the prompt keeps a partial block at each, as the twin would have
+        self._fork_points: dict[str, set[int]] = {}
+        self._partials_seen: dict[str, tuple[int, int]] = {}  # request id -> (hash, tokens) of the partial it matched
+        self.plan_evictions = 0  # blocks dropped because the plan said nobody needs them any more
+
+    # -- what admissions leave for the keeping ------------------------------------------------------
+    def admitted(self, request: Request) -> None:
+        """``request`` was admitted this step (with a plan: its blocks past its retention go when the step commits)."""
+        if request.cache_tokens is not None:
+            self._planned.append(request)
+
+    def hold(self, block_ids: tuple[int, ...]) -> None:
+        """Cache blocks an admission copies this step: retained until the step's stores are allocated."""
+        self._held.append(block_ids)
+
+    def matched_partial(self, request_id: str, h: int, tokens: int) -> None:
+        """The sequence matched the partial block ``h`` (its prefix ends at ``tokens``)."""
+        self._partials_seen[request_id] = (h, tokens)
+
+    def fork_points(self, parent_id: str, points: tuple[int, ...] | None) -> None:
+        """A twin forked ``parent_id``'s prompt: it keeps a partial block at these retention points too (None: the
+        twin has no plan, so neither has the prompt: forget them)."""
+        if points is None:
+            self._fork_points.pop(parent_id, None)
+        else:
+            self._fork_points.setdefault(parent_id, set()).update(points)
+
+    def forget(self, request_id: str) -> None:
+        self._fork_points.pop(request_id, None)
+        self._partials_seen.pop(request_id, None)
+
+    # -- a step's stores ------------------------------------------------------------------------------
     def plan_stores(self, finishing: Sequence[Request]) -> tuple[BlockStore, ...]:
         """Cache blocks for the prompts whose prefill ends this step (registered by ``commit`` if it succeeds).
 
         The blocks matched this step are released first: their copies run before this step's stores are written.
         """
         for held in self._held:
-            self.pool.release(list(held.block_ids))
+            self.pool.release(list(held))
         self._held = []
-        self._prune_partials()
+        self._partials.prune(self.pool.has, self.pool.num_blocks)
         stores = []
         planned: set[int] = set()
         for r in finishing:
-            full = self._stored_tokens(r) // self.block_size
+            full = stored_tokens(r) // self.block_size
             if full == 0:
                 continue
-            hashes = self._chain(r)[:full]
+            hashes = self._chains.chain(r)[:full]
             known = 0
             for h in hashes:
                 if not (self.pool.has(h) or h in planned):
@@ -86,18 +139,17 @@ class PrefixKeeping:
         by_hash: dict[int, Request] = {}
         for r in finishing:
             if r.cache_tokens is not None:
-                for h in self._computing.get(r.request_id, ()):
+                for h in self._inflight.hashes_of(r.request_id):
                     by_hash.setdefault(h, r)
         points: dict[str, set[int]] = {}
-        for w, h in self._waiters:
+        for w, h in self._inflight.take_waiters():
             r = by_hash.get(h)
             if r is None:
                 continue
             tokens = w.prompt_token_ids if w.score_from is None else w.prompt_token_ids[: w.score_from]
             n = min(common_prefix_len(r.prompt_token_ids, tokens), r.num_prompt_tokens)
-            if n % B and n // B <= self._stored_tokens(r) // B:
+            if n % B and n // B <= stored_tokens(r) // B:
                 points.setdefault(r.request_id, set()).add(n)
-        self._waiters = []
         return points
 
     def _partial_points(self, r: Request) -> set[int]:
@@ -114,7 +166,7 @@ class PrefixKeeping:
         """A partial block of ``r``'s prompt ending at ``point`` (registered by ``commit``), unless already cached."""
         B = self.block_size
         k = point // B
-        chain = self._chain(r)
+        chain = self._chains.chain(r)
         h = partial_hash(chain[k - 1] if k else None, r.prompt_token_ids[k * B : point])
         if self.pool.has(h) or h in planned:
             return None
@@ -123,7 +175,7 @@ class PrefixKeeping:
         except NoFreeBlocks:
             return None
         planned.add(h)
-        self._note_partial(chain[k - 1] if k else None, point - k * B, h)
+        self._partials.note(chain[k - 1] if k else None, point - k * B, h)
         return BlockStore(r.request_id, k, (bid,), (h,))
 
     def commit(self, stores: Sequence[BlockStore], finished_prefills: Sequence[Request]) -> None:
@@ -134,9 +186,9 @@ class PrefixKeeping:
                 self.pool.register(bid, h)
             self.pool.release(list(s.block_ids))  # cached, unreferenced: evictable when space is needed
         for r in finished_prefills:
-            self._done_computing(r.request_id)
+            self._inflight.done(r.request_id)
         if self._planned:  # (the spared set spans every waiting sequence's chain: built only when it is read)
-            spared = {h for hashes in self._pending.values() for h in hashes}
+            spared = self._inflight.spared()
             for r in self._planned:
                 self._drop_after(r, spared)
         self._planned = []
@@ -152,7 +204,7 @@ class PrefixKeeping:
         later sequence shares them), but those in ``spared`` (a sequence that waited for them is not admitted yet).
         Referenced blocks stay."""
         whole = r.num_prompt_tokens // self.block_size  # the last may hold the prompt's end (an identical row uses it)
-        for h in self._chain(r)[:whole][self._stored_tokens(r) // self.block_size:]:
+        for h in self._chains.chain(r)[:whole][stored_tokens(r) // self.block_size:]:
             if h in spared:
                 continue
             bid = self.pool.cached_id(h)
@@ -162,7 +214,7 @@ class PrefixKeeping:
         seen = self._partials_seen.pop(r.request_id, None)
         # dead when the rows after ``r`` share less with it (in trie order no later row shares more with that prefix
         # than with ``r``); when they share more, the rows after them may again share exactly the partial's tokens
-        if seen is not None and self._stored_tokens(r) < seen[1]:
+        if seen is not None and stored_tokens(r) < seen[1]:
             bid = self.pool.cached_id(seen[0])
             if bid is not None:
                 self.plan_evictions += self.pool.evict(bid)

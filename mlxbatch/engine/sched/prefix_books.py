@@ -1,0 +1,139 @@
+"""The prefix index's books, each a small class owning one map (pure Python): the sequences' block hashes
+(``BlockChains``), the partial blocks stored after each full block (``PartialBlocks``) and the prefixes admitted
+sequences are computing now (``InFlight``). The prefix index (``sched.prefix``) and its keeping (``sched.prefix_keeping``)
+read and write them through their methods only.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+from mlxbatch.engine.request import Request
+from mlxbatch.engine.sched.blocks import block_hashes
+from mlxbatch.engine.sched.planner import common_prefix_len
+
+
+class BlockChains:
+    """Each sequence's full blocks' chained hashes, computed once (until the sequence is freed)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._chains: dict[str, list[int]] = {}  # request id -> its tokens' block hashes
+        self._last_hashed: tuple[list[int], list[int]] | None = None  # the last text prompt hashed: tokens, chain
+
+    def chain(self, request: Request) -> list[int]:
+        """``request``'s full blocks' chained hashes. Sequences come mostly in the plan's order, next to the ones they
+        share a prefix with: the blocks a text prompt shares with the last one hashed are taken from its chain (a
+        few-shot job's rows share hundreds of tokens and differ in their last few blocks)."""
+        B = self.block_size
+        chain = self._chains.get(request.request_id)
+        if chain is None or len(chain) < request.num_tokens // B:  # a preempted sequence also has output tokens
+            n = request.num_tokens // B * B
+            tokens = request.tokens(0, n)
+            known: list[int] = []
+            if not request.media and self._last_hashed is not None:
+                last_tokens, last_chain = self._last_hashed
+                known = last_chain[: common_prefix_len(tokens, last_tokens) // B]
+            chain = self._chains[request.request_id] = block_hashes(tokens, B, request.media, known)
+            self._last_hashed = None if request.media else (tokens, chain)
+        return chain
+
+    def forget(self, request_id: str) -> None:
+        self._chains.pop(request_id, None)
+
+
+class PartialBlocks:
+    """The partial blocks stored after each full block (its hash; None: the prompt's start), by their tokens: a lookup
+    hashes only the lengths stored there (a superset of those cached: ``prune`` prunes it)."""
+
+    def __init__(self) -> None:
+        self.lengths: dict[int | None, dict[int, set[int]]] = {}  # (read only outside)
+        self.noted = 0
+
+    def after(self, prev: int | None) -> dict[int, set[int]] | None:
+        """The partials stored after full block ``prev``: tokens -> their hashes (None: none)."""
+        return self.lengths.get(prev)
+
+    def note(self, prev: int | None, length: int, h: int) -> None:
+        """A partial block of ``length`` tokens after the full block ``prev`` is stored under ``h``."""
+        self.lengths.setdefault(prev, {}).setdefault(length, set()).add(h)
+        self.noted += 1
+
+    def prune(self, has: Callable[[int], bool], num_blocks: int) -> None:
+        """Forget the partials the pool no longer holds (``has``), once there are more than a few times the pool's
+        ``num_blocks`` (at a step's start: every partial noted before is cached by now, or evicted, or its step
+        failed)."""
+        if self.noted <= max(1024, 2 * num_blocks):
+            return
+        pruned: dict[int | None, dict[int, set[int]]] = {}
+        for prev, by_length in self.lengths.items():
+            for length, hashes in by_length.items():
+                held = {h for h in hashes if has(h)}
+                if held:
+                    pruned.setdefault(prev, {})[length] = held
+        self.lengths = pruned
+        self.noted = sum(len(hs) for by_length in pruned.values() for hs in by_length.values())
+
+
+class InFlight:
+    """The block hashes admitted sequences are computing now (cached once their prefill ends), and the sequences that
+    wait for them: this step's waiters, and those that waited and are not admitted yet."""
+
+    def __init__(self) -> None:
+        self._computing: dict[str, list[int]] = {}
+        self._count: collections.Counter[int] = collections.Counter()
+        self.waiters: list[tuple[Request, int]] = []  # waiting this step, with the block they wait for (read only)
+        # sequences that waited and are not admitted yet -> their reusable whole blocks' hashes: the plan's eviction
+        # (``PrefixKeeping._drop_after``) spares these, since such a sequence is admitted after rows the plan put behind
+        # it (a prefix's last planned user may be admitted before a sequence that still shares it)
+        self._pending: dict[str, list[int]] = {}
+
+    @property
+    def busy(self) -> bool:
+        """Whether any admitted sequence is computing blocks."""
+        return bool(self._count)
+
+    def count(self, h: int) -> int:
+        """Admitted sequences computing block ``h`` now."""
+        return self._count[h]
+
+    def hashes_of(self, request_id: str) -> list[int]:
+        return self._computing.get(request_id, [])
+
+    def start(self, request_id: str, hashes: list[int]) -> None:
+        """An admitted sequence computes these blocks (it was admitted: it waits no more)."""
+        self._pending.pop(request_id, None)
+        self._computing[request_id] = hashes
+        self._count.update(hashes)
+
+    def done(self, request_id: str) -> None:
+        """The sequence's prefill ended (or it was freed): its blocks are no longer being computed."""
+        counts = self._count
+        for h in self._computing.pop(request_id, None) or ():
+            left = counts[h] - 1
+            if left > 0:
+                counts[h] = left
+            else:
+                del counts[h]  # no zero counts: an empty counter says nobody computes anything
+
+    def wait(self, request: Request, block: int, hashes: list[int]) -> None:
+        """``request`` waits this step for ``block`` (of its reusable whole blocks ``hashes``)."""
+        self.waiters.append((request, block))
+        self._pending[request.request_id] = hashes
+
+    def new_step(self) -> None:
+        self.waiters = []
+
+    def take_waiters(self) -> list[tuple[Request, int]]:
+        """This step's waiters, forgotten."""
+        waiters, self.waiters = self.waiters, []
+        return waiters
+
+    def spared(self) -> set[int]:
+        """The blocks of every sequence that waited and is not admitted yet."""
+        return {h for hashes in self._pending.values() for h in hashes}
+
+    def forget(self, request_id: str) -> None:
+        self.done(request_id)
+        self._pending.pop(request_id, None)
