@@ -2,8 +2,9 @@
 users import from here only (an import-linter contract holds the job layer and the CLI to it).
 
 Layer rule: ``engine`` never imports ``mlxbatch.io`` or ``mlxbatch.job``. Inside, top to bottom: ``api`` /
-``async_core`` -> ``core`` (submission + the step loop) -> ``runner`` -> ``kv`` | ``model`` -> ``vision`` ->
-``sched`` (pure Python) -> ``request`` | ``outputs`` -> ``decoding`` | ``inputs``. See docs/architecture.md.
+``async_core`` -> ``core`` (the step loop) -> ``intake`` (submission) -> ``runner`` -> ``commit`` | ``invariant`` ->
+``kv`` | ``model`` -> ``vision`` | ``attention`` -> ``sched`` (pure Python) -> ``request`` | ``outputs`` ->
+``decoding`` | ``inputs`` | ``backend``. See docs/architecture.md.
 """
 
 from mlxbatch.config import EngineConfig
