@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="gpu section: folder for gpu_suite.json and gpu_suite.md")
     ap.add_argument("--suite-workloads", default="label,fewshot,chat,unique",
                     help="gpu section: workloads to run (default label,fewshot,chat,unique)")
+    ap.add_argument("--generic", action=argparse.BooleanOptionalAction, default=True,
+                    help="gpu section: also run the engine as a Mac's GPU does (CUDA text path off: MLX's attention, "
+                         "no packed prefill), a second column (default on)")
     ap.add_argument("--rows-scale", type=float, default=1.0,
                     help="gpu section: scale the target sizes (default 1: label/fewshot 2048, chat/unique 1024)")
     ap.add_argument("--suite-rows", type=int, default=None,

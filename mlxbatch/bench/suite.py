@@ -31,6 +31,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxbatch.bench import workloads as wl
 from mlxbatch.bench.harness import MB, Bench, Run, Table, agreement, log, ratio, section
 from mlxbatch.bench.meta import machine_meta, render_meta
+from mlxbatch.engine import LayoutOptions
+
+# the path a Mac's GPU takes, run on this GPU: a GPU's row moves (``LayoutOptions.base`` of a GPU) and nothing of the
+# CUDA text path (MLX's attention, no packed prefill or shape buckets, no compiled decode, no fused projections;
+# hence reuse to the token, unfilled passes). The engine suite's second column: how much of the speed is the CUDA
+# kernels', and what a Mac user gets from the rest
+GENERIC = LayoutOptions(batched_moves=True)
 
 SIZES = {"label": 2048, "fewshot": 2048, "chat": 1024, "unique": 1024}
 
@@ -58,6 +65,9 @@ def suite_workload(b: Bench, name: str, rows: int) -> tuple[Table, dict]:
     paths = {"B1": lambda: b.run_b1(w, C, b.args.prefill_batch),
              "engine": lambda: b.run_engine(w, max_num_seqs=C),
              "engine-nocache": lambda: b.run_engine(w, name="engine-nocache", max_num_seqs=C, prefix_cache=False)}
+    if b.args.generic:
+        b.run_engine(warm, max_num_seqs=C, layout=GENERIC)
+        paths["engine-generic"] = lambda: b.run_engine(w, name="engine-generic", max_num_seqs=C, layout=GENERIC)
     res = {k: m.median for k, m in b.measure(paths, 1).items()}
     # the engine again, its attention shapes met before in this process: on CUDA, without cuDNN's graph builds for
     # new shapes (~50 ms each), which a short run pays at most steps and a long job once per recurring shape
@@ -87,6 +97,7 @@ def suite_workload(b: Bench, name: str, rows: int) -> tuple[Table, dict]:
     figures = {"rows": w.rows, "floor": w.trie_floor, "x_b1": ratio(b1.wall_s, res["engine"].wall_s),
                "x_b1_nocache": ratio(b1.wall_s, res["engine-nocache"].wall_s),
                "x_b1_again": ratio(b1.wall_s, res["engine-again"].wall_s),
+               "x_b1_generic": ratio(b1.wall_s, res["engine-generic"].wall_s) if "engine-generic" in res else None,
                "prefill_over_floor": ratio(res["engine"].extra["profile"]["prefill_tokens"], w.trie_floor),
                "prefill_cost_cache_vs_nocache": cost,
                "memory_x_b1": ratio(res["engine"].mlx_peak - res["engine"].mlx_base, b1_over),
@@ -134,13 +145,21 @@ def _decode_engine(b: Bench, w: wl.Workload, cfg: dict) -> dict:
             "engine_profile": p}
 
 
+def _generic_cells(runs: list[dict] | None, ref_tps: float) -> list:
+    """The generic path's decode cells (its median run's step x mlx-lm, host / wait ms), or blanks when not run."""
+    if not runs:
+        return [None, None]
+    g = _median(runs, lambda e: e["engine_step"])
+    return [ratio(g["engine_step"], ref_tps), f"{g['engine_host_ms']:.2f} / {g['engine_wait_ms']:.2f}"]
+
+
 def _median(runs: list, key: Any) -> Any:
     """The median run by ``key`` (the lower middle one of an even number), so its columns come from one run."""
     return sorted(runs, key=key)[(len(runs) - 1) // 2]
 
 
 def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: int = 128,
-                 repeats: int = 3) -> tuple[Table, dict]:
+                 repeats: int = 3, generic: bool = False) -> tuple[Table, dict]:
     """Decode at fixed concurrency: the engine, mlx-lm's BatchGenerator and a bare forward + argmax loop, each run
     ``repeats`` times interleaved (rotating order); medians. A step this short is bound by the host, whose speed
     drifts by up to ~25% between runs, so one run of each is not enough to compare two commits."""
@@ -148,7 +167,8 @@ def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: 
                 f"{repeats}",
                 ["sequences", "engine step tok/s", "engine fwd tok/s", "mlx-lm BatchGenerator tok/s",
                  "bare forward+argmax tok/s", "step x mlx-lm", "step x bare", "engine step min-max",
-                 "syncs / step", "host / wait ms a step: engine", "bare"])
+                 "syncs / step", "host / wait ms a step: engine", "bare", "generic step x mlx-lm",
+                 "host / wait ms: generic"])
     raw = {}
     for L in levels:
         w = b.workload("short", L, prompt_len=prompt_len, max_tokens=new_tokens)
@@ -157,13 +177,19 @@ def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: 
         b.run_b1(warm, L, L)
         b.run_engine(warm, **cfg)
         names = ["mlx-lm", "engine", "bare"]
+        if generic:
+            b.run_engine(warm, layout=GENERIC, **cfg)
+            names.append("generic")
         got: dict[str, list] = {name: [] for name in names}
         for r in range(repeats):
-            for name in names[r % 3:] + names[: r % 3]:
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
                 if name == "mlx-lm":
                     got[name].append(b.run_b1(w, L, L, name="mlx-lm").extra["decode_tps"])
                 elif name == "engine":
                     got[name].append(_decode_engine(b, w, cfg))
+                elif name == "generic":
+                    got[name].append(_decode_engine(b, w, {**cfg, "layout": GENERIC}))
                 else:
                     got[name].append(bare_decode(b, L, prompt_len, new_tokens))
         eng = _median(got["engine"], lambda e: e["engine_step"])
@@ -173,10 +199,11 @@ def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: 
         tab.rows.append([L, step, eng["engine_fwd"], ref_tps, bare, ratio(step, ref_tps), ratio(step, bare),
                          f"{min(steps):,.0f}-{max(steps):,.0f}", eng["syncs_per_step"],
                          f"{eng['engine_host_ms']:.2f} / {eng['engine_wait_ms']:.2f}",
-                         f"{bare_host:.2f} / {bare_wait:.2f}"])
+                         f"{bare_host:.2f} / {bare_wait:.2f}"] + _generic_cells(got.get("generic"), ref_tps))
         raw[L] = {**{k: v for k, v in eng.items() if k != "syncs_per_step"}, "mlx_lm": ref_tps, "bare": bare,
                   "bare_host_ms": bare_host, "bare_wait_ms": bare_wait, "engine_steps": steps,
-                  "mlx_lm_runs": got["mlx-lm"], "bare_runs": [x[0] for x in got["bare"]]}
+                  "mlx_lm_runs": got["mlx-lm"], "bare_runs": [x[0] for x in got["bare"]],
+                  "generic_runs": got.get("generic")}
         log(f"  decode {L}: engine step {step:,.0f} tok/s, mlx-lm {ref_tps:,.0f}, bare {bare:,.0f}")
     tab.notes.append("engine step = decode tokens / (step time - prefill time): forward, sampling and host work; "
                      "bare = mlx-lm model + KVCache, forward + argmax + eval per step (what a raw loop gets). "
@@ -210,20 +237,23 @@ def gpu_suite(b: Bench) -> list[Table]:
         figures[name] = fig
     levels = [int(x) for x in a.decode_levels.split(",") if x.strip()]
     if levels:
-        tab, dec = suite_decode(b, levels, repeats=a.decode_repeats)
+        tab, dec = suite_decode(b, levels, repeats=a.decode_repeats, generic=a.generic)
         keep(tab)
         figures["decode"] = dec
-    summary = Table(f"GPU suite summary at commit {commit}", ["workload", "x B1", "x B1 (no cache)",
-                                                              "x B1 (engine again)", "prefill / floor",
-                                                              "cost/token cache vs off", "memory x B1"])
+    summary = Table(f"GPU suite summary at commit {commit}", ["workload", "x B1", "generic path x B1",
+                                                              "x B1 (no cache)", "x B1 (engine again)",
+                                                              "prefill / floor", "cost/token cache vs off",
+                                                              "memory x B1"])
     for name in workloads:
         f = figures[name]
-        summary.rows.append([name, f["x_b1"], f["x_b1_nocache"], f["x_b1_again"], f["prefill_over_floor"],
-                             f["prefill_cost_cache_vs_nocache"], f["memory_x_b1"]])
+        summary.rows.append([name, f["x_b1"], f["x_b1_generic"], f["x_b1_nocache"], f["x_b1_again"],
+                             f["prefill_over_floor"], f["prefill_cost_cache_vs_nocache"], f["memory_x_b1"]])
     summary.notes.append("engine again: the same engine run once more in the process. On CUDA a packed prefill pass "
                          "attends through one kernel a layer (engine.attention.packed) whatever its shapes; where "
                          "that kernel is not used, a prefill shape runs MLX's unfused attention until it has run 16 "
                          "times in the process (engine.attention.prefill)")
+    summary.notes.append("generic path: the engine as a Mac's GPU runs it (suite.GENERIC: MLX's attention, no packed "
+                         "prefill, reuse to the token), first run")
     summary.notes.append(f"suite wall time {time.perf_counter() - t0:.0f} s (model build/load not included)")
     tables.insert(0, summary)
     if a.out:

@@ -85,18 +85,20 @@ def test_gpu_command_on_a_bare_copy_of_the_tree(tmp_path, tiny_model_path):
     label = suite["figures"]["label"]
     assert label["rows"] == 8 and label["floor"] > 0 and label["x_b1"] > 0 and label["prefill_over_floor"] >= 1
     assert label["x_b1_again"] > 0 and "engine-again" in label["runs"]
+    assert label["x_b1_generic"] > 0 and "engine-generic" in label["runs"]  # the path a Mac's GPU takes, beside
     decode = suite["figures"]["decode"]["1"]
     assert set(decode) >= {"engine_step", "mlx_lm", "bare", "engine_host_ms", "engine_wait_ms", "bare_host_ms"}
     assert decode["bare_host_ms"] > 0 and decode["engine_host_ms"] > 0 and "host / wait ms a step" in (out / "gpu_suite.md").read_text()
     # each decode path ran twice, interleaved; the table gives the medians and the engine's spread
     assert len(decode["engine_steps"]) == len(decode["mlx_lm_runs"]) == len(decode["bare_runs"]) == 2
+    assert len(decode["generic_runs"]) == 2 and all(g["engine_step"] > 0 for g in decode["generic_runs"])
     assert min(decode["engine_steps"]) <= decode["engine_step"] <= max(decode["engine_steps"])
     assert "median of 2" in (out / "gpu_suite.md").read_text()
     md = (out / "gpu_suite.md").read_text()
     assert md.startswith("GPU figures measured at commit abc1234") and "### label: 8 rows" in md
     assert "- software: python" in md and "(git abc1234 (given))" in md  # the machine header
     summary = json.loads((out / "all.json").read_text())["sections"]["gpu"]["tables"][0]
-    assert summary["rows"][0][0] == "label" and len(_numbers(summary["rows"][0])) == 6
+    assert summary["rows"][0][0] == "label" and len(_numbers(summary["rows"][0])) == 7
     assert json.loads((out / "all.json").read_text())["meta"]["git"] == "abc1234 (given)"
 
 
