@@ -221,11 +221,12 @@ class RowFeed:
             n += isinstance(item, Submit)
         return out
 
-    def take_window(self) -> list[Submit | Failed | Resumed]:
+    def take_window(self, wait: bool = True) -> list[Submit | Failed | Resumed]:
         """The rest of the current window in plan order, or the next whole window when none is left: the rows one
-        partitioning covers (engines sharing a job split a window, never a prefix group across two windows)."""
+        partitioning covers (engines sharing a job split a window, never a prefix group across two windows).
+        ``wait`` False: nothing when the next window is still in preparation."""
         if not self._queue and not self.exhausted:
-            self._next_window(True)
+            self._next_window(wait)
         out = list(self._queue)
         self._queue.clear()
         return out

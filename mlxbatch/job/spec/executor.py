@@ -22,7 +22,7 @@ class ExecutorSection:
     address: str | None = None  # ray: the cluster (None: $RAY_ADDRESS, else a local cluster on this machine)
     actors: int | None = None  # ray: engine actors (None: as many as the cluster's resources fit)
     num_cpus: float = 1.0  # ray: logical CPUs per actor
-    num_gpus: float = 0.0  # ray: GPUs per actor (1 on CUDA machines: one device per actor)
+    num_gpus: float | None = None  # ray: GPUs per actor (None: 1 on a cluster with GPUs, one actor per GPU; else 0)
     resources: dict[str, float] = field(default_factory=dict)  # ray: custom resources per actor, e.g. {mac: 1}
     max_restarts: int | None = None  # ray: replacement actors started after deaths, in all (None: one per actor)
     partition: str = "prefix"  # ray: prefix (rows sharing a prefix on one actor) | random (for comparison)
@@ -48,7 +48,7 @@ def parse_executor(c: Checker, raw: dict[str, Any]) -> ExecutorSection:
             c.bad(f"executor.resources.{name}", f"expected a resource name and an amount >= 0, got {amount!r}")
     section = ExecutorSection(
         kind, c.typed(x, "executor", "address", str, None), c.typed(x, "executor", "actors", int, None),
-        c.typed(x, "executor", "num_cpus", float, d.num_cpus), c.typed(x, "executor", "num_gpus", float, d.num_gpus),
+        c.typed(x, "executor", "num_cpus", float, d.num_cpus), c.typed(x, "executor", "num_gpus", float, None),
         dict(resources), c.typed(x, "executor", "max_restarts", int, None), partition,
         c.typed(x, "executor", "start_timeout_s", float, d.start_timeout_s))
     if section.actors is not None:

@@ -41,6 +41,8 @@ class ActorInfo:
     reuse_step: int = 1  # its engine's (``EngineCore.reuse_step``: a block on CUDA): the driver's feed plans with it
     max_num_seqs: int = 1  # its engine's, set or sized by its device: the driver's in-flight bound goes by it
     batch: str = ""  # its engine's batch in words (``EngineCore.batch_size.describe()``)
+    gpus: str | None = None  # CUDA_VISIBLE_DEVICES as Ray set it for this actor (None: unset, every GPU visible)
+    device_memory: int = 0  # bytes its device has (a GPU's own memory; on a CPU or a Mac, the host's)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Advance:
     done: list[RowDone]
     stats: dict[str, Any]  # the engine's counters (EngineCore.stats)
     busy_s: float  # time this engine spent stepping, in all
+    idle_s: float = 0.0  # time it held unfinished rows between two calls (waiting for the driver), in all
 
 
 class EngineActor:
@@ -65,6 +68,8 @@ class EngineActor:
         self._setup = (model, engine, seed, row_tokens)
         self.loaded: Any = None
         self.engine: Any = None  # RowEngine, once info() loaded the model
+        self.idle_s = 0.0
+        self._idle_since: float | None = None  # when the last call returned with rows unfinished
 
     def placed(self) -> Placed:
         return Placed(socket.gethostname(), os.getpid())
@@ -82,18 +87,22 @@ class EngineActor:
         return ActorInfo(self.name, socket.gethostname(), os.getpid(), dev.kind, dev.blas, m.identity, m.dtype,
                          tokenizer_fingerprint(m.tokenizer), m.vlm is not None, m.context_length,
                          self.engine.core.reuse_step, self.engine.core.config.max_num_seqs,
-                         self.engine.core.batch_size.describe())
+                         self.engine.core.batch_size.describe(), os.environ.get("CUDA_VISIBLE_DEVICES"),
+                         dev.total_memory)
 
     def advance(self, tasks: list[RowTask], budget_s: float, return_after: int) -> Advance:
         """Queue ``tasks``, then step until ``return_after`` rows have finished (after at least MIN_ADVANCE_S),
         ``budget_s`` has passed, or nothing is left."""
+        t0 = time.perf_counter()
+        if self._idle_since is not None:
+            self.idle_s += t0 - self._idle_since
         for task in tasks:
             self.engine.submit(task)
         done: list[RowDone] = []
-        t0 = time.perf_counter()
         while self.engine.has_work:
             done += self.engine.step()
             elapsed = time.perf_counter() - t0
             if elapsed >= budget_s or (len(done) >= return_after and elapsed >= MIN_ADVANCE_S):
                 break
-        return Advance(done, self.engine.stats(), self.engine.busy_s)
+        self._idle_since = time.perf_counter() if self.engine.has_work else None
+        return Advance(done, self.engine.stats(), self.engine.busy_s, self.idle_s)

@@ -8,12 +8,17 @@ SIGTERM handler is undone so the run loop's signal handling stays in charge. The
 only (no weights): it tokenizes and plans, the actors run the model.
 
 Sizing (``actor_plan``): ``executor.actors`` when set; otherwise as many actors as the cluster's resources fit, except
-on Macs. A Mac has one GPU that every process on it shares, and Ray counts no GPU there, so resources would give one
-actor per CPU core, each loading the model and budgeting KV from the same free memory as if alone. On a cluster of
-Macs (every node's ``sys.platform`` asked by a task pinned to it) the default is one actor per Mac, its engine's
-budget the host's, placed by a placement group that spreads one bundle per Mac (a replacement actor takes the bundle
-its predecessor left). Ray itself refuses multi-machine clusters on macOS unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1``
-is set (for ``ray start`` on every Mac and for the driver); a failed connection from a Mac without it names it.
+on Macs. On a cluster whose nodes declare GPUs (Ray counts a node's NVIDIA GPUs itself, or ``ray start --num-gpus``)
+each actor asks for one GPU unless ``executor.num_gpus`` says otherwise, so the default is one actor per GPU: Ray sets
+each actor's ``CUDA_VISIBLE_DEVICES`` to its own GPU before the actor's code runs, MLX's CUDA backend then sees that
+one device as its device 0, and the engine budgets KV from that GPU's free memory alone. Without a GPU each, every
+actor on a node would see all of its GPUs and run on the first. A Mac has one GPU that every process on it shares,
+and Ray may count none there, so resources would give one actor per CPU core, each loading the model and budgeting KV
+from the same free memory as if alone. On a cluster of Macs (every node's ``sys.platform`` asked by a task pinned to
+it) the default is one actor per Mac, its engine's budget the host's, placed by a placement group that spreads one
+bundle per Mac (a replacement actor takes the bundle its predecessor left). Ray itself refuses multi-machine clusters
+on macOS unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` is set (for ``ray start`` on every Mac and for the driver); a
+failed connection from a Mac without it names it.
 """
 
 from __future__ import annotations
@@ -41,8 +46,6 @@ log = logging.getLogger(__name__)
 
 MAC_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's own switch (ray._private.ray_constants)
 PROBE_NODE_TIMEOUT_S = 60.0
-
-log = logging.getLogger(__name__)
 
 
 def kill(handle: Any) -> None:
@@ -82,26 +85,41 @@ class NodeFacts:
 
 @dataclass(frozen=True)
 class ActorPlan:
-    """How many engine actors to start and, on a cluster of Macs, the bundles of the placement group that puts one on
-    each Mac (``actor_plan`` makes it and the actor options that use it)."""
+    """How many engine actors to start, the GPUs each asks for and, on a cluster of Macs, the bundles of the placement
+    group that puts one on each Mac (``actor_plan`` makes it and the actor options that use it)."""
 
     count: int
+    num_gpus: float = 0.0  # per actor: executor.num_gpus, else 1 on a cluster with GPUs (one actor per GPU), else 0
     bundles: list[dict[str, float]] = field(default_factory=list)  # one per Mac: a STRICT_SPREAD placement group
     macs: int = 0  # Mac nodes in the cluster
+    gpus: float = 0.0  # GPUs the cluster's nodes declare
+
+    def options(self, x: ExecutorSection) -> dict[str, Any]:
+        """The resources each actor asks Ray for."""
+        out: dict[str, Any] = {"num_cpus": x.num_cpus, "num_gpus": self.num_gpus}
+        if x.resources:
+            out["resources"] = dict(x.resources)
+        return out
 
 
 def plan_actors(x: ExecutorSection, nodes: list[NodeFacts]) -> ActorPlan:
     """The sizing rule (pure: ``nodes`` are what ``cluster_nodes`` found)."""
     macs = [n for n in nodes if n.platform == "darwin"]
+    gpus = sum(n.resources.get("GPU", 0.0) for n in nodes)
+    num_gpus = x.num_gpus if x.num_gpus is not None else 1.0 if gpus >= 1 else 0.0
+    if x.num_gpus == 0 and gpus and len(macs) < len(nodes):
+        log.warning("executor.num_gpus=0 on a cluster with %g GPU(s): every actor sees all of its node's GPUs and runs "
+                    "on the first; leave num_gpus out (one actor per GPU)", gpus)
     if x.actors is not None:
         if macs and x.actors > len(macs):
             log.warning("executor.actors=%d on %d Mac(s): actors on one Mac share its GPU, and each takes its KV "
                         "budget from the same free memory as if alone; leave executor.actors out (one per Mac) or "
                         "lower engine.kv_memory_fraction", x.actors, len(macs))
-        return ActorPlan(x.actors, macs=len(macs))
+        return ActorPlan(x.actors, num_gpus, macs=len(macs), gpus=gpus)
     if macs and len(macs) == len(nodes):
-        bundle = {"CPU": x.num_cpus or 0.01, **({"GPU": x.num_gpus} if x.num_gpus else {}), **x.resources}
-        return ActorPlan(len(macs), [dict(bundle) for _ in macs], len(macs))
+        mac_gpus = x.num_gpus or 0.0
+        bundle = {"CPU": x.num_cpus or 0.01, **({"GPU": mac_gpus} if mac_gpus else {}), **x.resources}
+        return ActorPlan(len(macs), mac_gpus, [dict(bundle) for _ in macs], len(macs), gpus)
     if macs:
         log.warning("the cluster mixes %d Mac(s) with other machines: sizing by resources (their actors compute in "
                     "other dtypes, and the driver refuses those whose model identity differs)", len(macs))
@@ -109,7 +127,10 @@ def plan_actors(x: ExecutorSection, nodes: list[NodeFacts]) -> ActorPlan:
     for n in nodes:
         for name, amount in n.resources.items():
             total[name] = total.get(name, 0.0) + amount
-    return ActorPlan(fitting_actors(x.num_cpus, x.num_gpus, x.resources, total), macs=len(macs))
+    count = fitting_actors(x.num_cpus, num_gpus, x.resources, total)
+    if x.num_gpus is None and num_gpus:
+        log.info("one engine actor per GPU: %d actor(s) for the cluster's %g GPU(s)", count, gpus)
+    return ActorPlan(count, num_gpus, macs=len(macs), gpus=gpus)
 
 
 def cluster_nodes() -> list[NodeFacts]:

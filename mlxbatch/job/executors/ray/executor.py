@@ -2,8 +2,10 @@
 
 Owns the driver side of a distributed run. Each window of the plan is cut into prefix-local units
 (``job.executors.ray.partition``) and queued largest first; an actor with room takes the next unit and its rows go to it in plan
-order, at most ``4 x max_num_seqs`` in flight per actor (``ray_actor.EngineActor.advance``: one call out per actor,
-the next sent as soon as one returns). Finished rows come back here and the run loop checkpoints them, so shards,
+order, at most ``4 x max_num_seqs`` in flight per actor (``ray_actor.EngineActor.advance``). Two calls are out per
+actor: Ray runs an actor's calls in order, so the second starts the moment the first returns and the engine keeps
+stepping while its finished rows travel here and the next rows travel back (one call at a time left a GPU idle for
+every round trip). Finished rows come back here and the run loop checkpoints them, so shards,
 keys and final outputs are a single-machine run's. An idle actor with nothing queued takes the tail of the busiest
 actor's unsent rows (cut at a weak link), so a window ends together. The books of each actor and these rules of who
 gets which rows are ``job.executors.ray.slots``'s; this module starts the actors, talks to them and handles their failures.
@@ -45,6 +47,7 @@ from mlxbatch.job.spec import JobSpec
 log = logging.getLogger(__name__)
 
 ADVANCE_BUDGET_S = 0.5  # an actor reports back at least this often
+PIPELINE = 2  # advance() calls out per actor: the next one waits at the actor, not at this driver
 ROOM_WAIT_LOG_S = 30.0  # an actor without room on the cluster this long (at most a third of start_timeout_s): logged
 PROGRESS_EVERY_S = 1.0
 POLL_WAIT_S = 0.05
@@ -55,7 +58,8 @@ class RayExecutor:
                  placement: dict[str, Any] | None = None) -> None:
         self.spec, self.tokenizer, self.address = spec, tokenizer, address
         x = spec.executor
-        self.n_actors = plan.count  # cluster.plan_actors: executor.actors, one per Mac, or what resources fit
+        self.plan = plan  # cluster.plan_actors: executor.actors, one per GPU, one per Mac, or what resources fit
+        self.n_actors = plan.count
         self._placement = placement or {}
         self.restarts_left = self.n_actors if x.max_restarts is None else x.max_restarts
         self.limit = 4 * (spec.engine.max_num_seqs or 1)  # unset: the first actor ready says its engine's (``_ready``)
@@ -72,19 +76,17 @@ class RayExecutor:
     # -- actors -----------------------------------------------------------------------------------
     def _start(self, replacing: str | None = None) -> None:
         x, name = self.spec.executor, f"actor-{len(self.slots)}"
-        options = {"num_cpus": x.num_cpus, "num_gpus": x.num_gpus, "max_restarts": 0, "max_task_retries": 0}
-        if x.resources:
-            options["resources"] = dict(x.resources)
+        options = {**self.plan.options(x), "max_restarts": 0, "max_task_retries": 0}
         options.update(self._placement)  # on Macs: the actor takes a free bundle of one-per-Mac placement group
         handle = ray.remote(EngineActor).options(**options).remote(name, self.spec.model, self.spec.engine,
                                                                      self.spec.seed, row_tokens_hint(self.spec))
         slot = Slot(name, handle, replacing=replacing)
-        slot.call = handle.placed.remote()  # answers once the cluster has room for it; then info() loads the model
+        slot.calls.append(handle.placed.remote())  # answers once the cluster has room; then info() loads the model
         self.slots.append(slot)
 
     def _needs(self) -> str:
-        x = self.spec.executor
-        wanted = {"CPU": x.num_cpus, "GPU": x.num_gpus, **x.resources}
+        o = self.plan.options(self.spec.executor)
+        wanted = {"CPU": o["num_cpus"], "GPU": o["num_gpus"], **o.get("resources", {})}
         return ", ".join(f"{k}={v:g}" for k, v in wanted.items() if v > 0)
 
     def _check_starting(self) -> None:
@@ -132,7 +134,8 @@ class RayExecutor:
 
     def _lost(self, slot: Slot, why: str, replace: bool = True) -> None:
         """An actor is gone: the rows it held unreturned go back to the front of the queue for the others."""
-        slot.state, slot.error, slot.call = "dead", why, None
+        slot.state, slot.error = "dead", why
+        slot.calls.clear()
         rows = list(slot.in_flight.values()) + (slot.units.popleft() if slot.units else [])
         for unit in reversed(slot.units):
             self.queue.appendleft(unit)
@@ -156,8 +159,12 @@ class RayExecutor:
         other: list[Failed | Resumed] = []
         low_water = self.limit * sum(s.state != "dead" for s in self.slots)
         while not feed.finished and sum(len(u) for u in self.queue) < low_water:
+            # wait for the next window (the feed's thread prepares it) only when no actor has rows to work on
+            items = feed.take_window(wait=not self.busy)
+            if not items:
+                break
             rows: list[Submit] = []
-            for item in feed.take_window():
+            for item in items:
                 if isinstance(item, Submit):
                     rows.append(item)
                 else:
@@ -168,19 +175,23 @@ class RayExecutor:
         return other
 
     def _send(self, slot: Slot) -> None:
-        tasks = []
-        for r in next_rows(slot, self.limit - len(slot.in_flight), self.queue, self.slots, self.feed_done, self.limit):
-            slot.in_flight[r.prep.key] = r
-            ids = r.token_ids or []
-            slot.floor_tokens += len(ids) - common_prefix_len(slot.last_ids, ids)
-            slot.last_ids = ids
-            tasks.append(RowTask.of(r.prep, r.token_ids, r.cache_tokens))
-        if tasks or slot.in_flight:
-            slot.call = slot.handle.advance.remote(tasks, ADVANCE_BUDGET_S, max(1, self.limit // 4))
+        """Keep ``PIPELINE`` advance calls out while the actor has rows to get or rows to finish."""
+        while len(slot.calls) < PIPELINE:
+            tasks = []
+            for r in next_rows(slot, self.limit - len(slot.in_flight), self.queue, self.slots, self.feed_done,
+                               self.limit):
+                slot.in_flight[r.prep.key] = r
+                ids = r.token_ids or []
+                slot.floor_tokens += len(ids) - common_prefix_len(slot.last_ids, ids)
+                slot.last_ids = ids
+                tasks.append(RowTask.of(r.prep, r.token_ids, r.cache_tokens))
+            if not tasks and not slot.in_flight:
+                return
+            slot.calls.append(slot.handle.advance.remote(tasks, ADVANCE_BUDGET_S, max(1, self.limit // 4)))
 
     def _dispatch(self) -> None:
         for slot in self.slots:
-            if slot.state == "ready" and slot.call is None:
+            if slot.state == "ready" and len(slot.calls) < PIPELINE:
                 self._send(slot)
 
     # -- rows out ---------------------------------------------------------------------------------
@@ -193,35 +204,42 @@ class RayExecutor:
         return sum(len(s.in_flight) for s in self.slots)
 
     def poll(self, wait_s: float = POLL_WAIT_S) -> list[Finished]:
-        calls = {s.call: s for s in self.slots if s.call is not None}
+        pending = [ref for s in self.slots for ref in s.calls]
         finished: list[Finished] = []
-        if not calls:
+        if not pending:
             time.sleep(wait_s)  # nothing out: rows wait for an actor to free up or start
         else:
-            ready, rest = ray.wait(list(calls), num_returns=1, timeout=wait_s)
+            ready, rest = ray.wait(pending, num_returns=1, timeout=wait_s)
             if ready and rest:
                 ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
-            for ref in ready:
-                slot = calls[ref]
-                slot.call = None
-                try:
-                    result = ray.get(ref)
-                except RayError as exc:
-                    self._lost(slot, _failure(exc))
-                    continue
-                if isinstance(result, Placed):
-                    slot.placed = result
-                    slot.call = slot.handle.info.remote()  # the model loads now
-                elif isinstance(result, ActorInfo):
-                    self._ready(slot, result)
-                else:
-                    finished += self._returned(slot, result)
-                    self._send(slot)  # the next rows go out before this process writes anything
+            done = set(ready)
+            for slot in self.slots:
+                while slot.calls and slot.calls[0] in done:  # an actor's calls finish in the order it runs them
+                    finished += self._answer(slot, slot.calls.popleft())
         self._check_starting()
         self._dispatch()
         if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
             self.write_progress("running")
         return finished
+
+    def _answer(self, slot: Slot, ref: Any) -> list[Finished]:
+        """One call of ``slot``'s actor has returned: its result, or its actor lost."""
+        try:
+            result = ray.get(ref)
+        except RayError as exc:
+            if slot.state != "dead":
+                self._lost(slot, _failure(exc))
+            return []
+        if isinstance(result, Placed):
+            slot.placed = result
+            slot.calls.append(slot.handle.info.remote())  # the model loads now
+        elif isinstance(result, ActorInfo):
+            self._ready(slot, result)
+        elif slot.state != "dead":
+            finished = self._returned(slot, result)
+            self._send(slot)  # the next rows go out before this process writes anything
+            return finished
+        return []
 
     def _returned(self, slot: Slot, adv: Advance) -> list[Finished]:
         out = []
@@ -235,14 +253,15 @@ class RayExecutor:
                 slot.prompt_tokens += d.output.prompt_tokens
                 slot.generated_tokens += d.output.generated_tokens
             out.append(Finished(row.prep, d.output, row.index, d.error, d.error_kind, slot.name))
-        slot.engine, slot.busy_s = adv.stats, adv.busy_s
+        slot.engine, slot.busy_s, slot.idle_s = adv.stats, adv.busy_s, adv.idle_s
         return out
 
     def abort(self) -> None:
         for slot in self.slots:
             if slot.state != "dead":
                 kill(slot.handle)
-                slot.state, slot.call = "dead", None
+                slot.state = "dead"
+                slot.calls.clear()
 
     # -- reporting --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -30,7 +30,8 @@ class Slot:
     name: str
     handle: Any
     state: str = "starting"  # starting | ready | dead
-    call: Any = None  # the pending placed() / info() / advance() call
+    calls: deque[Any] = dataclasses.field(default_factory=deque)  # pending calls, in the order the actor runs them:
+    # placed() then info() while it starts, then up to PIPELINE advance() calls
     replacing: str | None = None  # the lost actor this one replaces
     placed: Placed | None = None  # its process runs on a node (the cluster had room for it)
     waiting_logged: bool = False  # its wait for room on the cluster was logged
@@ -45,6 +46,7 @@ class Slot:
     floor_tokens: int = 0  # prefill this actor cannot avoid: each row's tokens beyond what the previous one shares
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)  # the engine's latest counters
     busy_s: float = 0.0
+    idle_s: float = 0.0  # time the actor held unfinished rows between calls: waiting for this driver
     error: str | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -56,11 +58,13 @@ class Slot:
         i, p = self.info, self.placed
         prefill = int(self.engine.get("profile", {}).get("prefill_tokens", 0))
         return {"name": self.name, "state": self.state, "host": p.host if p else None, "pid": p.pid if p else None,
-                "device": i.device if i else None, "blas": i.blas if i else None, "rows": self.rows,
+                "device": i.device if i else None, "blas": i.blas if i else None, "gpus": i.gpus if i else None,
+                "device_memory": i.device_memory if i else None,
+                "kv_budget_bytes": self.engine.get("kv_budget_bytes"), "rows": self.rows,
                 "errors": self.errors, "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
                 "floor_tokens": self.floor_tokens, "prefill_tokens": prefill,
                 "prefill_over_floor": round(prefill / self.floor_tokens, 4) if self.floor_tokens else None,
-                "busy_s": round(self.busy_s, 3), "error": self.error}
+                "busy_s": round(self.busy_s, 3), "idle_s": round(self.idle_s, 3), "error": self.error}
 
 
 def units_of(rows: list[Submit], partition: str, actors: int) -> list[list[Submit]]:
