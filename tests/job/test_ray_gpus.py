@@ -88,6 +88,7 @@ def test_actors_keep_working_while_the_feed_prepares_the_next_window(gpu_cluster
     data = write_jsonl(tmp_path / "in.jsonl", grouped_rows(4, 12))
     spec = validate_job(_job(tmp_path, "stall", tiny_model_path, data, plan={"window": window},
                              executor=DEFAULT_RAY))
+    spec.output.mkdir(parents=True)  # the runner makes it; the executor writes progress.json there
     released = threading.Event()
 
     def stalled_input():
