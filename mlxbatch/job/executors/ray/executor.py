@@ -67,6 +67,7 @@ class RayExecutor:
         self.queue: deque[list[Submit]] = deque()  # units not taken by an actor yet (plan order inside each)
         self.feed_done = False
         self.started_at = time.time()
+        self._cpu0 = time.process_time()  # the driver's CPU (its feed thread's reading and tokenizing included)
         self._last_progress = 0.0
         self._fingerprint = tokenizer_fingerprint(tokenizer)
         self.model: ModelInfo | None = None
@@ -269,7 +270,8 @@ class RayExecutor:
         actors = [s.summary() for s in self.slots]
         stats["executor"] = {"kind": "ray", "address": self.address, "partition": self.spec.executor.partition,
                              "actors": actors, "floor_tokens": sum(a["floor_tokens"] for a in actors),
-                             "prefill_tokens": sum(a["prefill_tokens"] for a in actors)}
+                             "prefill_tokens": sum(a["prefill_tokens"] for a in actors),
+                             "driver_cpu_s": round(time.process_time() - self._cpu0, 3)}
         return stats
 
     def write_progress(self, state: str) -> None:
