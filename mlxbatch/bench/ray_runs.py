@@ -2,8 +2,12 @@
 
     mlxbatch bench ray --model smollm2 --rows 240                       # runs (~5 min on 2 cores) + simulation
     mlxbatch bench ray --skip-runs --sim-rows 1000000                   # the simulation only (~1 min)
-    python3 -m mlxbatch.bench ray --model 0.5b --data reviews --rows 100000 --actors 2 --actor-gpus 1 \\
-        --configs local,ray --skip-sim                                  # two GPUs of one host: one actor each
+    python3 -m mlxbatch.bench ray --userjob --model 0.5b --rows 100000 --skip-sim     # a 2-GPU host (issue 51)
+    mlxbatch bench ray --userjob --model tiny --rows 400 --gpus 2 --skip-sim   # the same on a CPU (2 fake GPUs)
+
+``--userjob`` (``ray_userjob``): the user-job benchmark's labeling job through ``mlxbatch run``, on one GPU without
+Ray, then with ``--ray`` on a ``ray start --head`` cluster of this machine, one engine actor per GPU: rows/s, the
+speed-up, each actor's share of the rows and the driver's CPU time. The runs and the simulation below otherwise:
 
 1. **Runs.** One job (``--data tasks``: 8 task preambles of 60-240 words shared by their rows in Zipf-like
    proportions, a short text each, as system + user messages; ``--data reviews``: the user-job benchmark's labeling
@@ -101,8 +105,8 @@ def runs(a: argparse.Namespace) -> Table:
         if a.address:
             ray.init(address=a.address, logging_level=logging.WARNING)
         else:
-            ray.init(num_cpus=a.cpus or os.cpu_count(), num_gpus=a.gpus, _temp_dir=str(root / "ray"),
-                     include_dashboard=False, logging_level=logging.WARNING)
+            ray.init(num_cpus=a.cpus or os.cpu_count(), num_gpus=a.gpus,  # None: the GPUs Ray finds
+                     _temp_dir=str(root / "ray"), include_dashboard=False, logging_level=logging.WARNING)
     try:
         for rep in range(a.repeats):  # interleaved: the machine's load drifts
             for name in configs:
@@ -204,15 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", default="~/.cache/mlxbatch/bench", help="where random models are built")
     ap.add_argument("--data", default="tasks", choices=["tasks", "reviews"])
     ap.add_argument("--rows", type=int, default=240)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=32, help="the job's engine.max_num_seqs (0: no engine section)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="new tokens a row (default 16; --userjob 8)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the job's engine.max_num_seqs (0: no engine section; default 32, --userjob 0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"runs among {', '.join(CONFIGS)} (default all)")
     ap.add_argument("--actors", type=int, default=2)
     ap.add_argument("--actor-cpus", type=float, default=1.0)
     ap.add_argument("--actor-gpus", type=float, default=0.0, help="GPUs per actor (1 on a CUDA host: one each)")
     ap.add_argument("--cpus", type=int, default=0, help="logical CPUs of the local cluster (default: the machine's)")
-    ap.add_argument("--gpus", type=int, default=0, help="GPUs of the local cluster")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="GPUs of the cluster started here (default: the machine's; give 2 on a CPU to fake two)")
+    ap.add_argument("--userjob", action="store_true",
+                    help="the user's labeling job via `mlxbatch run`, one GPU against --ray on `ray start --head`")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="--userjob: seconds a run may take")
     ap.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--sim-rows", type=int, default=1_000_000)
@@ -223,10 +232,19 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in a.configs.split(",") if c and c not in CONFIGS]
     if bad:
         ap.error(f"--configs: unknown {', '.join(bad)}; choose from {', '.join(CONFIGS)}")
+    if a.max_tokens is None:
+        a.max_tokens = 8 if a.userjob else 16
+    if a.max_num_seqs is None:
+        a.max_num_seqs = 0 if a.userjob else 32
     tables = []
     if not a.skip_runs:
         a.model_path = resolve_model(a.model, Path(a.cache_dir).expanduser())
-        tables.append(runs(a))
+        if a.userjob:
+            from mlxbatch.bench.ray_userjob import compare
+
+            tables.append(compare(a))
+        else:
+            tables.append(runs(a))
     if not a.skip_sim:
         tables.append(simulation(a.sim_rows))
     for t in tables:

@@ -50,12 +50,14 @@ def job_file(folder: Path, tag: str, model: str, dtype: str, data: Path, max_tok
     return path
 
 
-def run_cli(job: Path, timeout: float) -> tuple[float, dict[str, Any]]:
-    """``mlxbatch run job.yaml`` in a child process: (its wall seconds, report.json)."""
+def run_cli(job: Path, timeout: float, extra: tuple[str, ...] = (),
+            env: dict[str, str] | None = None) -> tuple[float, dict[str, Any]]:
+    """``mlxbatch run job.yaml [extra]`` in a child process (``env``: its whole environment; default this one's):
+    (its wall seconds, report.json)."""
     out = Path(yaml.safe_load(job.read_text())["output"])
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "run", str(job), "--no-progress"],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "run", str(job), "--no-progress", *extra],
+                          capture_output=True, text=True, timeout=timeout, env=env)
     wall = time.perf_counter() - t0
     (job.parent / f"{job.stem}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:

@@ -84,6 +84,25 @@ def test_ray_bench_local_run_and_simulation(tmp_path, tiny_model_path, capsys):
     assert "results equal to the first run's in every run: True" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").exists(), reason="stops the Ray cluster it started by its pids (/proc)")
+def test_ray_bench_userjob_runs_the_job_on_one_engine_and_on_a_ray_start_cluster(tmp_path, tiny_model_path):
+    """The issue-51 device command on a CPU: the user's job through ``mlxbatch run``, then with ``--ray`` on a cluster
+    ``ray start --head`` declares two (fake) GPUs on: one actor on each, every id once with the same text."""
+    pytest.importorskip("ray")
+    out = tmp_path / "ray.json"
+    assert ray_runs.main(["--userjob", "--model", "tiny", "--cache-dir", _cache(tmp_path, tiny_model_path), "--rows",
+                          "24", "--gpus", "2", "--skip-sim", "--json", str(out)]) == 0
+    one, ray = _table(out)
+    assert one["speed-up"] == 1.0 and one["driver CPU s"] is None
+    per_actor = ray["per actor: GPU, rows (share), prefill / floor, busy s, idle s"]
+    assert ray["rows/s"] > 0 and ray["driver CPU s"] > 0 and "GPU 0" in per_actor and "GPU 1" in per_actor
+    res = json.loads(out.read_text())["tables"][0]["raw"]
+    assert (res["result_rows"], res["distinct_ids"], res["same_text"]) == (24, 24, 24)
+    actors = res["runs"]["--ray, one actor per GPU"]["report"]["engine"]["executor"]["actors"]
+    assert sorted(a["gpus"] for a in actors) == ["0", "1"] and sum(a["rows"] for a in actors) == 24
+
+
 def test_ray_bench_refuses_an_unknown_config():
     with pytest.raises(SystemExit) as exc:
         ray_runs.main(["--configs", "local,ray-9"])
