@@ -401,6 +401,14 @@ def test_a_mac_without_rays_cluster_switch_is_told_to_set_it(monkeypatch):
     assert ray_cluster.mac_cluster_hint("darwin") == ""
 
 
+def test_a_failed_connection_to_an_address_names_rays_token_mode_while_it_is_unset():
+    """Ray 2.60's ``ray start`` turns token authentication on where ~/.ray/auth_token exists, but a driver given an
+    address sends the token only with RAY_AUTH_MODE=token (else it retries, then fails with no word of why)."""
+    from mlxbatch.job.executors.ray.cluster import auth_hint
+
+    assert "RAY_AUTH_MODE=token" in auth_hint({}) and auth_hint({"RAY_AUTH_MODE": "token"}) == ""
+
+
 def test_one_actor_per_mac_by_default():
     from mlxbatch.job.executors.ray.cluster import NodeFacts, plan_actors
     from mlxbatch.job.spec import ExecutorSection

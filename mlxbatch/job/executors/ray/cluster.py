@@ -45,6 +45,7 @@ from mlxbatch.job.spec import ExecutorSection, JobSpec
 log = logging.getLogger(__name__)
 
 MAC_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # Ray's own switch (ray._private.ray_constants)
+AUTH_MODE_ENV = "RAY_AUTH_MODE"  # Ray's own (ray._private.authentication): token | disabled
 PROBE_NODE_TIMEOUT_S = 60.0
 
 
@@ -69,6 +70,16 @@ def mac_cluster_hint(platform: str | None = None, env: Mapping[str, str] | None 
         return ""
     return (f"; on macOS, Ray serves or joins a cluster of several machines only with {MAC_CLUSTER_ENV}=1 set, for "
             "`ray start` on every Mac and for this command (README: Distributed runs)")
+
+
+def auth_hint(env: Mapping[str, str] | None = None) -> str:
+    """What to add to a failed connection's message to a given address while ``RAY_AUTH_MODE`` is unset: Ray
+    enables token authentication for a driver given an address only when told ("" when it is set)."""
+    env = os.environ if env is None else env
+    if env.get(AUTH_MODE_ENV):
+        return ""
+    return (f"; if the cluster uses token authentication (`ray start` turns it on where ~/.ray/auth_token exists), "
+            f"set {AUTH_MODE_ENV}=token for this command, with that token in ~/.ray/auth_token or $RAY_AUTH_TOKEN")
 
 
 def _node_platform() -> str:
@@ -231,7 +242,7 @@ def connected(address: str | None, actors: int | None, num_cpus: float) -> Itera
                      "run", ray.get_runtime_context().gcs_address)
     except Exception as exc:  # a bad address, no cluster there, a temp dir Ray cannot use, ...
         where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
-        hint = mac_cluster_hint() if target else ""
+        hint = (auth_hint() + mac_cluster_hint()) if target else ""
         raise ExecutorError(f"could not connect to {where}: {type(exc).__name__}: {exc}{hint}") from exc
     finally:
         for s, h in handlers.items():
