@@ -11,7 +11,8 @@ Printed: each run's rows/s (report.json's, and over the child process's wall wit
 speed-up over the one-GPU run, each actor's GPU, share of the rows, prefill over its rows' floor, busy and idle
 seconds (idle: holding unfinished rows between two calls, waiting for the driver), the driver's CPU seconds
 (report.json's ``driver_cpu_s``, from the executor's start: reading, tokenizing, planning, sending, checkpointing)
-and the child process's CPU, and whether every id came back once with the one-GPU run's text.
+and the child process's CPU, whether every id came back once with the one-GPU run's text, and the driver's feed
+alone on the job's first rows (read, render, tokenize, plan in one thread): the most rows/s one driver hands out.
 """
 
 from __future__ import annotations
@@ -106,6 +107,28 @@ def timed_run(job: Path, timeout: float, extra: tuple[str, ...], env: dict[str, 
     return {"report": report, "process_s": wall, "process_cpu_s": cpu}
 
 
+def feed_rate(job: Path, rows: int) -> dict[str, Any]:
+    """The driver's feed alone on the job's first ``rows`` rows (read, render, tokenize, plan, window by window in
+    this thread, as the run's feed thread does): what one driver can hand out at most."""
+    from itertools import islice
+
+    from mlxbatch.io import open_reader
+    from mlxbatch.job.check.validate import input_spec, validate_job
+    from mlxbatch.job.executors.ray.cluster import driver_tokenizer
+    from mlxbatch.job.rows.feed import RowFeed, Submit
+    from mlxbatch.job.rows.prepare import RowPreparer
+
+    spec = validate_job(job, writes_output=False)
+    tokenizer = driver_tokenizer(spec)
+    feed = RowFeed(islice(open_reader(input_spec(spec)), rows), RowPreparer(spec, "feed-rate"), tokenizer, set(),
+                   window=spec.plan.window)
+    cpu0, t0, n = time.process_time(), time.perf_counter(), 0
+    while not feed.finished:
+        n += sum(isinstance(item, Submit) for item in feed.take_window())
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"rows": n, "wall_s": wall, "cpu_s": cpu, "rows_per_s": n / max(wall, 1e-9)}
+
+
 def results(out: Path) -> tuple[dict[str, str | None], int]:
     """(id -> text, rows) of a finished job's results.parquet."""
     import pyarrow.parquet as pq
@@ -139,10 +162,13 @@ def compare(a: argparse.Namespace) -> Table:
     finally:
         stop_head(temp)
         shutil.rmtree(temp, ignore_errors=True)
-    return table(a, runs, gpus, dtype, folder)
+    feed = feed_rate(job, min(a.rows, 20_000))
+    log(f"ray userjob: the driver's feed alone: {feed['rows_per_s']:,.0f} rows/s")
+    return table(a, runs, gpus, dtype, folder, feed)
 
 
-def table(a: argparse.Namespace, runs: dict[str, dict[str, Any]], gpus: int, dtype: str, folder: Path) -> Table:
+def table(a: argparse.Namespace, runs: dict[str, dict[str, Any]], gpus: int, dtype: str, folder: Path,
+          feed: dict[str, Any]) -> Table:
     base_tag, ray_tag = list(runs)
     base, ray = runs[base_tag], runs[ray_tag]
     want, _ = results(base["out"])
@@ -167,11 +193,14 @@ def table(a: argparse.Namespace, runs: dict[str, dict[str, Any]], gpus: int, dty
     tab.notes += [
         f"--ray: {n:,} result rows, {len(got):,} distinct ids of the {len(want):,} the one-GPU run has; "
         f"{same:,} with its text (greedy).",
+        f"the driver's feed alone (read, render, tokenize, plan; one thread, as the run's feed thread) on the first "
+        f"{feed['rows']:,} rows: {feed['rows_per_s']:,.0f} rows/s, {1e6 * feed['cpu_s'] / max(1, feed['rows']):,.0f} "
+        f"us CPU a row; a --ray run near it is bound by the driver, not by its GPUs.",
         f"speed-up: rows/s (report.json's: the run's wall after the model loaded, or the actors did) over the "
         f"first run's; process s: the whole `mlxbatch run`, its start and model load(s) included. driver CPU s: "
         f"report.json's engine.executor.driver_cpu_s; process CPU s: the `mlxbatch run` process's (under Ray: the "
         f"driver alone, the actors are the cluster's processes). Job files and outputs in {folder}."]
     tab.raw = {"runs": {t: {"report": r["report"], "process_s": r["process_s"], "process_cpu_s": r["process_cpu_s"]}
                         for t, r in runs.items()},
-               "same_text": same, "distinct_ids": len(got), "result_rows": n, "rows": len(want)}
+               "same_text": same, "feed": feed, "distinct_ids": len(got), "result_rows": n, "rows": len(want)}
     return tab

@@ -99,6 +99,7 @@ def test_ray_bench_userjob_runs_the_job_on_one_engine_and_on_a_ray_start_cluster
     assert ray["rows/s"] > 0 and ray["driver CPU s"] > 0 and "GPU 0" in per_actor and "GPU 1" in per_actor
     res = json.loads(out.read_text())["tables"][0]["raw"]
     assert (res["result_rows"], res["distinct_ids"], res["same_text"]) == (24, 24, 24)
+    assert res["feed"]["rows"] == 24 and res["feed"]["rows_per_s"] > 0  # the driver's feed alone, on those rows
     actors = res["runs"]["--ray, one actor per GPU"]["report"]["engine"]["executor"]["actors"]
     assert sorted(a["gpus"] for a in actors) == ["0", "1"] and sum(a["rows"] for a in actors) == 24
 
