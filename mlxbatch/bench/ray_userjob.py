@@ -58,11 +58,10 @@ def ray_env(temp: Path) -> dict[str, str]:
 
 def start_head(temp: Path, gpus: int, cpus: int) -> str:
     """``ray start --head`` with its files under ``temp`` (a token made first where none is); the address to join."""
-    ray_cli = Path(sys.executable).parent / "ray"
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]  # the `ray` command of this Python, wherever it lives
     env = ray_env(temp)
-    subprocess.run([str(ray_cli), "get-auth-token", "--generate"], env=env, capture_output=True, timeout=120,
-                   check=True)
-    args = [str(ray_cli), "start", "--head", "--port=0", f"--num-gpus={gpus}", "--include-dashboard=false",
+    subprocess.run([*ray_cli, "get-auth-token", "--generate"], env=env, capture_output=True, timeout=120, check=True)
+    args = [*ray_cli, "start", "--head", "--port=0", f"--num-gpus={gpus}", "--include-dashboard=false",
             "--disable-usage-stats"]
     if cpus:
         args.append(f"--num-cpus={cpus}")
