@@ -17,11 +17,17 @@ references it, and a launched kernel's inputs stay referenced until it completes
 one still reads its buffers would make every layer's update copy its whole buffer. So every launch and every
 evaluation first waits for what is in flight (``settle``: one sync), and the host work between two launches is what
 overlaps the device.
+
+Every point where the host hands work to the device or waits for it goes through ``Traffic`` (launch, evaluate,
+settle, and ``read`` of a launched draw): ``fault`` is the seam where tests make the device fail as Metal does (a
+failed allocation reported at the next synchronisation or op, not where it was asked for); ``settled`` says which
+launches a synchronisation has seen complete, so the runner knows which of its writes the device has confirmed.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -48,16 +54,23 @@ class Traffic:
         self._in_flight: str | None = None  # what the launch in flight runs ("prefill", "decode", ...), if any
         self._settled = 0  # launches known to be complete
         self.waited: dict[str, float] = {}  # seconds the host waited for launches of each kind
+        # called before each device call with what it is ("decode"/"prefill": a launch of that kind, "evaluate",
+        # "synchronize", "read") and the arrays it hands over; tests set it to fail the device (None: nothing)
+        self.fault: Callable[[str, Sequence[Any]], None] | None = None
 
     def evaluate(self, *arrays: Any) -> None:
         """``mx.eval`` counted as one sync (after what is in flight: see the module's docstring)."""
         self.settle()
         self.syncs += 1
+        if self.fault is not None:
+            self.fault("evaluate", arrays)
         mx.eval(*arrays)
 
     def launch(self, kind: str, *arrays: Any) -> int:
         """Enqueue the evaluation of ``arrays`` and return at once (after what is in flight); returns its number."""
         self.settle()
+        if self.fault is not None:
+            self.fault(kind, arrays)
         mx.async_eval(*arrays)
         self.launches += 1
         self._in_flight = kind
@@ -68,6 +81,8 @@ class Traffic:
         if self._in_flight is None:
             return
         t0 = time.perf_counter()
+        if self.fault is not None:
+            self.fault("synchronize", ())
         mx.synchronize()
         self.syncs += 1
         self.waited[self._in_flight] = self.waited.get(self._in_flight, 0.0) + time.perf_counter() - t0
@@ -77,6 +92,17 @@ class Traffic:
         """Wait for launch number ``launch`` (nothing to do if a later wait already covered it)."""
         if launch > self._settled:
             self.settle()
+
+    @property
+    def settled(self) -> int:
+        """The last launch a synchronisation saw complete (a launch after it may still fail)."""
+        return self._settled
+
+    def read(self, drawn: Drawn) -> list[SampledToken]:
+        """A launched draw's tokens on the host (``Drawn.read``: a sync if it is not evaluated yet)."""
+        if self.fault is not None:
+            self.fault("read", drawn.arrays())
+        return drawn.read()
 
     @property
     def wait_s(self) -> float:

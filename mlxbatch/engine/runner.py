@@ -168,7 +168,7 @@ class ModelRunner:
         if step.drawn is None:
             return RunnerOutput(scored=step.scored)
         self.traffic.wait_for(step.launch)  # (its time goes to the launch's kind)
-        tokens_out = step.drawn.read()
+        tokens_out = self.traffic.read(step.drawn)
         self._steps.collected(step)  # the host knows the step's tokens: the next decode pass is fed from them
         done: frozenset[str] = frozenset()
         if len(self._grammars):  # constrained sequences (none: no per-row work here)
