@@ -36,6 +36,9 @@ class StepCommit:
         self.last: Launched | None = None  # the last launched step, until its tokens are read (``collected``)
         self._promote: list[str] = []  # rows whose prefill ended in the last step: they join the decode rows next
         self._free: list[str] = []  # rows to drop when the next step starts
+        # the launch that evaluates the prefix store's last writes (None: written, not launched yet); until a
+        # synchronisation sees it complete (``Traffic.settled``) a failure may have left the store undefined
+        self._store_launch = 0
 
     def draw_commit(self, out: SchedulerOutput, due: list[Request], logits: list[mx.array],
                      scored: dict[str, ScoredTokens]) -> Launched:
@@ -74,6 +77,8 @@ class StepCommit:
             prof.decode_build_s += build
         else:
             prof.prefill_build_s += build
+        if pending:
+            self._store_launch = n
         step = Launched(tuple(r.request_id for r in due), drawn, n, scored)
         self.last = step if drawn is not None else None
         return step
@@ -108,6 +113,7 @@ class StepCommit:
         pending: list[mx.array] = []
         if out.stores:
             assert self._store is not None
+            self._store_launch = None
             pending = reuse.store_blocks(self.batch, self._store, out.stores)  # before any row moves again
         for parent, child in out.forks:  # n > 1: the prompt was prefilled once, each sample gets a copy
             self.batch.add(child.request_id, self.batch.extract(parent.request_id), parent.num_prompt_tokens)
@@ -115,6 +121,18 @@ class StepCommit:
         done = {c.request.request_id for c in out.prefills if c.last} | {c.request_id for _, c in out.forks}
         self._promote = [rid for rid in self.batch.ids[self.batch.n_decode :] if rid in done]
         return pending
+
+    @property
+    def store_confirmed(self) -> bool:
+        """Whether the device has completed the prefix store's every write (a synchronisation saw its launch end)."""
+        return self._store_launch is not None and self._store_launch <= self.traffic.settled
+
+    def reset(self) -> None:
+        """A launched evaluation failed: nothing launched is read or fed again, and no row move is left to make (every
+        row goes: the layout starts again; the prefix store's writes were confirmed or it starts empty)."""
+        self.last = None
+        self._promote, self._free = [], []
+        self._store_launch = 0
 
     def free(self, request_ids: list[str]) -> None:
         """Drop these rows when the next step starts (the step in flight may still read them), or now when nothing

@@ -178,14 +178,20 @@ class EngineCore:
         step come out with the next one. A sequence that drew its last token is not fed again (``length_done``); one
         that stops on a token (EOS, stop strings) is fed once more, and that token is dropped. A step whose rows need
         their latest tokens on the host (penalties, ``min_tokens``, structured outputs, images) reads the step before
-        it first."""
+        it first.
+
+        A step's tokens (and scores) are taken only once the reads that wait for its evaluation succeeded: Metal
+        reports a failed allocation at the next synchronisation or op, so an ``OutOfMemoryError`` raised anywhere
+        here may come from any step not read yet (``_recover``)."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        touched: list[Request] = []
+        touched: list[Request] = []  # sequences given tokens this step (read: they stand whatever fails later)
         if out.empty:
             if self._pending is not None:
-                touched = self._read(self._pending)
-                self._pending = None
+                try:
+                    touched += self._read(self._pending)
+                except OutOfMemoryError as exc:
+                    return self._recover(out, touched, exc)
                 self.runner.free([r.request_id for r in self.scheduler.reap()])
             return self._collect(touched)
         now = time.perf_counter()
@@ -193,20 +199,17 @@ class EngineCore:
             if req.first_scheduled is None:
                 req.first_scheduled = now
         overlap = self.config.overlap_steps and self.runner.overlappable and not self._needs_history(out)
-        if self._pending is not None and not overlap:
-            touched += self._read(self._pending)
-            self._pending = None
         try:
+            if self._pending is not None and not overlap:
+                touched += self._read(self._pending)
             with self._limits.step_bound():
                 launched = self.runner.launch(out)
-        except OutOfMemoryError as exc:
-            log.warning("step failed for lack of memory (%s); shrinking the batch", exc)
-            if self._pending is not None:  # drawn before the failed step: its tokens stand
+            if self._pending is not None:
                 touched += self._read(self._pending)
-                self._pending = None
-            self.runner.free([r.request_id for r in self.scheduler.preempt_for_memory(out)])
-            self.worker.shutdown()  # frees MLX's buffer cache
-            return self._collect(touched)
+            if not overlap:
+                touched += self._read(launched)
+        except OutOfMemoryError as exc:
+            return self._recover(out, touched, exc)
         for rid, scored in launched.scored.items():
             self._seqs[rid].add_scores(list(scored.logprobs), list(scored.greedy))
         for chunk in out.prefills:
@@ -214,15 +217,33 @@ class EngineCore:
                 chunk.request.finish_scored()
                 touched.append(chunk.request)
         if overlap:
-            if self._pending is not None:
-                touched += self._read(self._pending)
             self._pending = launched
             for rid in launched.due:
                 self._seqs[rid].pending = 1
-        else:
-            touched += self._read(launched)
         self.runner.free([r.request_id for r in self.scheduler.finish_step(out)])
         self.runner.end_step(time.perf_counter() - t0)
+        return self._collect(touched)
+
+    def _recover(self, failed: SchedulerOutput, touched: list[Request], exc: OutOfMemoryError) -> list[StreamDelta]:
+        """An allocation failed in ``failed`` or in the step launched before it and not read yet: neither step's
+        tokens are taken (their evaluation may be what failed), the batch shrinks, and every running row recomputes
+        its KV from its tokens (prompt and outputs read so far), rows done but for a discarded last token included.
+        The runner starts its KV layout afresh and drops the prefix cache's blocks if a failed step may have written
+        them (``ModelRunner.recover``); the failed step's planned stores never happened."""
+        log.warning("step failed for lack of memory (%s); shrinking the batch", exc)
+        unread: list[Request] = []
+        if self._pending is not None:
+            for rid in self._pending.due:
+                req = self._seqs.get(rid)
+                if req is not None:
+                    req.pending = 0
+                    unread.append(req)
+            self._pending = None
+        self.scheduler.reap()  # rows finished by the tokens read before the failure leave first: they stay finished
+        self.scheduler.preempt_for_memory(failed, unread)
+        if self.runner.recover() and self.scheduler.prefix is not None:
+            self.scheduler.prefix.drop_cached()
+        self.worker.shutdown()  # frees MLX's buffer cache
         return self._collect(touched)
 
     def _needs_history(self, out: SchedulerOutput) -> bool:
@@ -232,8 +253,11 @@ class EngineCore:
 
     def _read(self, launched: Launched) -> list[Request]:
         """Append a launched step's drawn tokens to their sequences (a sequence that finished since, e.g. on a stop
-        token drawn the step before, or was aborted, drops its token)."""
+        token drawn the step before, or was aborted, drops its token). The step in flight is read: it is no longer
+        ``_pending``; nothing is appended if the read fails."""
         result = self.runner.collect(launched)
+        if launched is self._pending:
+            self._pending = None
         touched = []
         for rid, tok in result.sampled.items():
             req = self._seqs.get(rid)

@@ -106,6 +106,11 @@ class Request:
             return [(n - 1, t) for t in self.score_tokens]
         return [(p, self.prompt_token_ids[p + 1]) for p in range(self.score_from - 1, n - 1)]
 
+    def unscored_targets(self) -> list[tuple[int, int]]:
+        """``score_targets`` not scored yet: a sequence recomputed after an out-of-memory step keeps the scores it
+        read, and its prefill scores each position once."""
+        return self.score_targets()[len(self.score_greedy):]
+
     @property
     def has_score_siblings(self) -> bool:
         """A scoring sequence of one multi-token candidate: its request's other candidates reuse its context."""

@@ -13,9 +13,11 @@ next token is due are sampled together. KV positions are committed only when the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -151,24 +153,23 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> Launched:
         """Enqueue the step: copy-ins, forwards, the draw and the commit of its books. Returns without waiting for
         the device: ``collect`` reads the drawn tokens, and the next step may be launched first (its decode pass
-        is fed this step's draw on the device)."""
-        try:
+        is fed this step's draw on the device). Raises ``OutOfMemoryError`` where an allocation failed, this step's
+        or one still in flight (Metal reports a failure at the next synchronisation or op: ``recover``)."""
+        with _out_of_memory():
             return self._launch(out)
-        except Exception as exc:
-            if is_out_of_memory(exc):
-                raise OutOfMemoryError(str(exc)) from exc
-            raise
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run the step and read its results (``launch`` then ``collect``)."""
         return self.collect(self.launch(out))
 
     def collect(self, step: Launched) -> RunnerOutput:
-        """A launched step's drawn tokens, read back (waiting for the device if the step is still running)."""
+        """A launched step's drawn tokens, read back (waiting for the device if the step is still running); raises
+        ``OutOfMemoryError`` as ``launch`` does (the tokens are then not to be trusted: ``recover``)."""
         if step.drawn is None:
             return RunnerOutput(scored=step.scored)
-        self.traffic.wait_for(step.launch)  # (its time goes to the launch's kind)
-        tokens_out = self.traffic.read(step.drawn)
+        with _out_of_memory():
+            self.traffic.wait_for(step.launch)  # (its time goes to the launch's kind)
+            tokens_out = self.traffic.read(step.drawn)
         self._steps.collected(step)  # the host knows the step's tokens: the next decode pass is fed from them
         done: frozenset[str] = frozenset()
         if len(self._grammars):  # constrained sequences (none: no per-row work here)
@@ -291,6 +292,24 @@ class ModelRunner:
         return head(out) if head is not None else out
 
 
+    def recover(self) -> bool:
+        """An evaluation failed (``OutOfMemoryError``): forget what it may have touched. Every row goes and the
+        layout starts from new buffers (its buffers are results of the failed evaluation: on Metal their contents
+        are undefined, rows written or not), the prefixes gathered for copy-ins go, and the prefix store's blocks go
+        too where a write to them is not confirmed complete. Returns whether they went: then the prefix index must
+        forget every cached block. The core recomputes every row from its tokens (``Scheduler.preempt_for_memory``).
+        One rule for every failure point, simpler than finding which rows and blocks a failed evaluation wrote: a
+        failure is rare, and costs the batch its KV either way."""
+        if self._mm is not None:
+            for rid in self.batch.ids:
+                self._mm.free(rid)
+        keep_blocks = self._steps.store_confirmed
+        self._steps.reset()
+        self.batch.reset()
+        if self._store is not None:
+            self._store.reset(keep_blocks)
+        return not keep_blocks
+
     def free(self, request_ids: list[str]) -> None:
         """Drop the KV of sequences that finished, were aborted or were preempted (their rows go when the next step
         starts: the step in flight may still read them)."""
@@ -298,6 +317,17 @@ class ModelRunner:
             for rid in request_ids:
                 self._mm.free(rid)
         self._steps.free(request_ids)
+
+
+@contextlib.contextmanager
+def _out_of_memory() -> Iterator[None]:
+    """A failed allocation raised inside, as ``OutOfMemoryError``."""
+    try:
+        yield
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            raise OutOfMemoryError(str(exc)) from exc
+        raise
 
 
 def _pad_groups(chunks: tuple[PrefillChunk, ...], admitted: list[str] | None = None, max_waste: float = 0.25

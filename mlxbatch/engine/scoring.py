@@ -29,7 +29,7 @@ def score_chunk(out: mx.array, head: Any, group: list[PrefillChunk], tokens: lis
         r = c.request
         if r.score_from is None:
             continue
-        for p, t in r.score_targets():
+        for p, t in r.unscored_targets():
             if c.start <= p < c.end:
                 picks.append(at.setdefault((i, p - c.start), len(at)))
                 targets.append(t)

@@ -172,8 +172,9 @@ def test_abort_while_the_last_token_is_drawn(tiny_loaded):
 
 @pytest.mark.parametrize("fail_at", [3, 6])
 def test_an_out_of_memory_step_with_a_step_in_flight(tiny_loaded, fail_at, fail_launch_at):
-    """A launch fails for lack of memory while the step before it is still unread: that step's tokens stand, every
-    row is preempted and recomputed, and the outputs are what steps one at a time give with the same failure."""
+    """A launch fails for lack of memory while the step before it is still unread: that step's tokens are not taken
+    (its evaluation may be what failed: tests/engine/test_late_oom.py), every row is preempted and recomputed, and
+    the outputs are what steps one at a time give with the same failure."""
     prompts = _prompts(12, seed=7)
     params = [SamplingParams(temperature=0, max_tokens=10 + i % 5, ignore_eos=True) for i in range(12)]
 

@@ -131,7 +131,7 @@ class FixedForwards:
             c, p0 = ordered[i], ordered[i].start + j * C
             r = c.request
             if r.score_from is not None:  # position p's logits score the token paired with it
-                for p, t in r.score_targets():
+                for p, t in r.unscored_targets():
                     if p0 <= p < min(p0 + C, c.end):
                         step.score_owners.append(r.request_id)
                         step.score_targets.append(t)

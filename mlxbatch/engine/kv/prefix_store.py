@@ -92,6 +92,16 @@ class PrefixStore:
             del self._hot[next(iter(self._hot))]  # the least recently used (this one too, if it alone is over)
         return kv
 
+    def reset(self, keep_blocks: bool) -> None:
+        """After a failed evaluation: the gathered prefixes kept go (they may be its results); unless
+        ``keep_blocks``, the block tensors too (a failed evaluation wrote them: every block is undefined, so the index
+        must forget them all), regrown empty on the next write."""
+        self._hot.clear()
+        if not keep_blocks:
+            self._keys, self._values = [], []
+            self._capacity = 0
+            self._dirty = False
+
     def _written(self, block_ids: Sequence[int]) -> None:
         """Drop the kept prefixes that hold any of these blocks (they are rewritten)."""
         ids = set(block_ids)

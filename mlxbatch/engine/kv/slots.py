@@ -106,6 +106,17 @@ class SlotBatch:
         """Create the (empty) buffers; called once, before the first row is added."""
         self.buffers.allocate(kv_heads, head_dim, dtype)
 
+    def reset(self) -> None:
+        """Drop every row and start again from new, empty buffers (an evaluation that wrote the old ones failed: on
+        Metal their contents, written or not, are undefined, and a row's unused positions are read under a mask,
+        where a NaN would still poison its attention)."""
+        k = self.buffers.keys[0]
+        self.buffers = SlotBuffers(self.num_layers, self.traffic)
+        self.buffers.allocate(k.shape[1], k.shape[3], k.dtype)
+        self.rows = SlotRows(self.buffers, self.options)
+        self.passes = SlotPasses(self.rows, self.buffers, self.options)
+        self._oversized_calls = 0
+
     def ensure(self, rows: int, positions: int) -> None:
         """Room for rows ``0 .. rows`` of ``positions`` positions (the buffers grow by doubling rows)."""
         self.rows.ensure(rows, positions)

@@ -96,6 +96,14 @@ class PrefixIndex:
         """The step failed: its stores never happened."""
         self.keeping.abort_step(stores)
 
+    def drop_cached(self) -> None:
+        """Forget every cached block: a failed evaluation wrote the store, whose blocks are all undefined now (the
+        runner's store starts empty). Called after every row was preempted: no block is referenced."""
+        for bid in range(self.pool.num_blocks):
+            if self.pool.block(bid).block_hash is not None:
+                evicted = self.pool.evict(bid)
+                assert evicted, f"block {bid} is still referenced"
+
     # -- admission ------------------------------------------------------------------------------------
     def begin_step(self) -> None:
         self._step += 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from mlxbatch.engine.request import Request, RequestStatus
 from mlxbatch.engine.sched.prefix import CachedBlocks, PrefixIndex, PrefixSource, RunningRow
@@ -239,14 +239,18 @@ class Scheduler:
             self._max_seqs = min(self.config.max_num_seqs, 2 * self._max_seqs)
             self._budget = min(self.config.kv_budget_bytes, 2 * self._budget)
 
-    def preempt_for_memory(self, failed: SchedulerOutput) -> list[Request]:
+    def preempt_for_memory(self, failed: SchedulerOutput, unread: Sequence[Request] = ()) -> list[Request]:
         """An allocation failed during ``failed``: shrink the batch and return whose KV must be dropped: everyone's.
 
         The newest half of the running sequences go back to the queue front; the others restart their prefill
         (prompt and generated tokens) in place. Every resident KV row is dropped, not only the failed step's
         prefills: on a GPU the row moves of a step run lazily in the same command buffer as its forward, so after a
         failure the rows may not hold what the books say (on Metal a failed command buffer is not retried).
+        ``unread``: sequences that left the running set on their last token, drawn in a step whose tokens the failure
+        discarded; they run again with the others.
         """
+        running = {r.request_id for r in self.running}
+        self.running += [r for r in unread if not r.status.finished and r.request_id not in running]
         self.num_preemptions += 1
         self._calm_steps = 0
         keep = max(1, len(self.running) // 2)
