@@ -62,6 +62,7 @@ from mlxbatch.job.report.snapshot import results_metadata
 from mlxbatch.job.rows.feed import Resumed, RowFeed
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.rows.tasks import output_columns, prompt_text, record_for
+from mlxbatch.job.run.checkpointer import Checkpointer
 from mlxbatch.job.run.error_rate import ErrorRate
 from mlxbatch.job.run.run_meta import follow_saved_plan, record_invariance, save_job_meta
 from mlxbatch.job.run.stopping import StopSignals
@@ -258,11 +259,15 @@ class JobRunner:
                        window=spec.plan.window, planned=spec.plan.enabled, done_errors=store.error_keys(),
                        min_step_tokens=model.reuse_step, spool=spool, keep_urls=is_openai, background=True)
 
-        def flush() -> None:
+        writer = Checkpointer(store)  # shards are made durable on its thread while the engine steps
+
+        def flush(wait: bool = True) -> None:
+            """Hand the finished rows to the writer; ``wait``: until every row handed over is checkpointed."""
             nonlocal last_flush
-            if buffer:
-                store.append(buffer)
-                buffer.clear()
+            writer.put(buffer)
+            buffer.clear()
+            if wait:
+                writer.drain()
             last_flush = time.monotonic()
 
         def finish(record: ResultRecord, index: int) -> None:
@@ -290,7 +295,7 @@ class JobRunner:
                                             f.worker), f.index)
                 now = time.monotonic()
                 if len(buffer) >= spec.checkpoint.every_rows or now - last_flush >= spec.checkpoint.every_seconds:
-                    flush()
+                    flush(wait=False)
                 bar.show(stats, executor.in_flight, executor)
                 if errors.exceeded() and not (feed.finished and not executor.busy):  # all done: judged at the end
                     flush()
@@ -318,6 +323,7 @@ class JobRunner:
             stats.engine = executor.stats()  # the executor's whole life: every pass
             if redo_of is None:
                 stats.plan = feed.stats.as_dict()
+            writer.close()  # every row handed over is written (or its write failed) before the store is used again
             self._keep_work(store, stats)  # what finished is checkpointed (interrupted too: it may be every row)
         return stats
 
