@@ -25,6 +25,13 @@ if platform.machine() in ("x86_64", "AMD64"):
 
 import mlxbatch  # noqa: E402, F401  (preloads OpenBLAS before mlx)
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    import ctrl_c  # tests/ctrl_c.py (tests/ is on sys.path): one Ctrl-C stops the whole suite
+
+    config.pluginmanager.register(ctrl_c, "mlxbatch-ctrl-c")
+
+
 CACHE = Path(os.environ.get("MLXBATCH_TEST_CACHE", Path.home() / ".cache" / "mlxbatch" / "test-models"))
 
 
