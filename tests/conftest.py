@@ -22,6 +22,11 @@ import pytest
 # A user on such a CPU gets the engine's refusal of ``batch_invariant``, with this hint.
 if platform.machine() in ("x86_64", "AMD64"):
     os.environ["OPENBLAS_CORETYPE"] = "Nehalem"
+# Under pytest-xdist (``scripts/test.sh`` runs two workers) each worker's OpenBLAS gets one thread, so that workers
+# do not oversubscribe the cores (OpenBLAS threads spin while they wait). GEMM threads split the output, not the
+# sums, so the bits do not change.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
 
 import mlxbatch  # noqa: E402, F401  (preloads OpenBLAS before mlx)
 
