@@ -1,4 +1,7 @@
-"""Crash and resume with real processes: kill -9 at several points, run again, compare with an unbroken run."""
+"""Crash and resume with real processes: kill -9 at several points, run again, compare with an unbroken run.
+
+The runs that crash are processes of their own (``mlxbatch run``); the unbroken references and the resumes run in this
+process (``mlxbatch.run_job``), which saves a Python and MLX start-up each."""
 
 from __future__ import annotations
 
@@ -13,8 +16,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 from jobkit import texts, write_job, write_jsonl
 
+from mlxbatch import run_job
+from mlxbatch.cli import main
 from mlxbatch.io import CheckpointStore
 
 ROWS = 120
@@ -61,8 +67,7 @@ def setup(tmp_path_factory, tiny_model_path):
     data = write_jsonl(root / "in.jsonl", texts(ROWS))
     ref_job = write_job(root, tiny_model_path, data, root / "reference")
     ref_job = ref_job.rename(root / "reference.yaml")
-    res = finish(ref_job)
-    assert res.returncode == 0, res.stderr
+    run_job(ref_job)
     return root, data, outputs(root / "reference")
 
 
@@ -81,8 +86,7 @@ def test_kill_9_after_some_shards_then_resume(setup, tiny_model_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert not (out / "_SUCCESS").exists()
-    res = finish(job)
-    assert res.returncode == 0, res.stderr
+    assert run_job(job).report["status"] == "complete"
     assert outputs(out) == expected
 
 
@@ -96,11 +100,10 @@ def test_kill_9_while_a_shard_is_written_then_resume(setup, tiny_model_path, fau
     shards = sorted(p.name for p in (out / "shards").iterdir())
     if fault.startswith("mid-shard"):
         assert any(name.endswith(".tmp") for name in shards)  # the torn write is on disk
-    res = finish(job)
-    assert res.returncode == 0, res.stderr
+    assert run_job(job).report["status"] == "complete"
     assert outputs(out) == expected
-    st = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "status", str(out)], capture_output=True, text=True)
-    assert st.returncode == 0 and "complete" in st.stdout
+    st = CliRunner().invoke(main, ["status", str(out)])
+    assert st.exit_code == 0 and "complete" in st.output, st.output
 
 
 def test_truncated_shard_is_detected_and_its_rows_redone(setup, tiny_model_path):
@@ -112,8 +115,7 @@ def test_truncated_shard_is_detected_and_its_rows_redone(setup, tiny_model_path)
     proc.wait()
     shard = sorted((out / "shards").glob("shard-*.arrow"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a disk that lost the tail
-    res = finish(job)
-    assert res.returncode == 0, res.stderr
+    assert run_job(job).report["status"] == "complete"
     assert outputs(out) == expected
     assert list((out / "shards" / "corrupt").iterdir())
 
@@ -129,8 +131,7 @@ def test_sigterm_finishes_the_shard_and_exits_cleanly(setup, tiny_model_path):
         return
     assert proc.returncode == 130, err.decode()
     assert b"resume" in err
-    res = finish(job)
-    assert res.returncode == 0, res.stderr
+    assert run_job(job).report["status"] == "complete"
     assert outputs(out) == expected
 
 
@@ -139,11 +140,10 @@ def test_status_reads_a_folder_while_a_run_holds_it(setup, tiny_model_path):
     job = _job(root, data, tiny_model_path, "status-live")
     out = job.parent / "out"
     proc = start_until(job, out, 10)
-    st = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "status", str(out), "--json"], capture_output=True,
-                        text=True)
+    st = CliRunner().invoke(main, ["status", str(out), "--json"])
     proc.communicate(timeout=120)
-    assert st.returncode == 0, st.stderr
-    assert json.loads(st.stdout)["checkpointed_rows"] >= 10
+    assert st.exit_code == 0, st.output
+    assert json.loads(st.output)["checkpointed_rows"] >= 10
 
 
 # -- kills at the moments the shards, the manifest and the final Parquet are written (greedy rows) --------------
@@ -159,8 +159,7 @@ def greedy_job(root: Path, data: Path, model: Path, name: str, every_rows: int =
 def greedy(setup, tiny_model_path):
     root, data, _ = setup
     job = greedy_job(root, data, tiny_model_path, "greedy-reference")
-    res = finish(job)
-    assert res.returncode == 0, res.stderr
+    run_job(job)
     return outputs(job.parent / "out")
 
 
@@ -176,8 +175,7 @@ def test_kill_9_while_the_checkpoint_or_the_results_are_written(setup, greedy, t
         assert (out / "manifest.json.tmp").exists()  # the torn manifest write is on disk
     if fault.startswith("mid-results"):
         assert (out / "results.parquet.tmp").exists() and not (out / "results.parquet").exists()
-    res = finish(job)
-    assert res.returncode == 0, res.stderr
+    assert run_job(job).report["status"] == "complete"
     assert outputs(out) == greedy
     assert not list(out.glob("*.tmp")) and not list((out / "shards").glob("*.tmp"))
 
@@ -199,8 +197,7 @@ def test_many_kills_at_random_moments_lose_and_duplicate_nothing(setup, greedy, 
         proc.wait()
         kills += 1
     assert kills >= 3
-    res = finish(job)
-    assert res.returncode == 0, res.stderr
+    assert run_job(job).report["status"] == "complete"
     assert outputs(out) == greedy
     with CheckpointStore(out) as store:
         keys = [k for t in store.iter_tables() for k in t.column("key").to_pylist()]
