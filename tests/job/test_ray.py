@@ -7,10 +7,12 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -274,12 +276,21 @@ def test_a_replacement_the_cluster_cannot_place_is_logged_and_given_up(cluster, 
     exactly_once(out)
 
 
+@pytest.fixture()
+def short_tmp():
+    """A new folder with a short path, for a cluster's ``RAY_TMPDIR``: Ray's socket paths live under it and a socket
+    path stops at 107 bytes, which pytest's tmp_path passes under pytest-xdist (``popen-gw0/`` is added)."""
+    folder = Path(tempfile.mkdtemp(prefix="ray-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.mark.skipif(not Path("/proc").exists(), reason="stops the Ray processes it started by their pids (/proc)")
-def test_ray_without_an_address_joins_the_cluster_ray_start_runs_on_this_machine(tmp_path_factory, tiny_model_path):
+def test_ray_without_an_address_joins_the_cluster_ray_start_runs_on_this_machine(short_tmp, tiny_model_path):
     """``ray start --head`` then ``--ray`` with no address failed in seconds with Ray's "When connecting to an existing
     cluster, num_cpus and num_gpus must not be provided": it must join that cluster, as ``ray.init()`` does, and
     leave it running."""
-    temp = tmp_path_factory.mktemp("h")  # short: Ray's socket paths live under it
+    temp = short_tmp
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(temp)}
     with socket.socket() as s:  # the dashboard's port: free, so clusters of other runs on this machine do not clash
         s.bind(("127.0.0.1", 0))
@@ -317,14 +328,14 @@ def _stop_processes_mentioning(text: str) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="looks for leftover Ray processes in /proc")
-def test_a_run_on_its_own_local_cluster_stops_cleanly_on_sigterm(tmp_path_factory, long_data, tiny_model_path):
+def test_a_run_on_its_own_local_cluster_stops_cleanly_on_sigterm(short_tmp, long_data, tiny_model_path):
     """--ray without an address starts a cluster for the run; SIGTERM still finishes the shard and exits 130 (Ray's
     own SIGTERM handler is undone), the cluster goes with the run, and the job resumes on one machine."""
     root, path, expected = long_data
     job = _job(root, "own-cluster", tiny_model_path, path, executor={"actors": 1, "num_cpus": 1}, engine=SLOW,
                sampling=LONG)
     out = job.parent / "out"
-    tmp_path = tmp_path_factory.mktemp("s")  # short: Ray's socket paths live under it
+    tmp_path = short_tmp
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(tmp_path)}
     proc = cli(["run", str(job), "--ray", "--no-progress"], env)
     assert wait_for(lambda: manifest_rows(out) >= 10, proc, timeout=240), finish(proc)[1]
