@@ -15,43 +15,27 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlxbatch.config import EngineConfig
-from mlxbatch.engine.backend import Backend
 from mlxbatch.engine.decoding.structured import GrammarCompiler
 from mlxbatch.engine.inputs import Prompt
 from mlxbatch.engine.intake import RequestGroup, RequestIntake
 from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.engine.model.memory import MemoryLimits, plan_memory
-from mlxbatch.engine.model.worker import Worker, device_info
+from mlxbatch.engine.model.worker import Worker
 from mlxbatch.engine.outputs import Launched
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.runner import ModelRunner, cuda_text_path
+from mlxbatch.engine.runner import ModelRunner
 from mlxbatch.engine.sched.blocks import BLOCK_SIZE
-from mlxbatch.engine.sched.prefix import PrefixIndex
-from mlxbatch.engine.sched.scheduler import Scheduler
-from mlxbatch.engine.sched.sizing import size_batch
-from mlxbatch.engine.sched.step import SchedulerConfig, SchedulerOutput
+from mlxbatch.engine.sched.setup import build_scheduler
+from mlxbatch.engine.sched.step import SchedulerOutput
 from mlxbatch.engine.vision.adapter import MultimodalPrompt
 from mlxbatch.engine.warmup import WarmUpReport, exercise
 from mlxbatch.errors import EngineClosedError, OutOfMemoryError
 from mlxbatch.types import ImageInput, RequestOutput, SamplingParams, StreamDelta
 
-__all__ = ["EngineCore", "Prompt", "max_num_seqs_here", "reuse_step_here"]  # Prompt: api and async_core import it from here
+__all__ = ["EngineCore", "Prompt"]  # Prompt: api and async_core import it from here
 
 log = logging.getLogger(__name__)
-
-
-def reuse_step_here(vision: bool = False, batch_invariant: bool = False) -> int:
-    """``EngineCore.reuse_step`` for a model on this machine's default device, without loading it (``mlxbatch
-    plan``): a block on the CUDA text path, else 1. (A model whose body is not ours runs unpacked there and reuses
-    to the token: this says a block for it too.)"""
-    return BLOCK_SIZE if cuda_text_path(Backend.detect(), vision, batch_invariant) else 1
-
-
-def max_num_seqs_here(configured: int | None) -> int:
-    """``max_num_seqs`` as configured, else this machine's device default, without loading a model (``mlxbatch plan``:
-    a run may choose fewer rows, where the model's KV budget holds fewer at its rows' length)."""
-    return configured if configured is not None else device_info().batch_defaults.max_num_seqs
 
 
 class EngineCore:
@@ -71,25 +55,14 @@ class EngineCore:
                                   vlm=loaded.vlm, vision_cache_bytes=mem.vision_cache_bytes,
                                   batch_invariant=config.batch_invariant, layout=layout)
         self._layout = layout  # (given: the warm-up's core takes it too)
-        # the batch the config leaves unset, sized by the device and the slots' budget as the runner charges it;
-        # ``self.config`` holds the values in effect
-        self.batch_size = size_batch(dev.sizing_facts, mem.slot_budget, self.runner.kv_cost,
-                                     config.expected_row_tokens, config.max_num_seqs, config.max_num_batched_tokens)
-        self.config = dataclasses.replace(config, max_num_seqs=self.batch_size.max_num_seqs,
-                                          max_num_batched_tokens=self.batch_size.max_num_batched_tokens)
+        # the scheduler, the batch the config leaves unset (``self.config`` holds the values in effect) and the reuse
+        # step, as ``sched.setup`` builds them (the dry run of ``mlxbatch plan`` builds them so too)
+        built = build_scheduler(config, dev.sizing_facts, mem.slot_budget, mem.prefix_blocks, geo.bytes_per_token,
+                                self.runner.kv_cost, self.runner.layout.packed_prefill, self.runner.invariant_slice)
+        self.scheduler, self.batch_size, self.config, self.reuse_step = \
+            built.scheduler, built.batch_size, built.config, built.reuse_step
         if self.batch_size.chosen:  # a line only where something was chosen (the warm-up core sets both)
             log.info("engine batch: %s", self.batch_size.describe())
-        # the fewest tokens a reused prefix is worth extending by (the plan's ``min_step_tokens``, the prefix index's
-        # running-row margin): a block where prefill passes are packed (CUDA: a partial block's store and copy-in
-        # cost more there than computing a few tokens), else 1 (reuse to the token); fixed for the core's life
-        self.reuse_step = BLOCK_SIZE if self.runner.layout.packed_prefill else 1
-        self.scheduler = Scheduler(
-            SchedulerConfig(self.config.max_num_seqs, self.batch_size.max_num_batched_tokens, config.prefill_chunk_size,
-                            mem.slot_budget, self.runner.invariant_slice,
-                            # CUDA: a pass's fixed host cost binds, so its passes are filled (a 16th of the slots)
-                            self.config.max_num_seqs // 16 if self.runner.layout.packed_prefill else 0),
-            self.runner.kv_cost,
-            PrefixIndex(mem.prefix_blocks, BLOCK_SIZE, block_bytes, self.reuse_step) if mem.prefix_blocks else None)
         self.intake = RequestIntake(loaded, self.config.seed)  # submissions -> validated sequences
         self._groups: dict[str, RequestGroup] = {}
         self._aborted: set[str] = set()  # groups aborted since the last step

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,19 +131,9 @@ class RequestIntake:
             seed = (int(uniform_for(self._seed, stable_hash(request_id) & 0xFFFFFFFF) * (1 << 53))
                     if self._seed is not None else secrets.randbits(63))
         incremental = stream or bool(params.stop)
-        # sample 0 prefills the prompt; samples 1..n-1 fork its KV when that prefill ends (prefill once)
-        seqs = [
-            Request(
-                request_id=request_id if params.n == 1 else f"{request_id}#{i}", group_id=request_id, index=i,
-                prompt_token_ids=ids, params=params, seed=derive_seed(seed, i), eos_token_ids=self.eos,
-                max_context=ctx, cache_tokens=cache_tokens, mm=mm,
-                # samples 1..n-1 fork sample 0's KV (text rows; an image row's samples prefill on their own)
-                fork_parent=f"{request_id}#0" if i and mm is None else None,
-                text=TextTracker(self.loaded.tokenizer, params.stop, params.include_stop_str_in_output,
-                                 incremental, self._hidden_ids, self._vocab_size),
-            )
-            for i in range(params.n)
-        ]
+        seqs = sample_sequences(request_id, ids, params, seed, self.eos, ctx, cache_tokens, mm,
+                                lambda: TextTracker(self.loaded.tokenizer, params.stop, params.include_stop_str_in_output,
+                                                    incremental, self._hidden_ids, self._vocab_size))
         return RequestGroup(request_id, seqs, stream)
 
     def _check_ids(self, ids: list[int], what: str, shown: Any, room: int = 1) -> None:
@@ -180,21 +170,50 @@ class RequestIntake:
         tok = self.loaded.tokenizer
         cands = []
         for i, cont in enumerate(continuations):
-            ids = list(tok.encode(cont, add_special_tokens=False)) if isinstance(cont, str) else [int(t) for t in cont]
+            ids = continuation_ids(tok, cont)
             if not ids:
                 raise InvalidRequestError(f"candidates[{i}]", cont, "is empty")
             self._check_ids(ctx_ids + ids, f"context + candidates[{i}]", cont, room=0)
             cands.append(ids)
-
-        def sequence(i: int, ids: list[int], score_tokens: tuple[int, ...] = ()) -> Request:
-            return Request(
-                request_id=f"{request_id}#{i}", group_id=request_id, index=i, prompt_token_ids=ctx_ids + ids,
-                params=_SCORE_PARAMS, seed=0, eos_token_ids=self.eos, max_context=self.loaded.context_length,
-                text=TextTracker(tok, (), False, False, self._hidden_ids, self._vocab_size),
-                score_from=len(ctx_ids), score_tokens=score_tokens, cache_tokens=cache_tokens)
-
-        if all(len(ids) == 1 for ids in cands):  # one sequence: the context's last logits score every candidate
-            seqs = [sequence(0, [], tuple(ids[0] for ids in cands))]
-        else:
-            seqs = [sequence(i, ids) for i, ids in enumerate(cands)]
+        seqs = score_sequences(request_id, ctx_ids, cands, self.eos, self.loaded.context_length, cache_tokens,
+                               lambda: TextTracker(tok, (), False, False, self._hidden_ids, self._vocab_size))
         return RequestGroup(request_id, seqs, False)
+
+
+def continuation_ids(tokenizer: Any, continuation: str | Sequence[int]) -> list[int]:
+    """A score request's continuation as token ids: text tokenized on its own (its leading space stays its own token),
+    ids as given."""
+    if isinstance(continuation, str):
+        return list(tokenizer.encode(continuation, add_special_tokens=False))
+    return [int(t) for t in continuation]
+
+
+def sample_sequences(request_id: str, ids: list[int], params: SamplingParams, seed: int, eos: frozenset[int],
+                     max_context: int, cache_tokens: int | None, mm: Any,
+                     text: Callable[[], TextTracker]) -> list[Request]:
+    """A validated request's ``n`` sequences (``text`` makes each one's text tracker): sample 0 prefills the prompt;
+    samples 1..n-1 fork its KV when that prefill ends (prefill once; an image row's samples prefill on their own)."""
+    return [
+        Request(
+            request_id=request_id if params.n == 1 else f"{request_id}#{i}", group_id=request_id, index=i,
+            prompt_token_ids=ids, params=params, seed=derive_seed(seed, i), eos_token_ids=eos,
+            max_context=max_context, cache_tokens=cache_tokens, mm=mm,
+            fork_parent=f"{request_id}#0" if i and mm is None else None, text=text())
+        for i in range(params.n)
+    ]
+
+
+def score_sequences(request_id: str, ctx_ids: list[int], cands: list[list[int]], eos: frozenset[int],
+                    max_context: int, cache_tokens: int | None, text: Callable[[], TextTracker]) -> list[Request]:
+    """A validated score request's sequences: one when every candidate is one token (the context's last logits score
+    them all), else one per candidate (context + candidate), sharing the context through the prefix cache."""
+
+    def sequence(i: int, ids: list[int], score_tokens: tuple[int, ...] = ()) -> Request:
+        return Request(
+            request_id=f"{request_id}#{i}", group_id=request_id, index=i, prompt_token_ids=ctx_ids + ids,
+            params=_SCORE_PARAMS, seed=0, eos_token_ids=eos, max_context=max_context, text=text(),
+            score_from=len(ctx_ids), score_tokens=score_tokens, cache_tokens=cache_tokens)
+
+    if all(len(ids) == 1 for ids in cands):
+        return [sequence(0, [], tuple(ids[0] for ids in cands))]
+    return [sequence(i, ids) for i, ids in enumerate(cands)]

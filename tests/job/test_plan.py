@@ -105,12 +105,10 @@ def test_calibration_generates_under_the_jobs_output_constraint(tmp_path, tiny_m
 
 def test_plan_follows_the_reuse_step_of_cuda(tmp_path, tiny_model_path, monkeypatch):
     """On CUDA's text path the engine reuses by the block (``EngineCore.reuse_step``), and ``mlxbatch plan`` plans and
-    predicts with this machine's step (``reuse_step_here``; a CPU's is 1, so the CUDA one is set here), and says so.
-    (Its prediction against the engine at that step: ``test_reuse_model.py``.)"""
-    import mlxbatch.job.plan.predict as plan_mod
-    from mlxbatch.engine import reuse_step_here
+    predicts with the step its dry run of the engine builds on this machine (a CPU's is 1, so CUDA's text path is
+    set here), and says so. (The dry run against the engine at that step: ``tests/engine/test_dry_run.py``.)"""
+    import mlxbatch.engine.dry_run as dry_run
 
-    assert reuse_step_here() == 1  # this machine
     instruction = "Label the following review as positive or negative, carefully and with care. " * 3
     words = ["great", "awful", "fine"]
     rows = [{"id": f"r{i}", "text": f"{words[i % 3]} {words[(i // 3) % 3]} item {i}"} for i in range(36)]
@@ -118,7 +116,7 @@ def test_plan_follows_the_reuse_step_of_cuda(tmp_path, tiny_model_path, monkeypa
                     prompt={"template": instruction + "{{ text }}"})
     reports = {}
     for step in (1, 16):
-        monkeypatch.setattr(plan_mod, "reuse_step_here", lambda vision=False, batch_invariant=False, s=step: s)
+        monkeypatch.setattr(dry_run, "cuda_text_path", lambda backend, vision, batch_invariant, s=step: s > 1)
         res = CliRunner().invoke(main, ["plan", str(job), "--json", "--no-calibrate"])
         assert res.exit_code == 0, res.output
         reports[step] = json.loads(res.output)

@@ -19,13 +19,6 @@ from mlxbatch.job.run.runner import JobRunner
 from mlxbatch.job.spec.overrides import JobOverrides
 
 ROOT = Path(__file__).resolve().parents[2]
-NO_PLAN_TAIL = pytest.mark.xfail(strict=True, reason=(
-    "without a plan (longest first) the prediction follows the engine's admission steps less closely: 444 predicted "
-    "against 458 computed here (3.1%); with a plan, windowed or not, and for the chat form it is within 2%. Without "
-    "a plan's partial blocks a row reuses to the token only from a running row, and the prediction's steps admit "
-    "max_num_seqs rows a step while the engine admits them as slots free (rows 8-15 in step 7, not 1): the rows "
-    "running when a row is admitted differ. Modelling slots needs the admission order kept in time (a row waiting "
-    "for blocks lets later rows go first), i.e. the scheduler's loop, not a per-row formula"))
 
 
 def prefill_of(report):
@@ -68,15 +61,7 @@ def shipped(tmp_path_factory):
     return get
 
 
-EVAL_CANDIDATES = pytest.mark.xfail(strict=True, reason=(
-    "the plan under-predicts score rows whose candidates are several tokens: jobs/eval.yaml (125 rows, four answer "
-    "texts each) computed 2867 prefill tokens where the plan predicted 1939 (7.4 tokens a row more). The plan counts "
-    "a later candidate's sequence as recomputing the context's last token only; likely it recomputes the context's "
-    "partial last block (only whole blocks are shared through the prefix cache). One-token candidates "
-    "(eval-letters) match"))
-
-
-@pytest.mark.parametrize("name", ["demo", "demo-sentences", "label", pytest.param("eval", marks=EVAL_CANDIDATES),
+@pytest.mark.parametrize("name", ["demo", "demo-sentences", "label", "eval",
                                   "eval-letters", "eval_generate", "caption"])
 def test_predicted_prefill_of_the_shipped_jobs(shipped, name):
     """Issue #15: at their full sizes (before: label 696 predicted, 1450 computed; demo 3600 and 3431; eval 647 and
@@ -111,9 +96,7 @@ def test_the_shipped_jobs_run_close_to_the_floor(shipped, name, bound):
 
 @pytest.mark.parametrize("plan", [{"window": 8}, {"window": 8, "enabled": False}, {"enabled": False}])
 @pytest.mark.parametrize("chat", [False, True])
-def test_predicted_prefill_with_windows_and_without_the_plan(request, tmp_path, tiny_model_path, plan, chat):
-    if plan == {"enabled": False} and not chat:
-        request.applymarker(NO_PLAN_TAIL)
+def test_predicted_prefill_with_windows_and_without_the_plan(tmp_path, tiny_model_path, plan, chat):
     instruction = "Label the following text as alpha or beta, carefully and with care. " * 3
     rows = [{"id": f"r{i}", "text": f"item number {i} " * (1 + i % 3)} for i in range(40)]
     data = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -128,12 +111,30 @@ def test_predicted_prefill_with_windows_and_without_the_plan(request, tmp_path, 
     assert shown["windowed"] == ("window" in plan)  # the job's window, not a default of the command
     planned, report = plan_and_run(job)
     assert planned.prefill_tokens == shown["prefill_tokens"]
-    assert planned.prefill_tokens == pytest.approx(prefill_of(report), rel=0.02), (planned, report["prefix_reuse"])
+    # the dry run of the engine's scheduling (before: 444 predicted against 458 computed without a plan, text form)
+    assert planned.prefill_tokens == pytest.approx(prefill_of(report), rel=0.01), (planned, report["prefix_reuse"])
     reuse = report["prefix_reuse"]
     assert reuse["window_floor_tokens"] == planned.distinct_tokens
     assert reuse["window_floor_ratio"] == round(prefill_of(report) / planned.distinct_tokens, 4)
     # a floor is claimed only where it is one: the whole job planned as one window
     assert reuse["floor_tokens"] == (None if "window" in plan else planned.distinct_tokens)
+
+
+@pytest.mark.parametrize("engine", [{"max_num_seqs": None}, {"max_num_seqs": 8}])  # None: sized by the device
+def test_a_chat_job_of_smollm2_in_windows(tmp_path, engine):
+    """Issue 46: a 40-row chat job (system prompt + one user message, ``plan: {window: 8}``, SmolLM2) was planned at
+    636 prefill tokens and computed 675: the plan replayed the engine's reuse rules in a second copy, which drifted.
+    The plan runs the engine's own scheduler and prefix index now (``engine.DryRun``)."""
+    rows = [{"id": f"r{i}", "text": f"Review {i}: " + ["great value", "broke in a week", "does the job"][i % 3] * (1 + i % 4)}
+            for i in range(40)]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    prompt = {"template": None, "system": "You are a sentiment classifier. Answer with one word.",
+              "messages": [{"role": "user", "content": "Classify this review as positive or negative.\n{{ text }}"}]}
+    job = write_job(tmp_path, "smollm2", data, tmp_path / "out", plan={"window": 8}, prompt=prompt,
+                    sampling={"max_tokens": 6, "temperature": 0}, engine=engine)
+    planned, report = plan_and_run(job)
+    assert planned.windows == 5
+    assert planned.prefill_tokens == pytest.approx(prefill_of(report), rel=0.01), (planned, report["prefix_reuse"])
 
 
 def test_a_windowed_run_reports_its_floor_window_by_window(tmp_path, tiny_model_path):

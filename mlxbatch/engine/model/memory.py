@@ -90,6 +90,17 @@ def default_kv_fraction(kind: str, host_total: int) -> float:
     return 0.3 if kind == "metal" and host_total <= SMALL_MAC else 0.5
 
 
+def kv_budget(free: int, fraction: float | None, kind: str, host_total: int, bytes_per_token: int) -> int:
+    """Memory an engine may fill with KV (slots and caches): ``fraction`` of ``free``, what the device has free after
+    the weights (None: the device's default share, smaller on small Macs); at least 256 tokens' worth."""
+    if fraction is None:
+        fraction = default_kv_fraction(kind, host_total)
+    if free <= 0:  # the backend did not say: assume 8 GiB rather than starving the batch
+        log.warning("device memory unknown; assuming 8 GiB are free for KV")
+        free = 8 << 30
+    return max(bytes_per_token * 256, int(free * fraction))
+
+
 class MemoryLimits:
     """MLX's cache limit (every GPU) and wired limit (Metal) for one engine's life; ``restore`` puts them back."""
 

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlxbatch import _blas, _cuda
 from mlxbatch.engine.backend import Backend
 from mlxbatch.engine.model.loader import LoadedModel
-from mlxbatch.engine.model.memory import HostMemory, default_kv_fraction, device_available, host_memory
+from mlxbatch.engine.model.memory import HostMemory, device_available, host_memory, kv_budget
 from mlxbatch.engine.sched.sizing import BatchSize, DeviceFacts, device_defaults
 from mlxbatch.errors import ModelLoadError
 
@@ -110,13 +110,8 @@ class Worker:
     def kv_budget_bytes(self, fraction: float | None = None) -> int:
         """Memory the engine may fill with KV (slots and caches): a fraction of what is free after the weights
         (None: the device's default share, smaller on small Macs)."""
-        if fraction is None:
-            fraction = default_kv_fraction(self.device.kind, self.device.host_memory)
         free = device_info(self.backend).available_memory
-        if free <= 0:  # the backend did not say: assume 8 GiB rather than starving the batch
-            log.warning("device memory unknown; assuming 8 GiB are free for KV")
-            free = 8 << 30
-        return max(self.geometry.bytes_per_token * 256, int(free * fraction))
+        return kv_budget(free, fraction, self.device.kind, self.device.host_memory, self.geometry.bytes_per_token)
 
     def warm_up(self) -> float:
         """Run one prefill and one decode shape so the first real step does not pay JIT compilation."""

@@ -23,6 +23,19 @@ from mlxbatch.job.rows.tasks import RowTask, submit
 from mlxbatch.job.spec import JobSpec
 
 
+def max_inflight(max_num_seqs: int) -> int:
+    """The most rows the local executor keeps in an engine: 4 x its ``max_num_seqs`` (set or sized), so admission has
+    a queue to choose from (the scheduler looks that far ahead)."""
+    return 4 * max_num_seqs
+
+
+def take_room(in_flight: int, most: int) -> int:
+    """Rows the local executor takes from the feed now: none while more than half of ``most`` are in flight (rows
+    go to the engine in batches, not one per finished row), else up to ``most``. ``mlxbatch plan`` paces its dry
+    run by the same rule."""
+    return 0 if in_flight > most // 2 else most - in_flight
+
+
 class RowEngine:
     """One engine running row tasks: refused rows come back as errors (kind ``request``, ``constraint`` or
     ``image``) on the next ``step``, never as exceptions."""
@@ -71,15 +84,16 @@ class LocalExecutor:
         core = self.engine.core
         self.model = dataclasses.replace(ModelInfo.of(loaded), reuse_step=core.reuse_step,
                                          batch=core.batch_size.describe())
-        self.max_inflight = 4 * core.config.max_num_seqs  # the engine's, set or sized
+        self.max_inflight = max_inflight(core.config.max_num_seqs)
         self._pending: dict[str, Submit] = {}
 
     def take(self, feed: RowFeed) -> list[Failed | Resumed]:
-        if len(self._pending) > self.max_inflight // 2:
+        room = take_room(len(self._pending), self.max_inflight)
+        if not room:
             return []
         other: list[Failed | Resumed] = []
         # wait for the feed's next window only when the engine has nothing to do meanwhile
-        for item in feed.take(self.max_inflight - len(self._pending), wait=not self._pending):
+        for item in feed.take(room, wait=not self._pending):
             if not isinstance(item, Submit):
                 other.append(item)
                 continue

@@ -192,12 +192,12 @@ def _capped(params: Any, seed: int) -> Any:
     return capped
 
 
-def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int, new_tokens: int) -> Eta | None:
+def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int, new_tokens: int,
+             max_num_seqs: int) -> Eta | None:
     """FLOPs of the predicted prefill and of decoding ``new_tokens`` at ``max_num_seqs`` rows a step, over this
     device's measured matmul speed and memory bandwidth (decode steps are bound by the larger of reading every
     weight and the batch's FLOPs). No weights are loaded: sizes come from config.json."""
 
-    from mlxbatch.engine import max_num_seqs_here
     from mlxbatch.engine import measure_device_speed as measure
 
     _, c = read_config(model_dir)
@@ -214,7 +214,7 @@ def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int, new_t
     sizes = config_sizes(model_dir, spec.model.dtype)
     speed = measure(h, inter, sizes.dtype)
     weight_bytes = (body + head) * sizes.weight_bytes_per_param  # 4-bit checkpoints read a quarter of fp16's
-    C = max_num_seqs_here(spec.engine.max_num_seqs)
+    C = max_num_seqs
     step = max(weight_bytes / speed.bandwidth, 2 * (body + head) * C / speed.matmul_flops)
     prefill = (2 * body * floor_tokens + 2 * head * rows) / speed.matmul_flops
     return Eta(prefill, -(-new_tokens // C) * step, "flops", matmul_gflops=speed.matmul_flops / 1e9,

@@ -6,38 +6,44 @@ Owns the plan report and the prediction of the run's prefill tokens (what report
   window's text rows are planned along their token trie: each window's floor is its trie's node count, summed in
   ``distinct_tokens`` (the whole job's floor when it is one window; across windows the prefix cache carries shared
   prefixes, so a windowed run can compute less);
-  each row's prefill is predicted in the run's submission order by ``job.plan.reuse_model`` (the engine's reuse rules);
-- ``task: score`` rows prefill their context once; when every candidate is one token that is all (the context's
-  last logits score them), else each candidate is prefilled after it and every candidate but the first recomputes
-  the context's last token (its logits predict the candidate's first token);
-- rows with images are not planned by the run (pictures are decoded only when a row runs): they reuse whole
-  16-token blocks of the prefix cache, keyed by the images' content, and are predicted so, from their real
-  token ids (with the model loaded, the processor expands each image to its placeholder tokens);
-- ``plan.enabled: false`` (longest first, LRU cache) is predicted with the same reuse rules in that order, and
-  ``engine.prefix_cache: false`` as no reuse.
-Rows are kept as compact ``array('i')`` token sequences (4 bytes a token); memory holds one window.
+- the prefill is predicted by running the engine's own scheduling on the rows' tokens without a model
+  (``engine.DryRun``: the real scheduler and prefix index, built from the job's engine config and this device's
+  memory as a run builds them), the rows submitted in the run's order (the plan's submissions with their
+  retention, or longest first with ``plan.enabled: false``; rows with images after their window's text rows) and
+  paced as the local executor takes them (``take_room``). Each row draws its ``max_tokens`` (an output choice:
+  its longest option's tokens); score rows are submitted with their candidates, as the run submits them;
+- rows with images are keyed by their images' content, from their real token ids when the model is loaded (its
+  processor expands each image to its placeholder tokens), else by their text tokens.
+Rows are kept as compact ``array('i')`` token sequences (4 bytes a token); memory holds one window and the rows in
+flight.
 The ETA comes from ``job.plan.calibrate``: a short real run of the model on this machine (a FLOPs estimate without
 weights).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.engine import PromptEncoder, is_vlm_folder, max_num_seqs_here, plan, reuse_step_here, submission_order
+from mlxbatch.engine import DryModel, DryRun, PromptEncoder, is_vlm_folder, plan, submission_order
 from mlxbatch.io import InputFormat, open_reader, resolve_inputs
+from mlxbatch.job.check.model_fit import context_length
 from mlxbatch.job.check.model_ref import local_model_dir
-from mlxbatch.job.check.model_size import config_sizes
+from mlxbatch.job.check.model_size import config_sizes, read_config
 from mlxbatch.job.check.validate import input_spec
+from mlxbatch.job.executors.base import engine_config, row_tokens_hint
+from mlxbatch.job.executors.local import max_inflight, take_room
 from mlxbatch.job.plan.calibrate import Eta, estimate, measured_eta
-from mlxbatch.job.plan.reuse_model import BlockCacheModel, ReuseModel
 from mlxbatch.job.rows.feed import window_floor_saving
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.spec import JobSpec
+from mlxbatch.types import SamplingParams
 
 __all__ = ["Eta", "PlanReport", "as_dict", "plan_job"]
 
@@ -108,39 +114,54 @@ class _Tally:
     windows: int = 0
     prompt: int = 0
     distinct: int = 0
-    prefill: int = 0
     peak: int = 0
     sample: list[list[int]] = field(default_factory=list)  # the first rows' token ids, to calibrate the ETA
     sample_params: list[Any] = field(default_factory=list)  # their sampling as the run gives it (constraint too)
 
 
-class _Planner:
-    """Plans one window of prepared rows at a time, as the run's feed does."""
+@dataclass(frozen=True)
+class _Row:
+    """A row as the run submits it to the engine."""
 
-    def __init__(self, spec: JobSpec, tok: Any, loaded: Any, vision: bool = False) -> None:
+    ids: Sequence[int]
+    params: SamplingParams
+    cache_tokens: int | None = None
+    candidates: tuple[str, ...] | None = None  # task score
+    media: tuple[tuple[int, str], ...] = ()  # a row with images: its images' positions and content hashes
+
+
+class _Planner:
+    """Plans one window of prepared rows at a time, as the run's feed does, and submits them to a dry run of the
+    engine paced as the local executor takes rows from the feed."""
+
+    def __init__(self, spec: JobSpec, tok: Any, loaded: Any, model_dir: Path, vision: bool = False) -> None:
         self.spec, self.tok, self.loaded = spec, tok, loaded
         self.encoder = PromptEncoder(tok)
+        self.dry_model = _dry_model(spec, model_dir, loaded, vision)
+        self.engine = engine_config(spec.engine, spec.seed, row_tokens_hint(spec))
+        self.dry = DryRun(self.dry_model, self.engine, tok)
         # the engine's reuse step on this machine (a block on CUDA's text path): the feed plans with it
-        self.step = reuse_step_here(vision, spec.engine.batch_invariant)
-        # the rows a step runs: as set, else this device's default (the run's engine may choose fewer, where the
-        # model's KV budget holds fewer)
-        seqs = max_num_seqs_here(spec.engine.max_num_seqs)
-        self.model = ReuseModel(seqs, forks=spec.task.kind != "score", live_margin=self.step)
+        self.step = self.dry.reuse_step
+        self.max_inflight = max_inflight(self.dry.config.max_num_seqs)  # the local executor's, of the sized engine
+        self.queue: collections.deque[_Row] = collections.deque()  # submitted in this order, as the run takes them
+        self.pending: set[str] = set()
+        self.ids = 0
         self.t = _Tally()
-        self.sample_size = seqs
+        self.sample_size = self.dry.config.max_num_seqs
 
     def window(self, preps: list[PreparedRow]) -> None:
         t, spec = self.t, self.spec
         text = [p for p in preps if not p.images]
         encoded = self.encoder.encode_many([p.prompt for p in text])  # type: ignore[misc]
         seqs: list[array[int]] = []
-        extra = 0  # score rows: candidate tokens, and the context's last token again for each later candidate
+        rows: list[PreparedRow] = []
         more_prompt = 0  # score rows: every candidate's sequence is context + candidate
         for prep, ids in zip(text, encoded):
             if isinstance(ids, str):
                 t.skipped += 1
                 continue
             seqs.append(array("i", ids))
+            rows.append(prep)
             if len(t.sample) < self.sample_size:
                 t.sample.append(list(ids))
                 t.sample_params.append(prep.params)
@@ -149,37 +170,78 @@ class _Planner:
                 lens = [len(self.tok.encode(c, add_special_tokens=False)) for c in prep.candidates]
                 if any(n > 1 for n in lens):  # else one sequence: the context's last logits score every candidate
                     more_prompt += sum(lens) + len(ids) * (len(lens) - 1)
-                    extra += lens[0] + sum(1 + n for n in lens[1:])
         if seqs:
-            self.model.start_window()
             p = plan(seqs, min_step_tokens=self.step)
             t.windows += 1
             t.planned += len(seqs)
             t.prompt += p.total_tokens + more_prompt
             t.distinct += p.distinct_tokens
             t.peak = max(t.peak, p.peak_retained_tokens())
-            if not spec.engine.prefix_cache:
-                t.prefill += p.total_tokens + more_prompt
-            elif spec.plan.enabled:
-                t.prefill += sum(self.model.reuse(seqs[s.index], s.cache_tokens) for s in submission_order(p)) + extra
-            else:  # longest first (the same reuse rules, in the run's order)
-                t.prefill += sum(self.model.reuse(s) for s in sorted(seqs, key=lambda s: -len(s))) + extra
-        for prep in (p for p in preps if p.images):
+            # the run's order: the plan's submissions with their retention, else longest first (no retention)
+            order = [(s.index, s.cache_tokens) for s in submission_order(p)] if spec.plan.enabled else \
+                [(i, None) for i in sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))]
+            self.queue.extend(_Row(seqs[i], self._params(rows[i]), keep, rows[i].candidates) for i, keep in order)
+        for prep in (p for p in preps if p.images):  # after the window's text rows, without a plan
             t.images += 1
             ids, media, encoded_prompt = self._image_tokens(prep)
-            t.prompt += len(ids) * spec.sampling.params.n  # each sample of an image row prefills on its own
-            for _ in range(spec.sampling.params.n):
-                t.prefill += self.model.cache.prefill(ids, media) if spec.engine.prefix_cache else len(ids)
+            t.prompt += len(ids) * prep.params.n  # each sample of an image row prefills on its own
+            self.queue.append(_Row(ids, self._params(prep), None, None, tuple(media)))
             if encoded_prompt is not None and len(t.sample) < self.sample_size:
                 t.sample.append(encoded_prompt)
                 t.sample_params.append(prep.params)
+        self._drive(last=False)
+
+    def _params(self, prep: PreparedRow) -> SamplingParams:
+        """The row's sampling with the tokens it is expected to draw as ``max_tokens``: a choice's longest option
+        where the output is one (the row stops once its choice is complete), else ``max_tokens``."""
+        p = prep.params
+        c = p.constraint
+        if c is not None and c.kind == "choice" and c.value:
+            longest = max(len(self.tok.encode(str(o), add_special_tokens=False)) for o in c.value)
+            return dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens, longest)))
+        return p
+
+    def _drive(self, last: bool) -> None:
+        """Run the dry run as the run loop runs the engine: take rows while there is room (``take_room``), then one
+        step, until the rows queued so far are taken (``last``: and finished). A take that would read past the rows
+        queued waits for the next window, as the run's feed hands it over."""
+        dry = self.dry
+        while True:
+            room = take_room(len(self.pending), self.max_inflight)
+            if room > len(self.queue) and not last:
+                return
+            for _ in range(min(room, len(self.queue))):
+                self._submit(self.queue.popleft())
+            if not self.pending:
+                return
+            self.pending.difference_update(dry.step())
+
+    def _submit(self, row: _Row) -> None:
+        rid = f"r{self.ids}"
+        self.ids += 1
+        self.pending.add(rid)
+        if row.candidates is not None:
+            self.dry.add_score_request(row.ids, row.candidates, rid, row.cache_tokens)
+        else:
+            self.dry.add_request(row.ids, row.params, rid, row.cache_tokens, row.media)
+
+    def finish(self) -> int:
+        """The prefill the dry run computed for every row (all of them run to the end)."""
+        self._drive(last=True)
+        return self.dry.counts.prefill_tokens
 
     def predict(self, prompts: list[Any]) -> int:
-        """The prefill predicted for ``prompts`` (token ids or encoded image prompts) run alone, as one window."""
-        text = [p for p in prompts if isinstance(p, list)]
-        cache = BlockCacheModel()
-        images = sum(cache.prefill(p.token_ids, p.mm.media) for p in prompts if not isinstance(p, list))
-        return (plan(text).distinct_tokens if text else 0) + images
+        """The prefill predicted for ``prompts`` (token ids or encoded image prompts) run alone on a fresh engine, in
+        the plan's order with its retention, one token each (the ETA's probe)."""
+        dry = DryRun(self.dry_model, self.engine, self.tok)
+        text = [i for i, p in enumerate(prompts) if isinstance(p, list)]
+        subs = submission_order(plan([prompts[i] for i in text], min_step_tokens=self.step)) if text else []
+        one = SamplingParams(temperature=0, max_tokens=1)
+        for k, s in enumerate(subs):
+            dry.add_request(prompts[text[s.index]], one, f"t{k}", s.cache_tokens)
+        for k, p in enumerate(p for p in prompts if not isinstance(p, list)):
+            dry.add_request(p.token_ids, one, f"i{k}", None, p.mm.media)
+        return dry.run_until_done().prefill_tokens
 
     def _image_tokens(self, prep: PreparedRow) -> tuple[list[int], tuple[tuple[int, str], ...], Any]:
         """An image row's token ids and image positions as the engine encodes it (placeholders expanded; needs the
@@ -194,6 +256,15 @@ class _Planner:
                 pass
         ids = self.encoder.encode_many([prep.prompt])[0]  # type: ignore[list-item]
         return ([] if isinstance(ids, str) else list(ids)), (), None
+
+
+def _dry_model(spec: JobSpec, model_dir: Path, loaded: Any, vision: bool) -> DryModel:
+    """The model as the dry run needs it, from its config.json (no weights read): KV bytes per token in the dtype the
+    engine will use here, its context, and its weights' size on disk (what they take of the device's memory)."""
+    sizes = config_sizes(model_dir, spec.model.dtype)
+    context = loaded.context_length if loaded is not None else context_length(read_config(model_dir)[0]) or 4096
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors") if not f.name.startswith("."))
+    return DryModel(sizes.kv_bytes_per_token, context, weights, vision)
 
 
 def plan_job(spec: JobSpec, window: int | None = None, with_eta: bool = True, calibrate: bool = True) -> PlanReport:
@@ -214,7 +285,7 @@ def plan_job(spec: JobSpec, window: int | None = None, with_eta: bool = True, ca
     # as the run prepares them: image paths opened only for a vision-language model, prompts bounded by the context
     preparer = RowPreparer(spec, "plan", openai, takes_images=is_vlm_folder(model_dir),
                            context_length=loaded.context_length if loaded is not None else None)
-    planner = _Planner(spec, tok, loaded, vision=is_vlm_folder(model_dir))
+    planner = _Planner(spec, tok, loaded, model_dir, vision=is_vlm_folder(model_dir))
     rows = open_reader(ispec)
     if spec.input.limit is not None:
         rows = itertools.islice(rows, spec.input.limit)
@@ -229,6 +300,7 @@ def plan_job(spec: JobSpec, window: int | None = None, with_eta: bool = True, ca
         runnable = [p for p in preps if p.error is None and p.prompt is not None]
         planner.t.skipped += len(preps) - len(runnable)
         planner.window(runnable)
+    prefill = planner.finish()
     t = planner.t
     prep_s = time.perf_counter() - t_prep
     if t.images and (loaded is None or loaded.vlm is None):
@@ -242,13 +314,14 @@ def plan_job(spec: JobSpec, window: int | None = None, with_eta: bool = True, ca
         p = spec.sampling.params
         gen_rows = 0 if spec.task.kind == "score" else t.planned + t.images
         host_s = 2 * prep_s  # the run prepares and tokenizes every row, then prepares it again for the results
-        eta = measured_eta(spec, loaded, t.sample, t.prefill, gen_rows, host_s, planner.predict, t.sample_params) \
+        eta = measured_eta(spec, loaded, t.sample, prefill, gen_rows, host_s, planner.predict, t.sample_params) \
             if loaded is not None else None
         if eta is None:
-            eta = estimate(spec, model_dir, t.planned + t.images, t.prefill, gen_rows * p.max_tokens * p.n)
-    saving = 1 - t.prefill / t.prompt if t.prompt else 0.0
+            eta = estimate(spec, model_dir, t.planned + t.images, prefill, gen_rows * p.max_tokens * p.n,
+                           planner.dry.config.max_num_seqs)
+    saving = 1 - prefill / t.prompt if t.prompt else 0.0
     sizes = config_sizes(model_dir, spec.model.dtype)
-    return PlanReport(t.rows, t.planned, t.skipped, t.prompt, t.distinct, t.prefill, saving, t.peak,
+    return PlanReport(t.rows, t.planned, t.skipped, t.prompt, t.distinct, prefill, saving, t.peak,
                       sizes.kv_bytes_per_token, t.windows > 1, window, time.perf_counter() - t0, eta,
                       spec.plan.enabled, t.images, t.scored, tuple(notes), sizes.dtype, t.windows)
 
