@@ -91,7 +91,14 @@ class DryRun:
         self.model = model
         self._tokenizer = tokenizer
         self._groups: dict[str, _Group] = {}
-        self.counts = DryCounts()
+        self._counts = DryCounts()
+
+    @property
+    def counts(self) -> DryCounts:
+        """What the dry run did so far."""
+        if self.scheduler.prefix is not None:
+            self._counts.reused_tokens = self.scheduler.prefix.stats()["tokens_reused"]
+        return self._counts
 
     # -- submission (already validated token ids) ------------------------------------------------------
     def add_request(self, token_ids: Sequence[int], params: SamplingParams, request_id: str,
@@ -127,7 +134,7 @@ class DryRun:
         if out.empty:
             self.scheduler.reap()
             return self._finished([])
-        c = self.counts
+        c = self._counts
         c.steps += 1
         c.prefill_tokens += sum(ch.end - ch.start for ch in out.prefills)
         due = list(out.decodes)
@@ -155,13 +162,13 @@ class DryRun:
 
     def _finished(self, touched: list[Request]) -> list[str]:
         done = []
-        for gid in dict.fromkeys(r.group_id for r in touched):
-            group = self._groups.get(gid)
+        for r in touched:
+            if not r.status.finished:
+                continue
+            group = self._groups.get(r.group_id)
             if group is not None and all(s.status.finished for s in group.sequences):
-                del self._groups[gid]
-                done.append(gid)
-        if self.scheduler.prefix is not None:
-            self.counts.reused_tokens = self.scheduler.prefix.stats()["tokens_reused"]
+                del self._groups[r.group_id]
+                done.append(r.group_id)
         return done
 
     def run_until_done(self) -> DryCounts:
@@ -177,7 +184,18 @@ class _Media:
     media: tuple[tuple[int, str], ...]
 
 
-def _no_text() -> TextTracker:
-    """A text tracker that keeps ids only (nobody reads a dry run's text)."""
-    return TextTracker(None, (), False, False)
+class _NoText(TextTracker):
+    """The text of a dry run's rows: nobody reads it, so nothing is kept (one instance serves every row)."""
 
+    def __init__(self) -> None:
+        super().__init__(None, (), False, False)
+
+    def add(self, token_id: int) -> None:
+        return None
+
+
+_NO_TEXT = _NoText()
+
+
+def _no_text() -> TextTracker:
+    return _NO_TEXT
