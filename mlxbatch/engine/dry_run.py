@@ -133,7 +133,9 @@ class DryRun:
         touched: list[Request] = []
         if out.empty:
             self.scheduler.reap()
-            return self._finished([])
+            if self._groups and not self.scheduler.has_work:  # (never: every queued sequence runs to its end)
+                raise RuntimeError(f"dry run: {len(self._groups)} requests left unfinished with nothing to schedule")
+            return []
         c = self._counts
         c.steps += 1
         c.prefill_tokens += sum(ch.end - ch.start for ch in out.prefills)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from jobkit import write_job, write_jsonl
+from jobkit import texts, write_job, write_jsonl
 
 from mlxbatch.cli import main
 from mlxbatch.job.check.validate import validate_job
@@ -120,18 +120,15 @@ def test_predicted_prefill_with_windows_and_without_the_plan(tmp_path, tiny_mode
     assert reuse["floor_tokens"] == (None if "window" in plan else planned.distinct_tokens)
 
 
-@pytest.mark.parametrize("engine", [{"max_num_seqs": None}, {"max_num_seqs": 8}])  # None: sized by the device
-def test_a_chat_job_of_smollm2_in_windows(tmp_path, engine):
-    """Issue 46: a 40-row chat job (system prompt + one user message, ``plan: {window: 8}``, SmolLM2) was planned at
-    636 prefill tokens and computed 675: the plan replayed the engine's reuse rules in a second copy, which drifted.
-    The plan runs the engine's own scheduler and prefix index now (``engine.DryRun``)."""
-    rows = [{"id": f"r{i}", "text": f"Review {i}: " + ["great value", "broke in a week", "does the job"][i % 3] * (1 + i % 4)}
-            for i in range(40)]
-    data = write_jsonl(tmp_path / "in.jsonl", rows)
-    prompt = {"template": None, "system": "You are a sentiment classifier. Answer with one word.",
-              "messages": [{"role": "user", "content": "Classify this review as positive or negative.\n{{ text }}"}]}
-    job = write_job(tmp_path, "smollm2", data, tmp_path / "out", plan={"window": 8}, prompt=prompt,
-                    sampling={"max_tokens": 6, "temperature": 0}, engine=engine)
+def test_a_sampled_chat_job_of_nested_rows_in_windows(tmp_path, tiny_model_path):
+    """Issue 46: a 40-row chat job (system prompt + one user message, ``plan: {window: 8}``, sampled, rows that are
+    prefixes of one another) was planned at 575 prefill tokens and computed 1029 (SmolLM2: 326 and 497): the plan
+    replayed the engine's reuse rules in a second copy, which drifted. It runs the engine's own scheduler and prefix
+    index now (``engine.DryRun``): 1029 and 1029 (SmolLM2: 497 and 497)."""
+    data = write_jsonl(tmp_path / "in.jsonl", texts(40))
+    prompt = {"template": None, "system": "You are a helpful assistant. Answer briefly.",
+              "messages": [{"role": "user", "content": "{{ text }}"}]}
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", plan={"window": 8}, prompt=prompt)
     planned, report = plan_and_run(job)
     assert planned.windows == 5
     assert planned.prefill_tokens == pytest.approx(prefill_of(report), rel=0.01), (planned, report["prefix_reuse"])

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.engine import DryModel, DryRun, PromptEncoder, is_vlm_folder, plan, submission_order
+from mlxbatch.engine import DryModel, DryRun, PromptEncoder, device_info, is_vlm_folder, plan, submission_order
 from mlxbatch.io import InputFormat, open_reader, resolve_inputs
 from mlxbatch.job.check.model_fit import context_length
 from mlxbatch.job.check.model_ref import local_model_dir
@@ -139,7 +139,8 @@ class _Planner:
         self.encoder = PromptEncoder(tok)
         self.dry_model = _dry_model(spec, model_dir, loaded, vision)
         self.engine = engine_config(spec.engine, spec.seed, row_tokens_hint(spec))
-        self.dry = DryRun(self.dry_model, self.engine, tok)
+        self.device = device_info()  # (once: the ETA's probe sizing runs fresh dry runs on it)
+        self.dry = DryRun(self.dry_model, self.engine, tok, self.device)
         # the engine's reuse step on this machine (a block on CUDA's text path): the feed plans with it
         self.step = self.dry.reuse_step
         self.max_inflight = max_inflight(self.dry.config.max_num_seqs)  # the local executor's, of the sized engine
@@ -233,7 +234,7 @@ class _Planner:
     def predict(self, prompts: list[Any]) -> int:
         """The prefill predicted for ``prompts`` (token ids or encoded image prompts) run alone on a fresh engine, in
         the plan's order with its retention, one token each (the ETA's probe)."""
-        dry = DryRun(self.dry_model, self.engine, self.tok)
+        dry = DryRun(self.dry_model, self.engine, self.tok, self.device)
         text = [i for i, p in enumerate(prompts) if isinstance(p, list)]
         subs = submission_order(plan([prompts[i] for i in text], min_step_tokens=self.step)) if text else []
         one = SamplingParams(temperature=0, max_tokens=1)
