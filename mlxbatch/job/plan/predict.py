@@ -147,6 +147,7 @@ class _Planner:
         self.queue: collections.deque[_Row] = collections.deque()  # submitted in this order, as the run takes them
         self.pending: set[str] = set()
         self.ids = 0
+        self._choices: dict[tuple[str, ...], int] = {}  # an output choice's options -> the longest one's tokens
         self.t = _Tally()
         self.sample_size = self.dry.config.max_num_seqs
 
@@ -197,10 +198,13 @@ class _Planner:
         where the output is one (the row stops once its choice is complete), else ``max_tokens``."""
         p = prep.params
         c = p.constraint
-        if c is not None and c.kind == "choice" and c.value:
-            longest = max(len(self.tok.encode(str(o), add_special_tokens=False)) for o in c.value)
-            return dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens, longest)))
-        return p
+        if c is None or c.kind != "choice" or not c.value:
+            return p
+        options = tuple(str(o) for o in c.value)
+        longest = self._choices.get(options)
+        if longest is None:  # (a job's rows mostly share their options: tokenized once)
+            longest = self._choices[options] = max(len(self.tok.encode(o, add_special_tokens=False)) for o in options)
+        return dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens, longest)))
 
     def _drive(self, last: bool) -> None:
         """Run the dry run as the run loop runs the engine: take rows while there is room (``take_room``), then one
