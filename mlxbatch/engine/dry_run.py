@@ -15,8 +15,9 @@ Not modelled: out-of-memory steps, batch-invariant mode's slices (it needs the m
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mlxbatch.config import EngineConfig
@@ -57,11 +58,6 @@ class DryCounts:
     steps: int = 0
 
 
-@dataclass
-class _Group:
-    sequences: list[Request] = field(default_factory=list)
-
-
 class DryRun:
     """The engine's scheduling of submitted token ids, stepped like ``EngineCore``; see the module docstring.
     ``device``: this machine's (None: measured now); ``packed_prefill``: the layout's (None: as the engine decides
@@ -90,7 +86,7 @@ class DryRun:
             built.scheduler, built.batch_size, built.config, built.reuse_step
         self.model = model
         self._tokenizer = tokenizer
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, list[Request]] = {}  # request id -> its sequences
         self._counts = DryCounts()
 
     @property
@@ -106,6 +102,8 @@ class DryRun:
         """Queue one request as ``EngineCore.add_request`` would (``media``: a row with images' (position, content
         hash) pairs: its blocks are keyed by them and its samples prefill on their own)."""
         mm = _Media(tuple(media)) if media else None
+        if _DRAWN in params.stop_token_ids:  # the token every row draws must not stop it
+            params = dataclasses.replace(params, stop_token_ids=tuple(t for t in params.stop_token_ids if t != _DRAWN))
         self._queue(request_id, sample_sequences(request_id, list(token_ids), params, 0, frozenset(),
                                                  self.model.context_length, cache_tokens, mm, _no_text))
 
@@ -118,7 +116,7 @@ class DryRun:
                                                 self.model.context_length, cache_tokens, _no_text))
 
     def _queue(self, group_id: str, seqs: list[Request]) -> None:
-        self._groups[group_id] = _Group(seqs)
+        self._groups[group_id] = seqs
         for s in seqs:
             self.scheduler.add(s)
 
@@ -168,7 +166,7 @@ class DryRun:
             if not r.status.finished:
                 continue
             group = self._groups.get(r.group_id)
-            if group is not None and all(s.status.finished for s in group.sequences):
+            if group is not None and all(s.status.finished for s in group):
                 del self._groups[r.group_id]
                 done.append(r.group_id)
         return done
