@@ -12,9 +12,10 @@ and 8192 tokens, 1024 and 16384 on GPUs of 70 GiB or more) over a KV pool sized 
 
 The device caps, and why:
 - CUDA: a decode step is bound by the host's work and the weights' read, not by the rows (H100, 0.5B shape: 15.6k
-  tok/s at 64 rows, 52.8k at 256, 3.7 ms of host work a step either way; docs/benchmarks.md), so more rows are
-  nearly free: 512 on GPUs of 70 GiB or more (H100, H200), 256 from 20 GiB, 128 below. Issue 47's labeling job ran at
-  717 rows/s with the old default of 32 and at 1,516 with 256 set by hand. Rows with few new tokens are bound by the
+  tok/s at 64 rows, 52.8k at 256, 3.7 ms of host work a step either way; docs/benchmarks.md), so rows up to 256 are
+  nearly free: 256 from 20 GiB, 128 below. Past that a step's host work (graph building) grows with its rows: issue
+  47's labeling job ran at 717 rows/s with the old default of 32, at 1,110 with 256 and 985 with 512 (H100, one
+  lease, `c2e6336`), so 256 on the largest GPUs too. Rows with few new tokens are bound by the
   step's tokens rather than by this cap: with T prefill tokens a step, prompts of P tokens computed and N new tokens,
   about T x N / (P + N) rows are in flight (4096 x 8 / 145: ~230 for that job), whatever the cap above it.
 - Metal: the same reasoning on a smaller GPU and a smaller memory shared with macOS: by the machine's RAM (a proxy
@@ -81,7 +82,7 @@ class BatchSize:
 def seq_cap(device: DeviceFacts) -> int:
     """The most rows a step usefully runs on this device (the module's docstring says why)."""
     if device.kind == "cuda":
-        return 512 if device.memory >= 70 * GiB else 256 if device.memory >= 20 * GiB else 128
+        return 256 if device.memory >= 20 * GiB else 128
     if device.kind == "metal":
         return 64 if device.memory <= SMALL_MAC else 128 if device.memory <= 48 * GiB else 256
     return 128
