@@ -162,6 +162,12 @@ def test_a_windowed_run_reports_its_floor_window_by_window(tmp_path, tiny_model_
     assert "prefill floor per window" in text and "5 windows" in text and "carries shared prefixes" in text, text
 
 
+# an ETA against the run's wall, both timed on a shared machine (0.47-1.88 seen under load, with the suite on two
+# workers): the band catches an ETA of another order only; that the decode steps are counted is checked by their
+# own figures (decode_s > 0 where rows decode), not by this ratio
+ETA_BAND = (0.4, 2.5)
+
+
 def test_the_eta_is_measured_and_close_to_the_run(tmp_path):
     planned, report = plan_and_run(ROOT / "jobs" / "demo.yaml", JobOverrides(limit=32, output=tmp_path / "out"),
                                    calibrate=True)
@@ -173,8 +179,9 @@ def test_the_eta_is_measured_and_close_to_the_run(tmp_path):
     print(f"ETA {eta.total_s:.1f} s, run {report['wall_s']:.1f} s: ratio {ratio:.2f}")
     # the probe runs the rows as the run does (plan order and retention): 0.83-1.23 here on 2 CPU cores, in one
     # process with other tests (0.92 with plan and run in their own processes; before, in input order, the probe
-    # computed 1.7x the plan's tokens: 1.16-1.64). The band leaves room for a shared machine's neighbours.
-    assert 0.67 <= ratio <= 1.5, (eta, report["wall_s"])
+    # computed 1.7x the plan's tokens: 1.16-1.64). Two timings on a shared machine (the suite runs on two workers)
+    # move apart by up to ~2x, so the band only catches an ETA of another order (a missing or doubled term)
+    assert ETA_BAND[0] <= ratio <= ETA_BAND[1], (eta, report["wall_s"])
 
 
 def test_the_eta_of_a_job_whose_rows_decode(shipped):
@@ -185,7 +192,7 @@ def test_the_eta_of_a_job_whose_rows_decode(shipped):
     ratio = eta.total_s / report["wall_s"]
     print(f"label ETA {eta.total_s:.1f} s (decode {eta.decode_s:.1f} s), run {report['wall_s']:.1f} s: {ratio:.2f}")
     assert eta.method == "measured" and eta.decode_s > 0 and report["engine"]["profile"]["decode_tokens"] > 0
-    assert 0.67 <= ratio <= 1.5, (eta, report["wall_s"])  # 0.95 and 1.06 here; 1.04 in separate processes
+    assert ETA_BAND[0] <= ratio <= ETA_BAND[1], (eta, report["wall_s"])  # 0.95 and 1.06 here, 0.62 under load
 
 
 def _fake_hub_cache(cache: Path, repo: str, model: Path) -> None:
