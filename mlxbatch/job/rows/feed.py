@@ -26,10 +26,11 @@ from collections import deque
 from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 
-from mlxbatch.engine import PromptEncoder, plan, submission_order
+from mlxbatch.engine import plan, submission_order
 from mlxbatch.io import InputRow
 from mlxbatch.io.expected import ExpectedSpool
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
+from mlxbatch.job.rows.workers import preparation
 
 
 @dataclass(frozen=True)
@@ -102,10 +103,10 @@ class WindowReader:
 
     def __init__(self, rows: Iterator[InputRow], preparer: RowPreparer, tokenizer: object, done: Set[str],
                  window: int, planned: bool = True, done_errors: Set[str] = frozenset(),
-                 min_step_tokens: int = 1, spool: ExpectedSpool | None = None, keep_urls: bool = False) -> None:
+                 min_step_tokens: int = 1, spool: ExpectedSpool | None = None, keep_urls: bool = False,
+                 workers: int = 0) -> None:
         self._rows = rows
-        self._preparer = preparer
-        self._encoder = PromptEncoder(tokenizer)
+        self._preparation = preparation(preparer, tokenizer, workers)  # stopped by ``close``
         self._done = done
         self._done_errors = done_errors  # keys in ``done`` whose result is an error row
         self.window = window
@@ -117,20 +118,20 @@ class WindowReader:
 
     def next_window(self, stop: threading.Event | None = None) -> Window:
         w = Window()
-        runnable: list[tuple[int, PreparedRow]] = []
-        imaged: list[tuple[int, PreparedRow]] = []  # decoded only when submitted (pictures are big): not planned
-        done: list[PreparedRow] = []  # text rows done by an earlier run: planned with the rest, not submitted
+        read: list[InputRow] = []
         for _ in range(self.window):
             if stop is not None and stop.is_set():
                 return w
             row = next(self._rows, None)
             if row is None:
                 w.last = True
-                if self._spool is not None:
-                    self._spool.close()
                 break
+            read.append(row)
+        runnable: list[tuple[int, PreparedRow, list[int] | str]] = []
+        imaged: list[tuple[int, PreparedRow]] = []  # decoded only when submitted (pictures are big): not planned
+        done: list[list[int] | str | None] = []  # token ids of text rows done by an earlier run: planned, not run
+        for row, (prep, ids) in zip(read, ((e.prep, e.ids) for e in self._preparation.run(read))):
             index, self._read = self._read, self._read + 1
-            prep = self._preparer.prepare(row)
             if self._spool is not None:
                 self._spool.add(prep.row_id, prep.key, prep.inputs,
                                 row.fields.get("url") if self._keep_urls else None)
@@ -138,16 +139,17 @@ class WindowReader:
                 w.skipped += 1
                 w.items.append(Resumed(index, prep.key in self._done_errors))
                 if prep.error is None and prep.prompt is not None and not prep.images:
-                    done.append(prep)
+                    done.append(ids)
             elif prep.error is not None or prep.prompt is None:
                 w.items.append(Failed(prep, prep.error or "no prompt", prep.error_kind or "input", index))
             elif prep.images:
                 imaged.append((index, prep))
             else:
-                runnable.append((index, prep))
-        encoded = self._encoder.encode_many([p.prompt for _, p in runnable])  # type: ignore[misc]
+                runnable.append((index, prep, ids))  # type: ignore[arg-type]  # a text row: encoded
+        if w.last and self._spool is not None:
+            self._spool.close()
         rows: list[tuple[PreparedRow, list[int], int]] = []
-        for (index, prep), ids in zip(runnable, encoded):
+        for index, prep, ids in runnable:
             if isinstance(ids, str):
                 w.items.append(Failed(prep, f"{prep.row_id}: {ids}", "request", index))
             elif not ids:
@@ -160,11 +162,17 @@ class WindowReader:
         w.items.extend(Submit(prep, None, None, index) for index, prep in imaged)
         return w
 
-    def _plan(self, w: Window, rows: list[tuple[PreparedRow, list[int], int]], done: list[PreparedRow]) -> None:
+    def cancel(self) -> None:
+        self._preparation.cancel()
+
+    def close(self) -> None:
+        self._preparation.close()
+
+    def _plan(self, w: Window, rows: list[tuple[PreparedRow, list[int], int]],
+              done: list[list[int] | str | None]) -> None:
         # the first run planned these rows with the ones done since: the order of a trie's rows depends on every
         # row (larger subtrees first), so the done rows are planned too, then skipped
-        done_ids = [ids for ids in self._encoder.encode_many([d.prompt for d in done])  # type: ignore[misc]
-                    if ids and not isinstance(ids, str)] if done else []
+        done_ids = [ids for ids in done if ids and not isinstance(ids, str)]
         seqs = [ids for _, ids, _ in rows]
         p = plan(seqs + done_ids, skip=range(len(seqs), len(seqs) + len(done_ids)),
                  min_step_tokens=self.min_step_tokens)
@@ -188,9 +196,9 @@ class RowFeed:
     def __init__(self, rows: Iterator[InputRow], preparer: RowPreparer, tokenizer: object, done: Set[str],
                  window: int, planned: bool = True, done_errors: Set[str] = frozenset(),
                  min_step_tokens: int = 1, spool: ExpectedSpool | None = None, keep_urls: bool = False,
-                 background: bool = False, ahead: int = 1) -> None:
+                 background: bool = False, ahead: int = 1, workers: int = 0) -> None:
         self._reader = WindowReader(rows, preparer, tokenizer, done, window, planned, done_errors, min_step_tokens,
-                                    spool, keep_urls)
+                                    spool, keep_urls, workers)
         self.window = window
         self.planned = planned
         self._queue: deque[Submit | Failed | Resumed] = deque()
@@ -232,14 +240,16 @@ class RowFeed:
         return out
 
     def close(self) -> None:
-        """Stop reading ahead (the run is over or stopping)."""
+        """Stop reading ahead (the run is over or stopping) and the worker processes, if any."""
         self._stop.set()
+        self._reader.cancel()  # a reader waiting on workers gets its window's chunks not started cancelled
         if self._thread is not None:
             while self._thread.is_alive():  # unblock a reader waiting to hand over a window
                 try:
                     self._ready.get_nowait()
                 except queue.Empty:
                     self._thread.join(0.05)
+        self._reader.close()
 
     def _next_window(self, block: bool) -> bool:
         """Move the next window's items into the queue; False when none is ready and ``block`` is off."""

@@ -148,18 +148,33 @@ class RowPreparer:
     def _shown(self, params_json: str) -> str:
         return SCORE_PARAMS if self.spec.task.kind == "score" else params_json
 
+    @property
+    def args(self) -> tuple[JobSpec, str, bool, bool, int | None]:
+        """What builds an equal preparer elsewhere (a feed worker process: ``job.rows.workers``)."""
+        return self.spec, self.model_identity, self.renderer.openai_batch, self.takes_images, self.context_length
+
     def prepare(self, row: InputRow) -> PreparedRow:
+        admitted = self.admit(row)
+        return admitted if isinstance(admitted, PreparedRow) else self.prepare_admitted(admitted)
+
+    def admit(self, row: InputRow) -> InputRow | PreparedRow:
+        """The row under its unique id, or its error row when its id was taken. The one step that depends on the
+        rows before it (the ids seen): done in input order by the run's one reader, before ``prepare_admitted``."""
         if row.generated_id:  # made up by the reader: never a real row's id, never a duplicate
             unique = self.duplicates.generated(row.row_id)
-            if unique != row.row_id:
-                row = dataclasses.replace(row, row_id=unique)
-        elif not self.duplicates.add(row.row_id):  # written under an id of its own: results ids are unique
+            return dataclasses.replace(row, row_id=unique) if unique != row.row_id else row
+        if not self.duplicates.add(row.row_id):  # written under an id of its own: results ids are unique
             taken = row.row_id
             why = " (given to an earlier row that had no id of its own, or to a duplicate)" \
                 if self.duplicates.is_generated(taken) else ""
             row = dataclasses.replace(row, row_id=self.duplicates.generated(taken))
             return self._failed(row, f"{row.source}:{row.position}: duplicate id {taken!r}{why}; written as "
                                      f"{row.row_id!r}", "duplicate_id")
+        return row
+
+    def prepare_admitted(self, row: InputRow) -> PreparedRow:
+        """An admitted row's prompt, parameters and key (or its error): a function of the row alone, so any process
+        holding an equal preparer computes the same."""
         if row.error is not None:
             return self._failed(row, row.error, "input")
         try:

@@ -62,6 +62,7 @@ from mlxbatch.job.report.snapshot import results_metadata
 from mlxbatch.job.rows.feed import Resumed, RowFeed
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.rows.tasks import output_columns, prompt_text, record_for
+from mlxbatch.job.rows.workers import feed_workers
 from mlxbatch.job.run.checkpointer import Checkpointer
 from mlxbatch.job.run.error_rate import ErrorRate
 from mlxbatch.job.run.run_meta import follow_saved_plan, record_invariance, save_job_meta
@@ -257,7 +258,8 @@ class JobRunner:
         last_flush = time.monotonic()
         feed = RowFeed(self._rows(spec), _preparer(spec, model, is_openai), model.tokenizer, done,
                        window=spec.plan.window, planned=spec.plan.enabled, done_errors=store.error_keys(),
-                       min_step_tokens=model.reuse_step, spool=spool, keep_urls=is_openai, background=True)
+                       min_step_tokens=model.reuse_step, spool=spool, keep_urls=is_openai, background=True,
+                       workers=feed_workers(stats.total))
 
         writer = Checkpointer(store)  # shards are made durable on its thread while the engine steps
 

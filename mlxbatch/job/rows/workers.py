@@ -1,0 +1,236 @@
+"""Row preparation of a window: input rows -> prepared rows with their token ids, here or in worker processes.
+
+Owns where a window's per-row work runs. Rendering, the sampling parameters, the key, the chat template and
+tokenizing are a function of the row alone (``RowPreparer.prepare_admitted`` and ``engine.PromptEncoder``); all but
+the tokenizer hold the GIL, which the engine's step loop needs in the same process. ``LocalPreparation`` runs them in
+the calling thread; ``PooledPreparation`` in child processes (new interpreters, never forks of a process running MLX
+or threads), each with an equal preparer and the run's own tokenizer (pickled: the same template and settings),
+chunks of a window in parallel, results in input order. Both admit rows in the calling thread first
+(``RowPreparer.admit``: the duplicate ids, the one step that depends on earlier rows), so the output is the same:
+the same keys, prompts and token ids.
+
+A worker ignores SIGINT and SIGTERM (Ctrl-C reaches the whole process group: the run decides what stops, then stops
+its workers) and exits when its input pipe ends: closed by the run, or by the kernel when the run is gone (a run
+killed by SIGKILL leaves no worker behind once it finishes its chunk).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from mlxbatch.engine import PromptEncoder
+from mlxbatch.errors import MlxbatchError
+from mlxbatch.io import InputRow
+from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
+
+WORKERS_ENV = "MLXBATCH_FEED_WORKERS"  # worker processes of the feed: a number (0: none), unset: by input size
+POOL_MIN_ROWS = 5_000  # fewer rows than this are prepared in the run's process: the workers' start would not pay
+CHUNK_ROWS = 512  # rows one worker call prepares: small enough to spread a window and to stop within a second
+CLOSE_WAIT_S = 5.0  # a worker closed at the end of input finishes its chunk (there is none) and exits
+
+
+@dataclass(frozen=True)
+class Encoded:
+    prep: PreparedRow
+    # token ids of a text row that can run (or that an earlier run finished: the plan needs it), the reason it
+    # cannot be tokenized, or None (an error row, or a row with images: encoded when submitted)
+    ids: list[int] | str | None
+
+
+class FeedWorkerError(MlxbatchError):
+    """A feed worker process died (killed, or out of memory): the run stops; what finished is checkpointed."""
+
+
+def feed_workers(total_rows: int | None) -> int:
+    """Worker processes for a run of ``total_rows`` input rows (None: not known). ``MLXBATCH_FEED_WORKERS``
+    overrides; by default none below ``POOL_MIN_ROWS`` rows, else a quarter of the CPUs, 1 to 8."""
+    given = os.environ.get(WORKERS_ENV, "").strip()
+    if given:
+        if not given.isdigit():
+            raise MlxbatchError(f"{WORKERS_ENV}={given!r}: expected a number of worker processes (0: none)")
+        return int(given)
+    if total_rows is not None and total_rows < POOL_MIN_ROWS:
+        return 0
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
+def encode_prepared(preps: list[PreparedRow], encoder: PromptEncoder) -> list[Encoded]:
+    """Token ids of the rows that have a text prompt (no error, no images), in one batch."""
+    texts = [i for i, p in enumerate(preps) if p.error is None and p.prompt is not None and not p.images]
+    ids: list[list[int] | str | None] = [None] * len(preps)
+    for i, seq in zip(texts, encoder.encode_many([preps[i].prompt for i in texts])):  # type: ignore[misc]
+        ids[i] = seq
+    return [Encoded(p, s) for p, s in zip(preps, ids)]
+
+
+class LocalPreparation:
+    """Prepares and tokenizes in the calling thread."""
+
+    def __init__(self, preparer: RowPreparer, tokenizer: Any) -> None:
+        self._preparer = preparer
+        self._encoder = PromptEncoder(tokenizer)
+
+    def run(self, rows: list[InputRow]) -> list[Encoded]:
+        return encode_prepared([self._preparer.prepare(r) for r in rows], self._encoder)
+
+    def run_admitted(self, rows: Sequence[InputRow | PreparedRow]) -> list[Encoded]:
+        p = self._preparer
+        return encode_prepared([r if isinstance(r, PreparedRow) else p.prepare_admitted(r) for r in rows],
+                               self._encoder)
+
+    def cancel(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class PooledPreparation:
+    """Prepares and tokenizes in ``workers`` child processes, started on first use and stopped by ``close``.
+
+    A worker is ``python -c 'serve()'``: nothing of the parent's ``__main__`` runs again (a user's script without a
+    ``__main__`` guard is fine). Chunks go round-robin, one outstanding a worker (no pipe can fill both ways), and
+    come back in input order. Frames on the pipes are a length and a pickle."""
+
+    def __init__(self, preparer: RowPreparer, tokenizer: Any, workers: int, chunk: int | None = None) -> None:
+        self._preparer = preparer
+        self._setup = pickle.dumps((preparer.args, tokenizer), pickle.HIGHEST_PROTOCOL)
+        self._workers = workers
+        self._chunk = chunk or CHUNK_ROWS
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._closed = False
+        self._lock = threading.Lock()  # the feed thread starts the workers; the run's thread stops them
+
+    def run(self, rows: list[InputRow]) -> list[Encoded]:
+        p = self._preparer
+        admitted = [p.admit(r) for r in rows]
+        todo = [a for a in admitted if not isinstance(a, PreparedRow)]
+        chunks = [todo[k:k + self._chunk] for k in range(0, len(todo), self._chunk)]
+        procs = self._started() if chunks else []
+        done: list[Encoded] = []
+        for k, c in enumerate(chunks[:len(procs)]):
+            _send(procs[k], c)
+        for k in range(len(chunks)):
+            w = procs[k % len(procs)]
+            done.extend(_receive(w))
+            if k + len(procs) < len(chunks):
+                _send(w, chunks[k + len(procs)])
+        it = iter(done)
+        return [Encoded(a, None) if isinstance(a, PreparedRow) else next(it) for a in admitted]
+
+    def _started(self) -> list[subprocess.Popen[bytes]]:
+        with self._lock:
+            if self._closed:
+                raise MlxbatchError("the feed's workers are stopped")
+            while len(self._procs) < self._workers:
+                proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE)
+                self._procs.append(proc)
+                _write_frame(proc, self._setup)
+            return list(self._procs)
+
+    def cancel(self) -> None:
+        """Stop the workers now (the run is stopping: nothing they prepare is needed)."""
+        with self._lock:
+            self._closed = True
+            for proc in self._procs:
+                proc.kill()
+
+    def close(self) -> None:
+        """Stop the workers (end of input: they exit on their input's end) and wait for them to exit."""
+        with self._lock:
+            self._closed = True
+            procs = list(self._procs)
+        for proc in procs:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()  # type: ignore[union-attr]
+        for proc in procs:
+            try:
+                proc.wait(timeout=CLOSE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            with contextlib.suppress(OSError):
+                proc.stdout.close()  # type: ignore[union-attr]
+
+
+def preparation(preparer: RowPreparer, tokenizer: Any, workers: int) -> LocalPreparation | PooledPreparation:
+    return PooledPreparation(preparer, tokenizer, workers) if workers > 0 else LocalPreparation(preparer, tokenizer)
+
+
+_SERVE = "from mlxbatch.job.rows.workers import serve; serve()"
+_LEN = struct.Struct("<Q")
+
+
+def _write_frame(proc: subprocess.Popen[bytes], data: bytes) -> None:
+    try:
+        proc.stdin.write(_LEN.pack(len(data)) + data)  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+    except (BrokenPipeError, ValueError):  # ValueError: closed by ``cancel`` / ``close`` in the meantime
+        raise FeedWorkerError(f"the feed worker process {proc.pid} is gone (exit code {proc.poll()}); rerun the "
+                              f"job to resume, or set {WORKERS_ENV}=0 to prepare rows in the run's process") from None
+
+
+def _send(proc: subprocess.Popen[bytes], rows: list[InputRow | PreparedRow]) -> None:
+    _write_frame(proc, pickle.dumps(rows, pickle.HIGHEST_PROTOCOL))
+
+
+def _receive(proc: subprocess.Popen[bytes]) -> list[Encoded]:
+    data = _read_frame(proc.stdout)  # type: ignore[arg-type]
+    if data is None:
+        raise FeedWorkerError(f"the feed worker process {proc.pid} died (exit code {proc.wait()}); rerun the job "
+                              f"to resume, or set {WORKERS_ENV}=0 to prepare rows in the run's process")
+    status, value = pickle.loads(data)
+    if status != "ok":
+        raise MlxbatchError(f"the feed worker process {proc.pid} failed: {value}")
+    return value  # type: ignore[no-any-return]
+
+
+def _read_frame(stream: BinaryIO) -> bytes | None:
+    """One frame, or None at the end of the stream (the other side is gone)."""
+    try:
+        head = stream.read(_LEN.size)
+        if len(head) < _LEN.size:
+            return None
+        (n,) = _LEN.unpack(head)
+        data = stream.read(n)
+    except (OSError, ValueError):
+        return None
+    return data if len(data) == n else None
+
+
+# -- in a worker process ------------------------------------------------------------------------------------------
+def serve() -> None:
+    """A worker's life: the setup frame, then chunk after chunk until its input ends (the run closed it, or the
+    run is gone: killed too)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the run decides, then stops us
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # a stray print goes to stderr, never into the frames
+    inp = sys.stdin.buffer
+    setup = _read_frame(inp)
+    if setup is None:
+        return
+    args, tokenizer = pickle.loads(setup)
+    worker = LocalPreparation(RowPreparer(*args), tokenizer)
+    while (data := _read_frame(inp)) is not None:
+        try:
+            reply: tuple[str, Any] = ("ok", worker.run_admitted(pickle.loads(data)))  # admitted by the run's reader
+        except Exception:  # noqa: BLE001 - the run raises it, as it would raise it from its own thread
+            reply = ("error", traceback.format_exc())
+        try:
+            out.write(_LEN.pack(len(body := pickle.dumps(reply, pickle.HIGHEST_PROTOCOL))) + body)
+            out.flush()
+        except OSError:  # the run is gone
+            return
