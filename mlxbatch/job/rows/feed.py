@@ -26,11 +26,10 @@ from collections import deque
 from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 
-from mlxbatch.engine import plan, submission_order
 from mlxbatch.io import InputRow
 from mlxbatch.io.expected import ExpectedSpool
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
-from mlxbatch.job.rows.workers import preparation
+from mlxbatch.job.rows.workers import preparation  # the window's per-row work and its plan run there
 
 
 @dataclass(frozen=True)
@@ -173,13 +172,10 @@ class WindowReader:
         # the first run planned these rows with the ones done since: the order of a trie's rows depends on every
         # row (larger subtrees first), so the done rows are planned too, then skipped
         done_ids = [ids for ids in done if ids and not isinstance(ids, str)]
-        seqs = [ids for _, ids, _ in rows]
-        p = plan(seqs + done_ids, skip=range(len(seqs), len(seqs) + len(done_ids)),
-                 min_step_tokens=self.min_step_tokens)
+        p = self._preparation.plan([ids for _, ids, _ in rows] + done_ids, len(rows), self.min_step_tokens)
         w.planned_rows, w.prompt_tokens, w.distinct_tokens = len(rows), p.total_tokens, p.distinct_tokens
         if self.planned:
-            w.items.extend(Submit(rows[s.index][0], rows[s.index][1], s.cache_tokens, rows[s.index][2])
-                           for s in submission_order(p))
+            w.items.extend(Submit(rows[i][0], rows[i][1], cache_tokens, rows[i][2]) for i, cache_tokens in p.order)
         else:  # planning off: longest first, every full block offered to the cache (LRU)
             w.items.extend(Submit(prep, ids, None, index)
                            for prep, ids, index in sorted(rows, key=lambda r: -len(r[1])))

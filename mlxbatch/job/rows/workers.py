@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from mlxbatch.engine import PromptEncoder
+from mlxbatch.engine import PromptEncoder, plan, submission_order
 from mlxbatch.errors import MlxbatchError
 from mlxbatch.io import InputRow
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
@@ -74,6 +74,20 @@ def encode_prepared(preps: list[PreparedRow], encoder: PromptEncoder) -> list[En
     return [Encoded(p, s) for p, s in zip(preps, ids)]
 
 
+@dataclass(frozen=True)
+class WindowPlan:
+    order: list[tuple[int, int]]  # (row, cache_tokens) in submission order
+    total_tokens: int
+    distinct_tokens: int
+
+
+def plan_window(seqs: list[list[int]], runs: int, min_step_tokens: int) -> WindowPlan:
+    """The plan of a window's text rows: the first ``runs`` of ``seqs`` run, the rest were done by an earlier run
+    (planned with them, then skipped: the trie order of a row depends on every row)."""
+    p = plan(seqs, skip=range(runs, len(seqs)), min_step_tokens=min_step_tokens)
+    return WindowPlan([(s.index, s.cache_tokens) for s in submission_order(p)], p.total_tokens, p.distinct_tokens)
+
+
 class LocalPreparation:
     """Prepares and tokenizes in the calling thread."""
 
@@ -89,6 +103,9 @@ class LocalPreparation:
         return encode_prepared([r if isinstance(r, PreparedRow) else p.prepare_admitted(r) for r in rows],
                                self._encoder)
 
+    def plan(self, seqs: list[list[int]], runs: int, min_step_tokens: int) -> WindowPlan:
+        return plan_window(seqs, runs, min_step_tokens)
+
     def cancel(self) -> None:
         pass
 
@@ -100,8 +117,9 @@ class PooledPreparation:
     """Prepares and tokenizes in ``workers`` child processes, started on first use and stopped by ``close``.
 
     A worker is ``python -c 'serve()'``: nothing of the parent's ``__main__`` runs again (a user's script without a
-    ``__main__`` guard is fine). Chunks go round-robin, one outstanding a worker (no pipe can fill both ways), and
-    come back in input order. Frames on the pipes are a length and a pickle."""
+    ``__main__`` guard is fine). Chunks go round-robin from a sender thread while the caller reads the results in
+    input order (reads never wait on writes: no pipe can fill both ways). Frames on the pipes are a length and a
+    pickle."""
 
     def __init__(self, preparer: RowPreparer, tokenizer: Any, workers: int, chunk: int | None = None) -> None:
         self._preparer = preparer
@@ -118,16 +136,19 @@ class PooledPreparation:
         todo = [a for a in admitted if not isinstance(a, PreparedRow)]
         chunks = [todo[k:k + self._chunk] for k in range(0, len(todo), self._chunk)]
         procs = self._started() if chunks else []
+        sender = threading.Thread(target=_send_all, args=(procs, chunks), name="mlxbatch-feed-send", daemon=True)
+        sender.start()
         done: list[Encoded] = []
-        for k, c in enumerate(chunks[:len(procs)]):
-            _send(procs[k], c)
         for k in range(len(chunks)):
-            w = procs[k % len(procs)]
-            done.extend(_receive(w))
-            if k + len(procs) < len(chunks):
-                _send(w, chunks[k + len(procs)])
+            done.extend(_receive(procs[k % len(procs)]))  # a worker gone: raised here (its pipe ends)
+        sender.join()
         it = iter(done)
         return [Encoded(a, None) if isinstance(a, PreparedRow) else next(it) for a in admitted]
+
+    def plan(self, seqs: list[list[int]], runs: int, min_step_tokens: int) -> WindowPlan:
+        w = self._started()[0]
+        _write_frame(w, pickle.dumps(("plan", (seqs, runs, min_step_tokens)), pickle.HIGHEST_PROTOCOL))
+        return _receive(w)  # type: ignore[return-value]
 
     def _started(self) -> list[subprocess.Popen[bytes]]:
         with self._lock:
@@ -182,11 +203,15 @@ def _write_frame(proc: subprocess.Popen[bytes], data: bytes) -> None:
                               f"job to resume, or set {WORKERS_ENV}=0 to prepare rows in the run's process") from None
 
 
-def _send(proc: subprocess.Popen[bytes], rows: list[InputRow | PreparedRow]) -> None:
-    _write_frame(proc, pickle.dumps(rows, pickle.HIGHEST_PROTOCOL))
+def _send_all(procs: list[subprocess.Popen[bytes]], chunks: list[list[InputRow]]) -> None:
+    for k, rows in enumerate(chunks):
+        try:
+            _write_frame(procs[k % len(procs)], pickle.dumps(("prepare", rows), pickle.HIGHEST_PROTOCOL))
+        except FeedWorkerError:  # the reader sees the worker's end on its output and raises there
+            return
 
 
-def _receive(proc: subprocess.Popen[bytes]) -> list[Encoded]:
+def _receive(proc: subprocess.Popen[bytes]) -> Any:
     data = _read_frame(proc.stdout)  # type: ignore[arg-type]
     if data is None:
         raise FeedWorkerError(f"the feed worker process {proc.pid} died (exit code {proc.wait()}); rerun the job "
@@ -194,7 +219,7 @@ def _receive(proc: subprocess.Popen[bytes]) -> list[Encoded]:
     status, value = pickle.loads(data)
     if status != "ok":
         raise MlxbatchError(f"the feed worker process {proc.pid} failed: {value}")
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def _read_frame(stream: BinaryIO) -> bytes | None:
@@ -226,7 +251,8 @@ def serve() -> None:
     worker = LocalPreparation(RowPreparer(*args), tokenizer)
     while (data := _read_frame(inp)) is not None:
         try:
-            reply: tuple[str, Any] = ("ok", worker.run_admitted(pickle.loads(data)))  # admitted by the run's reader
+            what, arg = pickle.loads(data)
+            reply: tuple[str, Any] = ("ok", worker.run_admitted(arg) if what == "prepare" else worker.plan(*arg))
         except Exception:  # noqa: BLE001 - the run raises it, as it would raise it from its own thread
             reply = ("error", traceback.format_exc())
         try:
