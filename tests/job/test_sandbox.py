@@ -86,3 +86,24 @@ def test_ordinary_templates_still_render():
     assert render("{{ xs|join(', ') }} {{ s|center(7) }}|{{ s|indent(2, first=True) }}", xs=[1, 2], s="x") \
         == "1, 2    x   |  x"
     assert render("{{ 10 / d }}", d=4) == "2.5"
+
+
+@pytest.mark.parametrize(("system", "text_only"), [
+    ("Label this review.", True), ("Plain {# a comment #} text\n", True), ("{% raw %}{{x}}{% endraw %}", True),
+    ("trailing\n\n", True), ("Hi {{ x }}", False), ("{% if x %}a{% endif %}", False), ('{{ "lit" }}', False)])
+def test_a_text_only_template_is_rendered_once_to_what_each_row_would_render(system, text_only):
+    section = PromptSection(messages=({"role": "system", "content": system}, {"role": "user", "content": "{{ x }}"}))
+    once, every_row = PromptRenderer(section), PromptRenderer(section)
+    every_row._constant.clear()
+    assert len(once._constant) == text_only
+    for x in ("v", "another value"):
+        assert once.render({"x": x}) == every_row.render({"x": x})
+
+
+def test_a_text_only_part_counts_toward_the_prompt_bound():
+    r = PromptRenderer(PromptSection(system="abc", template="{{ x }}"), max_chars=5)
+    assert r.render({"x": "xy"}).prompt[0]["content"] == "abc"
+    with pytest.raises(PromptTooLongError):
+        r.render({"x": "xyz"})
+    with pytest.raises(PromptTooLongError):  # longer than the bound alone: not kept, each row refused
+        PromptRenderer(PromptSection(template="abcdef"), max_chars=3).render({})

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
-from jinja2 import meta
+from jinja2 import meta, nodes
 
 from mlxbatch.errors import MlxbatchError
 from mlxbatch.job.rows.sandbox import BoundedSandbox, PromptTooLong, null
@@ -55,6 +55,9 @@ class PromptRenderer:
         self.section = section
         self.openai_batch = openai_batch
         self.max_chars = max_chars
+        # templates that are text only (no expression, no tag): the same text for every row, rendered once. By the
+        # id of the compiled template, which this renderer holds for its life
+        self._constant: dict[int, str] = {}
         self._template = self._compile("prompt.template", section.template)
         self._messages = [(m["role"], self._compile(f"prompt.messages[{i}].content", m["content"]))
                           for i, m in enumerate(section.messages or ())]
@@ -64,9 +67,17 @@ class PromptRenderer:
         if source is None:
             return None
         try:
-            return self._env.from_string(source)
+            template = self._env.from_string(source)
+            text_only = all(isinstance(out, nodes.Output) and all(isinstance(n, nodes.TemplateData) for n in out.nodes)
+                            for out in self._env.parse(source).body)
         except jinja2.TemplateSyntaxError as exc:
             raise TemplateSyntaxError(key, f"template syntax error on line {exc.lineno}: {exc.message}") from exc
+        if text_only:
+            try:
+                self._constant[id(template)] = self._env.render_bounded(template, {})
+            except PromptTooLong:  # longer than any prompt: each row says so
+                pass
+        return template
 
     def fields(self) -> set[str]:
         """Row fields the templates refer to."""
@@ -101,7 +112,11 @@ class PromptRenderer:
 
         def render(template: jinja2.Template) -> str:
             nonlocal used
-            text = env.render_bounded(template, values, used)
+            text = self._constant.get(id(template))
+            if text is None:
+                text = env.render_bounded(template, values, used)
+            elif used + len(text) > self.max_chars:
+                raise PromptTooLong(self.max_chars)
             used += len(text)
             return text
 
@@ -147,3 +162,4 @@ class PromptRenderer:
         if len(prompt) > self.max_chars:
             raise PromptTooLongError(self.max_chars)
         return RenderedPrompt(prompt, prompt)
+
