@@ -107,8 +107,9 @@ def timed_run(job: Path, timeout: float, extra: tuple[str, ...], env: dict[str, 
 
 
 def feed_rate(job: Path, rows: int) -> dict[str, Any]:
-    """The driver's feed alone on the job's first ``rows`` rows (read, render, tokenize, plan, window by window in
-    this thread, as the run's feed thread does): what one driver can hand out at most."""
+    """The driver's feed alone on the job's first ``rows`` rows (read, render, tokenize, plan, window by window, with
+    the feed workers a run of that many rows starts): what one driver can hand out at most. ``cpu_s``: this
+    process's (what holds the driver's GIL), ``workers_cpu_s``: the feed workers'."""
     from itertools import islice
 
     from mlxbatch.io import open_reader
@@ -116,16 +117,22 @@ def feed_rate(job: Path, rows: int) -> dict[str, Any]:
     from mlxbatch.job.executors.ray.cluster import driver_tokenizer
     from mlxbatch.job.rows.feed import RowFeed, Submit
     from mlxbatch.job.rows.prepare import RowPreparer
+    from mlxbatch.job.rows.workers import feed_workers
 
     spec = validate_job(job, writes_output=False)
     tokenizer = driver_tokenizer(spec)
+    workers = feed_workers(rows)
     feed = RowFeed(islice(open_reader(input_spec(spec)), rows), RowPreparer(spec, "feed-rate"), tokenizer, set(),
-                   window=spec.plan.window)
+                   window=spec.plan.window, workers=workers)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu0, t0, n = time.process_time(), time.perf_counter(), 0
     while not feed.finished:
         n += sum(isinstance(item, Submit) for item in feed.take_window())
+    feed.close()  # the workers exit: their CPU is counted
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return {"rows": n, "wall_s": wall, "cpu_s": cpu, "rows_per_s": n / max(wall, 1e-9)}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"rows": n, "wall_s": wall, "cpu_s": cpu, "rows_per_s": n / max(wall, 1e-9), "workers": workers,
+            "workers_cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)}
 
 
 def results(out: Path) -> tuple[dict[str, str | None], int]:
@@ -192,9 +199,11 @@ def table(a: argparse.Namespace, runs: dict[str, dict[str, Any]], gpus: int, dty
     tab.notes += [
         f"--ray: {n:,} result rows, {len(got):,} distinct ids of the {len(want):,} the one-GPU run has; "
         f"{same:,} with its text (greedy).",
-        f"the driver's feed alone (read, render, tokenize, plan; one thread, as the run's feed thread) on the first "
-        f"{feed['rows']:,} rows: {feed['rows_per_s']:,.0f} rows/s, {1e6 * feed['cpu_s'] / max(1, feed['rows']):,.0f} "
-        f"us CPU a row; a --ray run near it is bound by the driver, not by its GPUs.",
+        f"the driver's feed alone (read, render, tokenize, plan; {feed['workers']} feed worker(s), as a run of that "
+        f"many rows) on the first {feed['rows']:,} rows: {feed['rows_per_s']:,.0f} rows/s, "
+        f"{1e6 * feed['cpu_s'] / max(1, feed['rows']):,.0f} us CPU a row in the driver's process (its GIL), "
+        f"{1e6 * feed['workers_cpu_s'] / max(1, feed['rows']):,.0f} in its workers; a --ray run near it is bound by "
+        f"the driver, not by its GPUs.",
         f"speed-up: rows/s (report.json's: the run's wall after the model loaded, or the actors did) over the "
         f"first run's; process s: the whole `mlxbatch run`, its start and model load(s) included. driver CPU s: "
         f"report.json's engine.executor.driver_cpu_s; process CPU s: the `mlxbatch run` process's (under Ray: the "
