@@ -62,7 +62,7 @@ from mlxbatch.job.report.snapshot import results_metadata
 from mlxbatch.job.rows.feed import Resumed, RowFeed
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.rows.tasks import output_columns, prompt_text, record_for
-from mlxbatch.job.rows.workers import feed_workers
+from mlxbatch.job.rows.workers import WORKERS_ENV, feed_workers
 from mlxbatch.job.run.checkpointer import Checkpointer
 from mlxbatch.job.run.error_rate import ErrorRate
 from mlxbatch.job.run.run_meta import follow_saved_plan, record_invariance, save_job_meta
@@ -256,10 +256,14 @@ class JobRunner:
         bar.start()
         buffer: list[ResultRecord] = []
         last_flush = time.monotonic()
+        workers = feed_workers(stats.total)  # processes that prepare rows off this one's GIL (large inputs)
         feed = RowFeed(self._rows(spec), _preparer(spec, model, is_openai), model.tokenizer, done,
                        window=spec.plan.window, planned=spec.plan.enabled, done_errors=store.error_keys(),
                        min_step_tokens=model.reuse_step, spool=spool, keep_urls=is_openai, background=True,
-                       workers=feed_workers(stats.total))
+                       workers=workers)
+        if workers:
+            log.info("feed: %d worker process(es) render, tokenize and plan the rows (%s=0: none)", workers,
+                     WORKERS_ENV)
 
         writer = Checkpointer(store)  # shards are made durable on its thread while the engine steps
 
