@@ -154,12 +154,13 @@ class PooledPreparation:
         with self._lock:
             if self._closed:
                 raise MlxbatchError("the feed's workers are stopped")
-            while len(self._procs) < self._workers:
-                proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE)
-                self._procs.append(proc)
-                _write_frame(proc, self._setup)
-            return list(self._procs)
+            new = [subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                   for _ in range(self._workers - len(self._procs))]
+            self._procs += new
+            procs = list(self._procs)
+        for proc in new:  # outside the lock: a write waits for the worker's imports, and ``cancel`` must not
+            _write_frame(proc, self._setup)
+        return procs
 
     def cancel(self) -> None:
         """Stop the workers now (the run is stopping: nothing they prepare is needed)."""
