@@ -54,6 +54,9 @@ class Traffic:
         self._in_flight: str | None = None  # what the launch in flight runs ("prefill", "decode", ...), if any
         self._settled = 0  # launches known to be complete
         self.waited: dict[str, float] = {}  # seconds the host waited for launches of each kind
+        # seconds inside ``mx.async_eval`` by launch kind: MLX ordering the graph and encoding its kernels (on a
+        # GPU, the host's part of a pass that is not Python building the graph)
+        self.encoded: dict[str, float] = {}
         # called before each device call with what it is ("decode"/"prefill": a launch of that kind, "evaluate",
         # "synchronize", "read") and the arrays it hands over; tests set it to fail the device (None: nothing)
         self.fault: Callable[[str, Sequence[Any]], None] | None = None
@@ -71,7 +74,9 @@ class Traffic:
         self.settle()
         if self.fault is not None:
             self.fault(kind, arrays)
+        t0 = time.perf_counter()
         mx.async_eval(*arrays)
+        self.encoded[kind] = self.encoded.get(kind, 0.0) + time.perf_counter() - t0
         self.launches += 1
         self._in_flight = kind
         return self.launches
@@ -160,6 +165,7 @@ class StepProfile:
             "decode_tokens": self.decode_tokens, "grammar_mask_s": round(self.grammar_mask_s, 5),
             "prefill_build_s": round(self.prefill_build_s, 4), "decode_build_s": round(self.decode_build_s, 4),
             **{f"waited_{k}_s": round(v, 4) for k, v in self.traffic.waited.items()},
+            **{f"encoded_{k}_s": round(v, 4) for k, v in self.traffic.encoded.items()},
             "grammar_advance_s": round(self.grammar_advance_s, 5), **self.traffic.as_dict(),
         }
 

@@ -431,6 +431,18 @@ def test_a_decode_only_step_waits_for_the_device_once(tiny_loaded, overlap):
     core.run_until_done()
 
 
+
+def test_the_profile_splits_a_pass_s_build_from_mlx_encoding_it(tiny_loaded):
+    """A step's build time is split: the part inside ``mx.async_eval`` (MLX ordering the graph and encoding its
+    kernels) is counted by launch kind, within the build time it is part of (docs/benchmarks.md says where a step's
+    host time goes from these)."""
+    eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4, prefix_cache=False))
+    eng.generate([f"row {i} says" for i in range(6)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    p = eng.core.stats()["profile"]
+    for kind in ("prefill", "decode"):
+        assert 0 < p[f"encoded_{kind}_s"] <= p[f"{kind}_build_s"] + p[f"waited_{kind}_s"], (kind, p)
+
+
 def _bf16_batch(batched: bool, running: int = 0) -> SlotBatch:
     """A bfloat16 slot batch (the GPU's KV dtype) of capacity 128 x 2048,
     random contents, ``running`` decoding rows of 300 positions and a source row ``src`` of 200."""
