@@ -107,17 +107,19 @@ def model_size(b: Bench) -> tuple[int, int]:
 def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float, rows: int) -> list[Table]:
     main = Table(f"the user's job: {rows:,} rows through `mlxbatch run`",
                  ["engine section", "rows/s", "wall s", "process s", "engine steps s", "prefill / decode / host s",
-                  "wall outside the steps", "wall / steps", "of the floor", "prefill / window floor", "KV in use MB",
-                  "steps"])
+                  "wall outside the steps", "of it: waiting for rows / writing results", "wall / steps",
+                  "of the floor", "prefill / window floor", "KV in use MB", "steps"])
     split = Table("where a step's time goes (seconds; ms a step)",
                   ["engine section", "steps", "ms a step", "prefill: build", "of it encoding", "prefill: wait",
-                   "decode: build", "of it encoding", "decode: wait", "sampling", "host (scheduling, bookkeeping)", "syncs"])
+                   "decode: build", "of it encoding", "decode: wait", "sampling", "host (scheduling, bookkeeping)",
+                   "syncs"])
     for tag, (process_s, r) in runs.items():
         p, wall = r["engine"]["profile"], r["wall_s"]
         outside = wall - p["total_s"]
         main.rows.append([tag, r["rows_per_s"], wall, process_s, p["total_s"],
                           f"{p['prefill_s']:.1f} / {p['decode_s']:.1f} / {p['host_s']:.1f}",
-                          f"{outside:.1f} s ({outside / wall:.0%})", ratio(wall, p["total_s"]),
+                          f"{outside:.1f} s ({outside / wall:.0%})", _outside(r.get("this_run") or {}),
+                          ratio(wall, p["total_s"]),
                           f"{floor_s / wall:.1%}", r["prefix_reuse"]["window_floor_ratio"],
                           r["engine"]["kv_bytes"] / MB, p["steps"]])
         split.rows.append([tag, p["steps"], 1e3 * p["total_s"] / max(1, p["steps"]), p["prefill_build_s"],
@@ -126,13 +128,20 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
                            p["sampling_s"], p["host_s"], p["syncs"]])
     if ref is not None:
         main.rows.append([f"mlx-lm batch_generate, first {ref['rows']:,} rows", ref["rows_per_s"], ref["wall_s"],
-                          None, None, f"{ref['prompt_s']:.1f} / {ref['decode_s']:.1f} / -", None, None,
+                          None, None, f"{ref['prompt_s']:.1f} / {ref['decode_s']:.1f} / -", None, None, None,
                           f"{floor_s * ref['rows'] / rows / ref['wall_s']:.1%}", None, None, None])
     split.notes.append("build: the host building and launching the passes (copy-ins and row moves included); wait: "
                        "the host waiting for the device after it; of it encoding: the part of build inside `mx.async_eval` (MLX "
                        "ordering the graph and encoding its kernels; the rest is Python building the graph and the "
                        "step's books); host: the rest of the step")
     return [main, split]
+
+
+def _outside(run: dict[str, Any]) -> str | None:
+    """The parts of the wall outside the steps that the run times: the engine idle while the feed prepared the next
+    window (the start, mostly), and the end after the last row (results.parquet written, the report's summary)."""
+    wait, end = run.get("waiting_for_rows_s"), run.get("writing_results_s")
+    return None if wait is None or end is None else f"{wait:.1f} / {end:.1f} s"
 
 
 DEFAULTS = "none (defaults)"

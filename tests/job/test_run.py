@@ -46,6 +46,11 @@ def test_bad_rows_become_error_rows_and_the_job_completes(tmp_path, tiny_model_p
     assert report["rows"]["errors"] == len(errors) and sum(report["errors_by_kind"].values()) == len(errors)
     assert (tmp_path / "out" / "_SUCCESS").exists()
     assert json.loads((tmp_path / "out" / "report.json").read_text())["rows"]["output"] == 33
+    # the wall outside the engine's steps, in parts: the engine idle until the first window was prepared (it had
+    # nothing else to do), and the results written after the last row
+    t, steps = report["this_run"], report["engine"]["profile"]["total_s"]
+    assert t["waiting_for_rows_s"] > 0 and t["writing_results_s"] > 0
+    assert t["waiting_for_rows_s"] + t["writing_results_s"] + steps <= t["wall_s"]
 
 
 def test_rerun_skips_done_rows_and_a_changed_parameter_reruns_only_its_rows(tmp_path, tiny_model_path):

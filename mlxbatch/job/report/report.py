@@ -101,6 +101,10 @@ class RunStats:
     resumed_shards: int = 0
     final_rows: int = 0
     started: float = field(default_factory=time.monotonic)
+    # where the wall outside the engine's steps goes: the engine idle while the feed's next window was prepared
+    # (the run's start, mostly), and the end after the last row was checkpointed (results.parquet, the summary)
+    rows_wait_s: float = 0.0
+    rows_done_s: float | None = None  # seconds from the start when every row was finished and checkpointed
     errors_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
     engine: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
@@ -152,6 +156,8 @@ class RunStats:
                 "generated_tokens_per_s": round(self.generated_tokens / max(wall, 1e-9), 2),
                 "prompt_tokens_per_s": round(self.prompt_tokens / max(wall, 1e-9), 2),
                 "rows_per_s": round(self.finished / max(wall, 1e-9), 3), "wall_s": round(wall, 3),
+                "waiting_for_rows_s": round(self.rows_wait_s, 3),
+                "writing_results_s": round(wall - self.rows_done_s, 3) if self.rows_done_s is not None else None,
                 "finished_at": finished_at}
 
     def _figures(self, this: dict[str, Any]) -> dict[str, Any]:

@@ -210,6 +210,7 @@ class JobRunner:
                 self._keep_work(store, stats, report)
                 raise JobFailed(message) from None
             assert spool.complete, "a pass that ends without an interrupt has read every row"
+            stats.rows_done_s = stats.wall_s
             final = finalize(store, spec.output, spool.columns(), **columns,
                              metadata=results_metadata(spec, batch_invariant))
             stats.final_rows = final.rows
@@ -286,12 +287,15 @@ class JobRunner:
             while True:
                 if not feed.finished and self._stop.signum is None:
                     skipped = feed.skipped
+                    idle, t0 = not executor.busy, time.monotonic()  # an idle engine waits for the next window
                     for item in executor.take(feed):  # rows go to the engine(s); the feed's other items come back
                         if isinstance(item, Resumed):
                             errors.finished(item.index, item.error)
                         else:
                             finish(self._record(spec, item.prep, None, model.identity, item.error, item.kind),
                                    item.index)
+                    if idle:
+                        stats.rows_wait_s += time.monotonic() - t0
                     if redo_of is None:
                         stats.skipped += feed.skipped - skipped
                     bar.skipped(feed.skipped - skipped)
