@@ -99,6 +99,29 @@ def test_how_many_workers(monkeypatch):
         feed_workers(10)
 
 
+def test_workers_start_before_the_model_loads_and_a_failed_load_leaves_none(tmp_path, tiny_model_path, monkeypatch):
+    """A run starts its workers before it loads the model (their imports overlap the load); the load failing, they
+    are stopped at once, with the run's failure raised as it was."""
+    import shutil
+
+    from mlxbatch.errors import ModelLoadError
+    from mlxbatch.job.run.runner import JobRunner
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    for f in model.glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:200])  # a cut download: the header says more than the file holds
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    spawned = []
+    monkeypatch.setattr("mlxbatch.job.run.runner.spawn", lambda n: spawned.extend(workers_mod.spawn(n)) or spawned)
+    spec = validate_job(write_job(tmp_path, str(model), write_jsonl(tmp_path / "in.jsonl", texts(10)),
+                                  tmp_path / "out"))
+    with pytest.raises(ModelLoadError):
+        JobRunner(spec, progress=False).run()
+    assert len(spawned) == 2 and all(p.poll() is not None for p in spawned)
+    assert children(os.getpid()) == []
+
+
 def _run(job: Path, workers: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "mlxbatch.cli", "run", str(job), "--no-progress"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -132,7 +155,7 @@ def test_no_worker_survives_a_killed_or_stopped_run_and_the_resume_completes(tmp
     if how == "sigkill":
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    else:  # Ctrl-C reaches the whole process group: the run stops at once, its workers ignore it
+    else:  # Ctrl-C reaches the run's process group (its workers have a session of their own): it stops at once
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=120)
         assert proc.returncode in (0, 130), err.decode()

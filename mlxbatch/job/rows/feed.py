@@ -21,9 +21,10 @@ their result is an error, so the runner can judge the error rate on rows in inpu
 from __future__ import annotations
 
 import queue
+import subprocess
 import threading
 from collections import deque
-from collections.abc import Iterator, Set
+from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass, field
 
 from mlxbatch.io import InputRow
@@ -103,9 +104,9 @@ class WindowReader:
     def __init__(self, rows: Iterator[InputRow], preparer: RowPreparer, tokenizer: object, done: Set[str],
                  window: int, planned: bool = True, done_errors: Set[str] = frozenset(),
                  min_step_tokens: int = 1, spool: ExpectedSpool | None = None, keep_urls: bool = False,
-                 workers: int = 0) -> None:
+                 workers: int = 0, spawned: Sequence[subprocess.Popen[bytes]] = ()) -> None:
         self._rows = rows
-        self._preparation = preparation(preparer, tokenizer, workers)  # stopped by ``close``
+        self._preparation = preparation(preparer, tokenizer, workers, spawned)  # stopped by ``close``
         self._done = done
         self._done_errors = done_errors  # keys in ``done`` whose result is an error row
         self.window = window
@@ -192,9 +193,10 @@ class RowFeed:
     def __init__(self, rows: Iterator[InputRow], preparer: RowPreparer, tokenizer: object, done: Set[str],
                  window: int, planned: bool = True, done_errors: Set[str] = frozenset(),
                  min_step_tokens: int = 1, spool: ExpectedSpool | None = None, keep_urls: bool = False,
-                 background: bool = False, ahead: int = 1, workers: int = 0) -> None:
+                 background: bool = False, ahead: int = 1, workers: int = 0,
+                 spawned: Sequence[subprocess.Popen[bytes]] = ()) -> None:
         self._reader = WindowReader(rows, preparer, tokenizer, done, window, planned, done_errors, min_step_tokens,
-                                    spool, keep_urls, workers)
+                                    spool, keep_urls, workers, spawned)
         self.window = window
         self.planned = planned
         self._queue: deque[Submit | Failed | Resumed] = deque()

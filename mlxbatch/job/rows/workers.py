@@ -9,9 +9,10 @@ chunks of a window in parallel, results in input order. Both admit rows in the c
 (``RowPreparer.admit``: the duplicate ids, the one step that depends on earlier rows), so the output is the same:
 the same keys, prompts and token ids.
 
-A worker ignores SIGINT and SIGTERM (Ctrl-C reaches the whole process group: the run decides what stops, then stops
-its workers) and exits when its input pipe ends: closed by the run, or by the kernel when the run is gone (a run
-killed by SIGKILL leaves no worker behind once it finishes its chunk).
+A run starts its workers (``spawn``) before it loads its model, so their imports overlap the load and its first window
+does not wait for them. A worker runs in a session of its own and ignores SIGINT and SIGTERM (a Ctrl-C reaches the run,
+which decides what stops, then stops its workers), and exits when its input pipe ends: closed by the run, or by the
+kernel when the run is gone (a run killed by SIGKILL leaves no worker behind once it finishes its chunk).
 """
 
 from __future__ import annotations
@@ -121,12 +122,14 @@ class PooledPreparation:
     input order (reads never wait on writes: no pipe can fill both ways). Frames on the pipes are a length and a
     pickle."""
 
-    def __init__(self, preparer: RowPreparer, tokenizer: Any, workers: int, chunk: int | None = None) -> None:
+    def __init__(self, preparer: RowPreparer, tokenizer: Any, workers: int, chunk: int | None = None,
+                 spawned: Sequence[subprocess.Popen[bytes]] = ()) -> None:
         self._preparer = preparer
         self._setup = pickle.dumps((preparer.args, tokenizer), pickle.HIGHEST_PROTOCOL)
         self._workers = workers
         self._chunk = chunk or CHUNK_ROWS
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[subprocess.Popen[bytes]] = list(spawned)  # ``spawn``'s, adopted: they get their setup
+        self._sent = 0  # workers that were sent their setup frame (the first ones)
         self._closed = False
         self._lock = threading.Lock()  # the feed thread starts the workers; the run's thread stops them
 
@@ -154,11 +157,10 @@ class PooledPreparation:
         with self._lock:
             if self._closed:
                 raise MlxbatchError("the feed's workers are stopped")
-            new = [subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-                   for _ in range(self._workers - len(self._procs))]
-            self._procs += new
+            self._procs += spawn(self._workers - len(self._procs))
+            fresh, self._sent = self._procs[self._sent :], len(self._procs)
             procs = list(self._procs)
-        for proc in new:  # outside the lock: a write waits for the worker's imports, and ``cancel`` must not
+        for proc in fresh:  # outside the lock: a write waits for the worker's imports, and ``cancel`` must not
             _write_frame(proc, self._setup)
         return procs
 
@@ -174,21 +176,44 @@ class PooledPreparation:
         with self._lock:
             self._closed = True
             procs = list(self._procs)
-        for proc in procs:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()  # type: ignore[union-attr]
-        for proc in procs:
-            try:
-                proc.wait(timeout=CLOSE_WAIT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            with contextlib.suppress(OSError):
-                proc.stdout.close()  # type: ignore[union-attr]
+        stop(procs)
 
 
-def preparation(preparer: RowPreparer, tokenizer: Any, workers: int) -> LocalPreparation | PooledPreparation:
-    return PooledPreparation(preparer, tokenizer, workers) if workers > 0 else LocalPreparation(preparer, tokenizer)
+def spawn(n: int) -> list[subprocess.Popen[bytes]]:
+    """``n`` worker processes, started now and waiting for their setup: a run starts them before it loads its model,
+    so their imports are done by the time its first window is prepared (``PooledPreparation(spawned=)`` adopts them;
+    ``stop`` ends those never adopted)."""
+    # a session of their own: a Ctrl-C at the terminal reaches the run, not a worker still importing (the run
+    # decides what stops, then ends its workers' input)
+    return [subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             start_new_session=True) for _ in range(n)]
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]], at_once: bool = False) -> None:
+    """End workers: their input closed (they exit when it ends, after the chunk in hand), then waited for;
+    ``at_once``: killed (workers given no work: nothing to finish)."""
+    for proc in procs:
+        if at_once:
+            proc.kill()
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # type: ignore[union-attr]
+    for proc in procs:
+        try:
+            proc.wait(timeout=CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(OSError):
+            proc.stdout.close()  # type: ignore[union-attr]
+
+
+def preparation(preparer: RowPreparer, tokenizer: Any, workers: int,
+                spawned: Sequence[subprocess.Popen[bytes]] = ()) -> LocalPreparation | PooledPreparation:
+    """Where a window's rows are prepared: ``workers`` processes (``spawned``: started earlier by ``spawn``), or here."""
+    if workers > 0:
+        return PooledPreparation(preparer, tokenizer, workers, spawned=spawned)
+    stop(spawned)
+    return LocalPreparation(preparer, tokenizer)
 
 
 _SERVE = "from mlxbatch.job.rows.workers import serve; serve()"

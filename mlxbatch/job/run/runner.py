@@ -62,7 +62,7 @@ from mlxbatch.job.report.snapshot import results_metadata
 from mlxbatch.job.rows.feed import Resumed, RowFeed
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.rows.tasks import output_columns, prompt_text, record_for
-from mlxbatch.job.rows.workers import WORKERS_ENV, feed_workers
+from mlxbatch.job.rows.workers import WORKERS_ENV, feed_workers, spawn, stop
 from mlxbatch.job.run.checkpointer import Checkpointer
 from mlxbatch.job.run.error_rate import ErrorRate
 from mlxbatch.job.run.run_meta import follow_saved_plan, record_invariance, save_job_meta
@@ -114,6 +114,10 @@ class JobRunner:
         self._stop = StopSignals(exit_on_second_signal)
         self._loaded = False  # the executor is up (the model loaded): a failure from here on is no failed start
         self._tokenizer: Any = None
+        self._total: int | None = None  # input rows (counted before the model loads)
+        # the feed's worker processes, started before the model loads (their imports overlap it) until the first
+        # pass's feed adopts them; the rest are stopped when the run ends
+        self._spawned: list[Any] = []
 
     def request_stop(self) -> None:
         """Stop as a first Ctrl-C would: finished rows are checkpointed, then ``run`` raises JobInterrupted."""
@@ -155,6 +159,17 @@ class JobRunner:
         is_openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(input_spec(spec)))
         earlier = earlier_work(store, spec.output)  # read before this run records its own
         progress = Progress(self.progress, None)
+        self._total = count_rows(input_spec(spec))
+        if spec.input.limit is not None:
+            self._total = spec.input.limit if self._total is None else min(self._total, spec.input.limit)
+        self._spawned = spawn(feed_workers(self._total))
+        try:
+            return self._load_and_run(store, spec, is_openai, earlier, progress)
+        finally:
+            stop(self._spawned, at_once=True)  # none adopted (the load failed, or no rows to run): no work
+
+    def _load_and_run(self, store: CheckpointStore, spec: JobSpec, is_openai: bool, earlier: dict[str, Any] | None,
+                      progress: Progress) -> dict[str, Any]:
         progress.loading(spec.model.path)
         with open_executor(spec) as executor:  # this process's engine, or engine actors on a Ray cluster
             self._loaded = True
@@ -246,10 +261,7 @@ class JobRunner:
         self._tokenizer = model.tokenizer
         done = store.done_keys()
         if redo_of is None:
-            total = count_rows(input_spec(spec))
-            if spec.input.limit is not None:
-                total = spec.input.limit if total is None else min(total, spec.input.limit)
-            stats = RunStats(total=total, resumed_shards=len(store.shards))
+            stats = RunStats(total=self._total, resumed_shards=len(store.shards))
         else:
             stats = redo_of
         errors = ErrorRate(spec.error_limit(is_openai))
@@ -258,10 +270,11 @@ class JobRunner:
         buffer: list[ResultRecord] = []
         last_flush = time.monotonic()
         workers = feed_workers(stats.total)  # processes that prepare rows off this one's GIL (large inputs)
+        spawned, self._spawned = self._spawned, []  # (the first pass's: started before the model loaded)
         feed = RowFeed(self._rows(spec), _preparer(spec, model, is_openai), model.tokenizer, done,
                        window=spec.plan.window, planned=spec.plan.enabled, done_errors=store.error_keys(),
                        min_step_tokens=model.reuse_step, spool=spool, keep_urls=is_openai, background=True,
-                       workers=workers)
+                       workers=workers, spawned=spawned)
         if workers:
             log.info("feed: %d worker process(es) render, tokenize and plan the rows (%s=0: none)", workers,
                      WORKERS_ENV)
