@@ -53,6 +53,31 @@ def test_bad_rows_become_error_rows_and_the_job_completes(tmp_path, tiny_model_p
     assert t["waiting_for_rows_s"] + t["writing_results_s"] + steps <= t["wall_s"]
 
 
+def test_rows_run_at_the_short_gil_switch_interval_and_the_process_gets_its_own_back(tmp_path, tiny_model_path):
+    """While rows run, the step loop gets the GIL back from the feed's threads within ``SWITCH_INTERVAL_S``; after
+    the run (a notebook's process lives on) the interval is what it was."""
+    import sys
+    import threading
+
+    from mlxbatch.job.run.runner import SWITCH_INTERVAL_S
+
+    before, seen, done = sys.getswitchinterval(), set(), threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.005):
+            seen.add(sys.getswitchinterval())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        run(write_job(tmp_path, tiny_model_path, write_jsonl(tmp_path / "in.jsonl", texts(24)), tmp_path / "out"))
+    finally:
+        done.set()
+        watcher.join()
+    assert SWITCH_INTERVAL_S < before and SWITCH_INTERVAL_S in seen
+    assert sys.getswitchinterval() == before
+
+
 def test_rerun_skips_done_rows_and_a_changed_parameter_reruns_only_its_rows(tmp_path, tiny_model_path):
     rows = texts(24)
     for r in rows:
