@@ -121,7 +121,7 @@ def feed_rate(job: Path, rows: int) -> dict[str, Any]:
 
     spec = validate_job(job, writes_output=False)
     tokenizer = driver_tokenizer(spec)
-    workers = feed_workers(rows)
+    workers = feed_workers()
     feed = RowFeed(islice(open_reader(input_spec(spec)), rows), RowPreparer(spec, "feed-rate"), tokenizer, set(),
                    window=spec.plan.window, workers=workers)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)

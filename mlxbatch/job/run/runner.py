@@ -167,7 +167,7 @@ class JobRunner:
         self._total = count_rows(input_spec(spec))
         if spec.input.limit is not None:
             self._total = spec.input.limit if self._total is None else min(self._total, spec.input.limit)
-        self._spawned = spawn(feed_workers(self._total))
+        self._spawned = spawn(feed_workers())
         try:
             return self._load_and_run(store, spec, is_openai, earlier, progress)
         finally:
@@ -274,7 +274,7 @@ class JobRunner:
         bar.start()
         buffer: list[ResultRecord] = []
         last_flush = time.monotonic()
-        workers = feed_workers(stats.total)  # processes that prepare rows off this one's GIL (large inputs)
+        workers = feed_workers()  # processes that prepare rows off this one's GIL (MLXBATCH_FEED_WORKERS)
         spawned, self._spawned = self._spawned, []  # (the first pass's: started before the model loaded)
         feed = RowFeed(self._rows(spec), _preparer(spec, model, is_openai), model.tokenizer, done,
                        window=spec.plan.window, planned=spec.plan.enabled, done_errors=store.error_keys(),
