@@ -50,9 +50,9 @@ def test_run_job_from_a_mapping_and_its_errors(tmp_path, tiny_model_path, monkey
 
 
 def _interrupted(tmp_path, model, signals: int):
-    """``run_job`` of a 400-row job in a child process, sent ``signals`` SIGINTs once its first shard is written;
+    """``run_job`` of a 120-row job in a child process, sent ``signals`` SIGINTs once its first shard is written;
     returns the child (it prints the ``JobInterrupted`` message, then "alive") and the job's path."""
-    data = write_jsonl(tmp_path / "in.jsonl", texts(400))
+    data = write_jsonl(tmp_path / "in.jsonl", texts(120))
     job = write_job(tmp_path, model, data, tmp_path / "out", sampling={"max_tokens": 48},
                     checkpoint={"every_rows": 8, "every_seconds": 600})
     script = textwrap.dedent(f"""
@@ -87,7 +87,7 @@ def test_a_second_interrupt_stops_the_run_but_not_the_process(tmp_path, tiny_mod
 
     with CheckpointStore(tmp_path / "out") as store:  # what finished is checkpointed, and a resume completes
         kept = store.num_records
-    assert 0 < kept < 400
+    assert 0 < kept < 120
     assert mlxbatch.run_job(job).report["rows"]["resumed"] == kept
 
 
