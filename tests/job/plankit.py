@@ -19,11 +19,11 @@ from mlxbatch.job.spec.overrides import JobOverrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# the shipped jobs' first rows (of demo 300, label 120, eval 125, eval_generate 125, caption 48). At their full sizes
-# these runs were over a third of the whole suite's time (850 of 2370 s); SmolLM2's prefill (~50 tokens/s on one CPU
-# core) is what they cost. label's ~480-token shared head is most of its prefill at any row count, so it keeps 40
-# rows (25 of them repeat another row's ticket: forks and whole-prompt reuse).
-SIZES = {"demo": 24, "label": 40, "eval": 24, "eval_generate": 24, "caption": 16}
+# the shipped jobs' first rows (of demo 300, label 120, eval 125, eval_generate 125, caption 48; a job-form: its own
+# size or its job's). At their full sizes these runs were over a third of the whole suite's time (850 of 2370 s);
+# SmolLM2's prefill (~50 tokens/s on one CPU core) is what they cost. label's ~480-token shared head is most of its
+# prefill at any row count, so it keeps 40 rows (25 of them repeat another row's ticket: forks and whole-prompt reuse).
+SIZES = {"demo": 24, "demo-sentences": 16, "label": 40, "eval": 24, "eval_generate": 24, "caption": 16}
 # job-form: the job with settings changed. demo-sentences: the demo's prompts answered in sentences, not its
 # one-token labels; eval-letters: the eval's rows scored on one-token candidates (one sequence a row: the context's
 # last logits score them)
@@ -60,10 +60,10 @@ def shipped_runs(tmp_path_factory: pytest.TempPathFactory):
         if name not in done:
             out = tmp_path_factory.mktemp(name) / "out"
             job, _, form = name.partition("-")
-            path, sets = ROOT / "jobs" / f"{job}.yaml", FORMS.get(form, ())
-            planned = plan_job(validate_job(path, JobOverrides(sets=sets, output=out, limit=SIZES[job])),
+            path, sets, rows = ROOT / "jobs" / f"{job}.yaml", FORMS.get(form, ()), SIZES.get(name, SIZES[job])
+            planned = plan_job(validate_job(path, JobOverrides(sets=sets, output=out, limit=rows)),
                                calibrate=job in CALIBRATED and not form)
-            args = ["run", str(path), "--no-progress", "--limit", str(SIZES[job]), "-o", str(out)]
+            args = ["run", str(path), "--no-progress", "--limit", str(rows), "-o", str(out)]
             res = CliRunner().invoke(main, args + [a for s in sets for a in ("--set", s)])
             assert res.exit_code == 0, res.output
             done[name] = Shipped(planned, json.loads((out / "report.json").read_text()), out, res.output)

@@ -58,7 +58,7 @@ def test_plan_tokenizes_exactly_as_the_engine(tmp_path, tiny_model_path, tiny_lo
                    {"template": None, "system": "Be brief.", "messages": [{"role": "user", "content": "{{ text }}"}]}):
         job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", prompt=prompt)
         spec = validate_job(job)
-        report = plan_job(spec)
+        report = plan_job(spec, with_eta=False)  # no ETA: the tokenizer files only, not the loaded model's
         prep = RowPreparer(spec, "x")
         from mlxbatch.io import InputSpec, open_reader
 
@@ -73,8 +73,8 @@ def test_windowed_plan_sums_its_windows(tmp_path, tiny_model_path):
 
     rows = [{"id": f"r{i}", "text": f"shared start {'x ' * 20} then {i}"} for i in range(50)]
     job = write_job(tmp_path, tiny_model_path, write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out")
-    whole = plan_job(validate_job(job))
-    windowed = plan_job(validate_job(job), window=10)
+    whole = plan_job(validate_job(job), with_eta=False)  # the plan's counts, no ETA (its probe runs the model)
+    windowed = plan_job(validate_job(job), window=10, with_eta=False)
     assert windowed.windowed and not whole.windowed
     assert windowed.prompt_tokens == whole.prompt_tokens and windowed.planned_rows == 50
     # each of the 5 windows computes the shared start once: 4 more times than the whole plan
