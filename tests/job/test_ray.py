@@ -235,10 +235,14 @@ def test_a_replacement_the_cluster_cannot_place_is_logged_and_given_up(cluster, 
     cluster."""
     root, path, _, _ = data
     # the whole cluster; start_timeout_s is waited out by the replacement (the test's length), and the first actor
-    # must load the model within it on a busy machine too
+    # must load the model within it on a busy machine too, so it starts once the earlier tests' actors have given
+    # their CPUs back (under load that took over 20 s: the first actor got no room)
     job = _job(root, "no-room-left", tiny_model_path, path, engine=SLOW,
                executor={**RAY, "actors": 1, "num_cpus": 2, "start_timeout_s": 20})
     out = job.parent / "out"
+    deadline = time.monotonic() + 120
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
     proc = cli(["run", str(job), "--ray", cluster, "--no-progress"])
 
     def working():
