@@ -238,7 +238,7 @@ def test_a_replacement_the_cluster_cannot_place_is_logged_and_given_up(cluster, 
     # must load the model within it on a busy machine too, so it starts once the earlier tests' actors have given
     # their CPUs back (under load that took over 20 s: the first actor got no room)
     job = _job(root, "no-room-left", tiny_model_path, path, engine=SLOW,
-               executor={**RAY, "actors": 1, "num_cpus": 2, "start_timeout_s": 20})
+               executor={**RAY, "actors": 1, "num_cpus": 2, "start_timeout_s": 30})
     out = job.parent / "out"
     deadline = time.monotonic() + 120
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
@@ -266,7 +266,7 @@ def test_a_replacement_the_cluster_cannot_place_is_logged_and_given_up(cluster, 
         ray.kill(squatter)
     assert rc == 1, err
     assert "actor-1 (replacing actor-0) is still waiting for room on the cluster" in err, err
-    assert "actor-1: got no room on the cluster within 20 s" in err and "every engine actor is gone" in err, err
+    assert "actor-1: got no room on the cluster within 30 s" in err and "every engine actor is gone" in err, err
     assert 5 <= manifest_rows(out) < N
     exactly_once(out)
 
