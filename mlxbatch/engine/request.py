@@ -65,6 +65,9 @@ class Request:
     # the token drawn before (it cannot be launched while that token is still on the device)
     needs_history: bool = field(init=False, default=False)
     pending: int = 0  # tokens drawn on the device and not appended yet (0 or 1: the step in flight drew one)
+    # ``len(prompt_token_ids)``, kept as a plain attribute: a prompt never changes once its sequence is made, and the
+    # scheduler reads its length for every running row every step
+    num_prompt_tokens: int = field(init=False, default=0)
 
     @property
     def media(self) -> tuple[tuple[int, str], ...]:
@@ -78,17 +81,14 @@ class Request:
         # its next token is the argmax of its logits as they are: no penalty, no banned token, no logprobs
         self.plain_greedy = p.greedy and not p.has_penalties and p.min_tokens == 0 and p.logprobs is None
         self.needs_history = p.has_penalties or p.min_tokens > 0
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     def tokens(self, start: int, end: int) -> list[int]:
-        n = len(self.prompt_token_ids)
+        n = self.num_prompt_tokens
         if end <= n:
             return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
@@ -129,7 +129,7 @@ class Request:
         if self.score_from is not None:
             return False
         n = len(self.output_token_ids) + self.pending
-        return n >= self.params.max_tokens or self.num_tokens + self.pending >= self.max_context
+        return n >= self.params.max_tokens or self.num_prompt_tokens + n >= self.max_context
 
     @property
     def banned_ids(self) -> tuple[int, ...]:
@@ -161,7 +161,8 @@ class Request:
         if force_stop:
             self.text.flush()
             return self._finish(FinishReason.STOP, None)
-        if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_context:
+        n = len(self.output_token_ids)
+        if n >= p.max_tokens or self.num_prompt_tokens + n >= self.max_context:
             self.text.flush()
             return self._finish(FinishReason.LENGTH, None)
         return None
