@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sched.blocks import block_hashes
-from mlxbatch.engine.sched.planner import common_prefix_len
 
 
 class BlockChains:
@@ -31,16 +30,25 @@ class BlockChains:
         if chain is None or len(chain) < request.num_tokens // B:  # a preempted sequence also has output tokens
             n = request.num_tokens // B * B
             tokens = request.tokens(0, n)
-            known: list[int] = []
-            if not request.media and self._last_hashed is not None:
+            known: list[int] = chain or []  # a sequence's tokens only grow: its own chain so far stays valid
+            if not known and not request.media and self._last_hashed is not None:
                 last_tokens, last_chain = self._last_hashed
-                known = last_chain[: common_prefix_len(tokens, last_tokens) // B]
+                known = last_chain[: _equal_blocks(tokens, last_tokens, B)]
             chain = self._chains[request.request_id] = block_hashes(tokens, B, request.media, known)
             self._last_hashed = None if request.media else (tokens, chain)
         return chain
 
     def forget(self, request_id: str) -> None:
         self._chains.pop(request_id, None)
+
+
+def _equal_blocks(a: list[int], b: list[int], block_size: int) -> int:
+    """How many leading whole blocks ``a`` and ``b`` have equal: ``common_prefix_len(a, b) // block_size``, compared a
+    block at a time (prompts of one job share a block or a few; a binary search over the whole prompt costs more)."""
+    n, k = min(len(a), len(b)) // block_size, 0
+    while k < n and a[k * block_size : (k + 1) * block_size] == b[k * block_size : (k + 1) * block_size]:
+        k += 1
+    return k
 
 
 class PartialBlocks:
