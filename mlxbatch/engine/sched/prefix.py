@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlxbatch.engine.request import Request, RequestStatus
-from mlxbatch.engine.sched.blocks import BLOCK_SIZE, BlockPool, partial_hash
+from mlxbatch.engine.sched.blocks import BLOCK_SIZE, BlockPool
 from mlxbatch.engine.sched.planner import common_prefix_len
 from mlxbatch.engine.sched.prefix_books import BlockChains, InFlight, PartialBlocks
 from mlxbatch.engine.sched.prefix_keeping import BlockStore, PrefixKeeping, stored_tokens
@@ -154,8 +154,8 @@ class PrefixIndex:
         elif n < limit and (stored := self.partials.after(prev)) is not None:
             most = min(B - 1, (len(tokens) if to_the_end else limit) - n)
             for r in sorted((r for r in stored if r <= most), reverse=True):
-                h = partial_hash(prev, tokens[n : n + r])
-                if h in stored[r] and self.pool.has(h):
+                h = self.partials.find(prev, tokens[n : n + r])
+                if h is not None and self.pool.has(h):
                     ids += self.pool.match([h])
                     self.keeping.matched_partial(rid, h, n + r)
                     n = min(n + r, limit)

@@ -7,7 +7,7 @@ read and write them through their methods only.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sched.blocks import block_hashes
@@ -52,20 +52,27 @@ def _equal_blocks(a: list[int], b: list[int], block_size: int) -> int:
 
 
 class PartialBlocks:
-    """The partial blocks stored after each full block (its hash; None: the prompt's start), by their tokens: a lookup
-    hashes only the lengths stored there (a superset of those cached: ``prune`` prunes it)."""
+    """The partial blocks stored after each full block (its hash; None: the prompt's start): their lengths there (a
+    lookup tries only those) and their hashes by their tokens (a lookup finds a stored partial's hash without hashing
+    the tokens again: each admission tries a length or two). A superset of those cached: ``prune`` prunes it."""
 
     def __init__(self) -> None:
         self.lengths: dict[int | None, dict[int, set[int]]] = {}  # (read only outside)
+        self._hashes: dict[tuple[int | None, tuple[int, ...]], int] = {}  # (full block, tokens) -> ``partial_hash``
         self.noted = 0
 
     def after(self, prev: int | None) -> dict[int, set[int]] | None:
-        """The partials stored after full block ``prev``: tokens -> their hashes (None: none)."""
+        """The partials stored after full block ``prev``: their lengths -> their hashes (None: none)."""
         return self.lengths.get(prev)
 
-    def note(self, prev: int | None, length: int, h: int) -> None:
-        """A partial block of ``length`` tokens after the full block ``prev`` is stored under ``h``."""
-        self.lengths.setdefault(prev, {}).setdefault(length, set()).add(h)
+    def find(self, prev: int | None, tokens: Sequence[int]) -> int | None:
+        """The hash of the partial block of ``tokens`` after the full block ``prev``, if one was stored (None: none)."""
+        return self._hashes.get((prev, tuple(tokens)))
+
+    def note(self, prev: int | None, tokens: Sequence[int], h: int) -> None:
+        """A partial block of ``tokens`` after the full block ``prev`` is stored under ``h`` (their ``partial_hash``)."""
+        self.lengths.setdefault(prev, {}).setdefault(len(tokens), set()).add(h)
+        self._hashes[(prev, tuple(tokens))] = h
         self.noted += 1
 
     def prune(self, has: Callable[[int], bool], num_blocks: int) -> None:
@@ -81,6 +88,7 @@ class PartialBlocks:
                 if held:
                     pruned.setdefault(prev, {})[length] = held
         self.lengths = pruned
+        self._hashes = {key: h for key, h in self._hashes.items() if has(h)}
         self.noted = sum(len(hs) for by_length in pruned.values() for hs in by_length.values())
 
 

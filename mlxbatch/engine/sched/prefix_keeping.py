@@ -167,7 +167,8 @@ class PrefixKeeping:
         B = self.block_size
         k = point // B
         chain = self._chains.chain(r)
-        h = partial_hash(chain[k - 1] if k else None, r.prompt_token_ids[k * B : point])
+        prev, tokens = chain[k - 1] if k else None, r.prompt_token_ids[k * B : point]
+        h = partial_hash(prev, tokens)
         if self.pool.has(h) or h in planned:
             return None
         try:
@@ -175,7 +176,7 @@ class PrefixKeeping:
         except NoFreeBlocks:
             return None
         planned.add(h)
-        self._partials.note(chain[k - 1] if k else None, point - k * B, h)
+        self._partials.note(prev, tokens, h)
         return BlockStore(r.request_id, k, (bid,), (h,))
 
     def commit(self, stores: Sequence[BlockStore], finished_prefills: Sequence[Request]) -> None:
