@@ -74,13 +74,15 @@ class Scheduler:
         cfg = self.config
         if self.prefix is not None:
             self.prefix.begin_step()
-        budget = cfg.max_num_batched_tokens
-        decodes = [r for r in self.running if r.status is RequestStatus.DECODING]
-        budget -= len(decodes)
+        decodes: list[Request] = []
+        prefilling: set[str] = set()  # sequences whose KV a sibling sample can still fork (prompt-only prefill in progress)
+        for r in self.running:
+            if r.status is RequestStatus.DECODING:
+                decodes.append(r)
+            elif r.status is RequestStatus.PREFILLING and not r.output_token_ids:
+                prefilling.add(r.request_id)
+        budget = cfg.max_num_batched_tokens - len(decodes)
         prefills: list[PrefillChunk] = []
-        # sequences whose KV a sibling sample can still fork (prompt-only prefill in progress)
-        prefilling = {r.request_id for r in self.running
-                      if r.status is RequestStatus.PREFILLING and not r.output_token_ids}
         for r in self.running:
             if r.fork_parent is not None and r.fork_parent not in prefilling:
                 r.fork_parent = None  # its parent was preempted or finished: it prefills on its own
@@ -101,7 +103,9 @@ class Scheduler:
                 and len(self.waiting) > free)
         self._held = hold
         admits = bool(self.waiting) and free > 0 and not hold
-        reserved = [r.reserved_tokens for r in self.running] if admits else []  # only admission reads it
+        # the reserved lengths of the running sequences, and of the next in line while admission weighs its KV cost
+        # (only admission reads it; after a ``break`` nothing does)
+        reserved = [r.reserved_tokens for r in self.running] if admits else []
         # Admission in queue order, except that a sequence whose shared prefix an admitted sequence is computing
         # right now waits for that KV (computed once) while the sequences behind it go ahead: waiting at the head
         # of the queue serialised chains of nested prompts (multi-turn chats) to one admission a step.
@@ -120,8 +124,8 @@ class Scheduler:
             if twin is not None:  # the same prompt is being prefilled: fork it as another sample of it
                 parent = twin.request_id
             if parent is not None:  # admitted with its parent: shares its prefill, takes no tokens of the budget
-                cost = self._kv_cost(reserved + [nxt.reserved_tokens])
-                if cost > self._budget:
+                reserved.append(nxt.reserved_tokens)
+                if self._kv_cost(reserved) > self._budget:
                     nxt.fork_parent = None  # no room to fork now: it prefills on its own later
                     break
                 if twin is not None:
@@ -133,7 +137,6 @@ class Scheduler:
                 nxt.status = RequestStatus.PREFILLING
                 self.running.append(nxt)
                 self._rowless.add(nxt.request_id)  # its row is a copy of its parent's, made when the parent's prefill ends
-                reserved.append(nxt.reserved_tokens)
                 continue
             if budget <= 0:
                 break
@@ -141,7 +144,8 @@ class Scheduler:
                 held.add(nxt.request_id)  # admitted once that KV is cached; the next in line may go first
                 i += 1
                 continue
-            cost = self._kv_cost(reserved + [nxt.reserved_tokens])
+            reserved.append(nxt.reserved_tokens)
+            cost = self._kv_cost(reserved)
             if cost > self._budget and self.running:
                 break  # it waits for memory; an empty engine admits it anyway (nothing else can free)
             if cost > self._budget:
@@ -155,14 +159,13 @@ class Scheduler:
                 nxt.num_cached_tokens = max(nxt.num_cached_tokens, min(source.num_tokens, nxt.num_prompt_tokens))
             admissions.append(Admission(nxt, source))
             self.running.append(nxt)
-            reserved.append(nxt.reserved_tokens)
             prefilling.add(nxt.request_id)
             chunk = self._chunk(nxt, budget)
             prefills.append(chunk)
             budget -= chunk.end - chunk.start
         ending = {c.request.request_id: c.request for c in prefills if c.last}
         forks = tuple((ending[r.fork_parent], r) for r in self.running
-                      if r.fork_parent is not None and r.fork_parent in ending)
+                      if r.fork_parent is not None and r.fork_parent in ending) if ending else ()
         stores = self.prefix.plan_stores(list(ending.values())) if self.prefix is not None else ()
         return SchedulerOutput(tuple(decodes), tuple(prefills), forks, tuple(admissions), stores)
 
@@ -221,10 +224,15 @@ class Scheduler:
     def reap(self) -> list[Request]:
         """Drop (and return) the running sequences that are done: finished, or drawing their last token in the step
         in flight (``Request.length_done``: the row is not fed again, so its KV can go now)."""
-        done = [r for r in self.running if r.status.finished or r.length_done]
+        keep: list[Request] = []
+        done: list[Request] = []
+        for r in self.running:
+            if r.status is RequestStatus.FINISHED or r.length_done:
+                done.append(r)
+            else:
+                keep.append(r)
         if done:
-            gone = {id(r) for r in done}
-            self.running = [r for r in self.running if id(r) not in gone]
+            self.running = keep
             for r in done:
                 self._forget(r)
         return done
