@@ -6,7 +6,6 @@ read and write them through their methods only.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Sequence
 
 from mlxbatch.engine.request import Request
@@ -98,7 +97,7 @@ class InFlight:
 
     def __init__(self) -> None:
         self._computing: dict[str, list[int]] = {}
-        self._count: collections.Counter[int] = collections.Counter()
+        self._count: dict[int, int] = {}  # block hash -> admitted sequences computing it (never 0)
         self.waiters: list[tuple[Request, int]] = []  # waiting this step, with the block they wait for (read only)
         # sequences that waited and are not admitted yet -> their reusable whole blocks' hashes: the plan's eviction
         # (``PrefixKeeping._drop_after``) spares these, since such a sequence is admitted after rows the plan put behind
@@ -112,7 +111,7 @@ class InFlight:
 
     def count(self, h: int) -> int:
         """Admitted sequences computing block ``h`` now."""
-        return self._count[h]
+        return self._count.get(h, 0)
 
     def hashes_of(self, request_id: str) -> list[int]:
         return self._computing.get(request_id, [])
@@ -121,7 +120,9 @@ class InFlight:
         """An admitted sequence computes these blocks (it was admitted: it waits no more)."""
         self._pending.pop(request_id, None)
         self._computing[request_id] = hashes
-        self._count.update(hashes)
+        counts = self._count
+        for h in hashes:
+            counts[h] = counts.get(h, 0) + 1
 
     def done(self, request_id: str) -> None:
         """The sequence's prefill ended (or it was freed): its blocks are no longer being computed."""
@@ -131,7 +132,7 @@ class InFlight:
             if left > 0:
                 counts[h] = left
             else:
-                del counts[h]  # no zero counts: an empty counter says nobody computes anything
+                del counts[h]  # no zero counts: an empty map says nobody computes anything
 
     def wait(self, request: Request, block: int, hashes: list[int]) -> None:
         """``request`` waits this step for ``block`` (of its reusable whole blocks ``hashes``)."""
