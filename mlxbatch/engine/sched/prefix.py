@@ -23,6 +23,7 @@ computed. Does not own the KV tensors (the runner's prefix store).
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,6 +68,7 @@ class PrefixIndex:
         self._recent: collections.deque[Request] = collections.deque(maxlen=LIVE_SOURCES)
         self._admitted_at: dict[str, int] = {}  # request id -> the step it was admitted in
         self._step = 0
+        self._admitted_now = 0  # sequences admitted this step: the last ones in ``_recent``
         self.chains = BlockChains(block_size)  # each sequence's block hashes
         self.partials = PartialBlocks()  # the partial blocks stored after each full block
         self._inflight = InFlight()  # the blocks admitted sequences are computing now, and who waits for them
@@ -107,6 +109,7 @@ class PrefixIndex:
     # -- admission ------------------------------------------------------------------------------------
     def begin_step(self) -> None:
         self._step += 1
+        self._admitted_now = 0
         self._inflight.new_step()
 
     def match(self, request: Request) -> PrefixSource | None:
@@ -121,6 +124,7 @@ class PrefixIndex:
         self._inflight.start(request.request_id, hashes)  # (it waits no more)
         live = self._running_row(request, tokens, cached.num_tokens if cached is not None else 0)
         self._recent.append(request)
+        self._admitted_now += 1
         self._admitted_at[request.request_id] = self._step
         if self._forkable(request):
             self._prompts[self._prompt_key(request)] = request
@@ -179,7 +183,9 @@ class PrefixIndex:
         if k >= limit:
             return None
         live = (RequestStatus.PREFILLING, RequestStatus.DECODING)
-        for src in self._recent:
+        # the sequences admitted this step (the last ones) are not visited: their rows are not filled before this
+        # step's copies (in a wave of admissions they are most of ``_recent``)
+        for src in itertools.islice(self._recent, max(0, len(self._recent) - self._admitted_now)):
             # to be taken, ``src`` must share token k (and all before it): one comparison rejects most rows
             # before the whole prefix is compared (rows of one job share their instruction, not what follows it)
             ids = src.prompt_token_ids
@@ -188,7 +194,7 @@ class PrefixIndex:
             if src.status not in live or src.media:
                 continue
             if self._admitted_at.get(src.request_id, self._step) >= self._step:
-                continue  # admitted this step: its row is not filled before this step's copies
+                continue  # admitted again this step (an earlier entry of it), or freed: no row to copy from now
             n = min(common_prefix_len(tokens, ids), src.num_computed_tokens, limit)
             if n > k:
                 best = RunningRow(src.request_id, n)
