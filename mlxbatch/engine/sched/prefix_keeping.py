@@ -168,7 +168,9 @@ class PrefixKeeping:
         k = point // B
         chain = self._chains.chain(r)
         prev, tokens = chain[k - 1] if k else None, r.prompt_token_ids[k * B : point]
-        h = partial_hash(prev, tokens)
+        h = self._partials.find(prev, tokens)  # noted if stored before (rows of a job keep their instruction's)
+        if h is None:
+            h = partial_hash(prev, tokens)
         if self.pool.has(h) or h in planned:
             return None
         try:
