@@ -68,11 +68,8 @@ class Request:
     # ``len(prompt_token_ids)``, kept as a plain attribute: a prompt never changes once its sequence is made, and the
     # scheduler reads its length for every running row every step
     num_prompt_tokens: int = field(init=False, default=0)
-
-    @property
-    def media(self) -> tuple[tuple[int, str], ...]:
-        """(token position, content hash) of the prompt's images: keys for the prefix cache's block hashes."""
-        return self.mm.media if self.mm is not None else ()
+    # (token position, content hash) of the prompt's images: keys for the prefix cache's block hashes (from ``mm``)
+    media: tuple[tuple[int, str], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         if (self.params.logprobs is not None or self.score_from is not None) and self.logprobs is None:
@@ -82,6 +79,7 @@ class Request:
         self.plain_greedy = p.greedy and not p.has_penalties and p.min_tokens == 0 and p.logprobs is None
         self.needs_history = p.has_penalties or p.min_tokens > 0
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.media = self.mm.media if self.mm is not None else ()
 
     @property
     def num_tokens(self) -> int:
