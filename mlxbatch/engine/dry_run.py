@@ -128,7 +128,6 @@ class DryRun:
     def step(self) -> list[str]:
         """One engine step (schedule, the runner's stand-in, finish); returns the requests finished in it."""
         out = self.scheduler.schedule()
-        touched: list[Request] = []
         if out.empty:
             self.scheduler.reap()
             if self._groups and not self.scheduler.has_work:  # (never: every queued sequence runs to its end)
@@ -137,6 +136,7 @@ class DryRun:
         c = self._counts
         c.steps += 1
         c.prefill_tokens += sum(ch.end - ch.start for ch in out.prefills)
+        ended: list[Request] = []  # the sequences that finish in this step, in order
         due = list(out.decodes)
         for ch in out.prefills:
             r = ch.request
@@ -146,7 +146,7 @@ class DryRun:
                 n = len(r.score_targets())
                 r.add_scores([TokenLogprob(_DRAWN, 0.0)] * n, [True] * n)
                 r.finish_scored()
-                touched.append(r)
+                ended.append(r)
             else:
                 due.append(r)
         for _, child in out.forks:
@@ -154,17 +154,17 @@ class DryRun:
             c.forked_tokens += child.num_prompt_tokens
         c.decode_tokens += len(out.decodes)
         for r in due:
-            if not r.status.finished:
-                r.append(_DRAWN, None)
-                touched.append(r)
-        self.scheduler.finish_step(out)
-        return self._finished(touched)
-
-    def _finished(self, touched: list[Request]) -> list[str]:
-        done = []
-        for r in touched:
-            if not r.status.finished:
+            if r.status.finished:
                 continue
+            if r.append(_DRAWN, None) is not None:  # it drew its last token (its max_tokens, or the context)
+                ended.append(r)
+        self.scheduler.finish_step(out)
+        return self._finished(ended)
+
+    def _finished(self, ended: list[Request]) -> list[str]:
+        """The requests whose last sequence is among ``ended`` (finished this step)."""
+        done = []
+        for r in ended:
             group = self._groups.get(r.group_id)
             if group is not None and all(s.status.finished for s in group):
                 del self._groups[r.group_id]
