@@ -400,6 +400,20 @@ def test_prompts_sharing_blocks_with_the_last_hashed_get_the_chain_hashing_all_o
         assert ix.chains.chain(r) == block_hashes(tokens, B)
 
 
+def test_a_sequence_with_generated_tokens_extends_its_own_chain_to_what_hashing_all_its_tokens_gives():
+    """A sequence restarted after it generated (a preemption) is matched on its prompt and its generated tokens: its
+    chain, hashed for its prompt first, grows from its own blocks to the chain all its tokens hash to, though another
+    prompt sharing its first block was hashed in between (the blocks a chain takes from the last one hashed)."""
+    ix = PrefixIndex(64, B)
+    a = req("a", list(range(1, 11)), max_tokens=16)  # 10 tokens: 2 full blocks
+    assert ix.chains.chain(a) == block_hashes(a.prompt_token_ids, B)
+    b = req("b", list(range(1, 5)) + [7] * 12)  # a's first block, then 3 of its own
+    assert ix.chains.chain(b) == block_hashes(b.prompt_token_ids, B)
+    for t in range(11, 18):
+        a.append(t, None)
+    assert ix.chains.chain(a) == block_hashes(list(range(1, 18)), B)  # 17 tokens: 4 full blocks
+
+
 def test_a_running_row_must_beat_the_cache_by_the_live_margin():
     """With ``live_margin`` (the engine's reuse step) a running row is copied from only when it gives that many
     tokens more than the cache: 2 more than the cached blocks is a copy at margin 1, the blocks at margin 4."""
