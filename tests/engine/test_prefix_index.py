@@ -9,6 +9,7 @@ from mlxbatch.engine.decoding.detok import TextTracker
 from mlxbatch.engine.request import Request, RequestStatus
 from mlxbatch.engine.sched.blocks import block_hashes
 from mlxbatch.engine.sched.prefix import BlockStore, CachedBlocks, PrefixIndex, RunningRow
+from mlxbatch.engine.sched.prefix_books import InFlight
 from mlxbatch.engine.sched.scheduler import Admission, Scheduler, SchedulerConfig
 
 B = 4  # block size of these tests
@@ -412,6 +413,27 @@ def test_a_sequence_with_generated_tokens_extends_its_own_chain_to_what_hashing_
     for t in range(11, 18):
         a.append(t, None)
     assert ix.chains.chain(a) == block_hashes(list(range(1, 18)), B)  # 17 tokens: 4 full blocks
+
+
+def test_the_blocks_spared_for_sequences_that_waited_are_those_of_the_ones_still_waiting():
+    """``InFlight.spared`` (what the plan's eviction leaves for sequences that waited and are not admitted yet), kept
+    as sequences wait, wait again, are admitted or freed, is the union of the blocks of those still waiting: a block
+    two of them hold stays until both are gone."""
+    f = InFlight()
+    a, b, c = req("a", range(1, 10)), req("b", range(1, 10)), req("c", range(1, 10))
+    f.wait(a, 1, [1, 2, 3])
+    f.wait(b, 2, [1, 2, 4])
+    assert set(f.spared()) == {1, 2, 3, 4}
+    f.wait(a, 1, [1, 2, 3])  # waits again, for the same blocks
+    f.wait(b, 5, [1, 5])  # ... or for others
+    assert set(f.spared()) == {1, 2, 3, 5}
+    f.start("a", [9])  # admitted: it waits no more
+    assert set(f.spared()) == {1, 5}
+    f.wait(c, 1, [1])
+    f.forget("b")
+    assert set(f.spared()) == {1}
+    f.forget("c")
+    assert not f.spared()
 
 
 def test_a_running_row_must_beat_the_cache_by_the_live_margin():

@@ -6,7 +6,8 @@ read and write them through their methods only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
 from mlxbatch.engine.request import Request
 from mlxbatch.engine.sched.blocks import block_hashes
@@ -103,6 +104,9 @@ class InFlight:
         # (``PrefixKeeping._drop_after``) spares these, since such a sequence is admitted after rows the plan put behind
         # it (a prefix's last planned user may be admitted before a sequence that still shares it)
         self._pending: dict[str, list[int]] = {}
+        # block hash -> pending sequences holding it (never 0): ``spared``, counted as they come and go (hundreds of
+        # sequences wait at once in a job of nested prompts: their union was rebuilt every step)
+        self._spared: dict[int, int] = {}
 
     @property
     def busy(self) -> bool:
@@ -118,26 +122,23 @@ class InFlight:
 
     def start(self, request_id: str, hashes: list[int]) -> None:
         """An admitted sequence computes these blocks (it was admitted: it waits no more)."""
-        self._pending.pop(request_id, None)
+        _uncount(self._spared, self._pending.pop(request_id, None) or ())
         self._computing[request_id] = hashes
-        counts = self._count
-        for h in hashes:
-            counts[h] = counts.get(h, 0) + 1
+        _count(self._count, hashes)
 
     def done(self, request_id: str) -> None:
         """The sequence's prefill ended (or it was freed): its blocks are no longer being computed."""
-        counts = self._count
-        for h in self._computing.pop(request_id, None) or ():
-            left = counts[h] - 1
-            if left > 0:
-                counts[h] = left
-            else:
-                del counts[h]  # no zero counts: an empty map says nobody computes anything
+        _uncount(self._count, self._computing.pop(request_id, None) or ())
 
     def wait(self, request: Request, block: int, hashes: list[int]) -> None:
         """``request`` waits this step for ``block`` (of its reusable whole blocks ``hashes``)."""
         self.waiters.append((request, block))
+        before = self._pending.get(request.request_id)
+        if before == hashes:
+            return  # it waited before, for the same blocks
+        _uncount(self._spared, before or ())
         self._pending[request.request_id] = hashes
+        _count(self._spared, hashes)
 
     def new_step(self) -> None:
         self.waiters = []
@@ -147,10 +148,26 @@ class InFlight:
         waiters, self.waiters = self.waiters, []
         return waiters
 
-    def spared(self) -> set[int]:
-        """The blocks of every sequence that waited and is not admitted yet."""
-        return {h for hashes in self._pending.values() for h in hashes}
+    def spared(self) -> AbstractSet[int]:
+        """The blocks of every sequence that waited and is not admitted yet (a live view)."""
+        return self._spared.keys()
 
     def forget(self, request_id: str) -> None:
         self.done(request_id)
-        self._pending.pop(request_id, None)
+        _uncount(self._spared, self._pending.pop(request_id, None) or ())
+
+
+def _count(counts: dict[int, int], hashes: Iterable[int]) -> None:
+    """One more holder of each of ``hashes``."""
+    for h in hashes:
+        counts[h] = counts.get(h, 0) + 1
+
+
+def _uncount(counts: dict[int, int], hashes: Iterable[int]) -> None:
+    """One holder fewer of each of ``hashes``; a count that reaches 0 goes (an empty map: nobody holds anything)."""
+    for h in hashes:
+        left = counts[h] - 1
+        if left > 0:
+            counts[h] = left
+        else:
+            del counts[h]

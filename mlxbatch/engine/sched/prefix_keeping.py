@@ -17,6 +17,7 @@ a plan, or while blocks are still referenced, eviction is the pool's LRU.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from mlxbatch.engine.request import Request
@@ -190,7 +191,7 @@ class PrefixKeeping:
             self.pool.release(list(s.block_ids))  # cached, unreferenced: evictable when space is needed
         for r in finished_prefills:
             self._inflight.done(r.request_id)
-        if self._planned:  # (the spared set spans every waiting sequence's chain: built only when it is read)
+        if self._planned:
             spared = self._inflight.spared()
             for r in self._planned:
                 self._drop_after(r, spared)
@@ -202,7 +203,7 @@ class PrefixKeeping:
             self.pool.release(list(s.block_ids))
         self._planned = []
 
-    def _drop_after(self, r: Request, spared: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def _drop_after(self, r: Request, spared: AbstractSet[int] = frozenset()) -> None:
         """Evict the cached blocks of ``r``'s chain past its first ``cache_tokens`` tokens (dead: the plan says no
         later sequence shares them), but those in ``spared`` (a sequence that waited for them is not admitted yet).
         Referenced blocks stay."""
