@@ -43,11 +43,15 @@ class BlockChains:
 
 
 def _equal_blocks(a: list[int], b: list[int], block_size: int) -> int:
-    """How many leading whole blocks ``a`` and ``b`` have equal: ``common_prefix_len(a, b) // block_size``, compared a
-    block at a time (prompts of one job share a block or a few; a binary search over the whole prompt costs more)."""
-    n, k = min(len(a), len(b)) // block_size, 0
-    while k < n and a[k * block_size : (k + 1) * block_size] == b[k * block_size : (k + 1) * block_size]:
-        k += 1
+    """How many leading whole blocks ``a`` and ``b`` have equal: ``common_prefix_len(a, b) // block_size``. One is
+    often all of the other's start (the nested prompts of a chat): one comparison; else a block at a time (the rows
+    of a label job share a block or a few: a binary search over the whole prompt costs more)."""
+    n = min(len(a), len(b)) // block_size
+    if a[: n * block_size] == b[: n * block_size]:
+        return n
+    k = 0
+    while a[k * block_size : (k + 1) * block_size] == b[k * block_size : (k + 1) * block_size]:
+        k += 1  # (stops before n: the blocks differ somewhere before it)
     return k
 
 
