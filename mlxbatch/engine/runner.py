@@ -70,9 +70,10 @@ def layout_for(backend: Backend, split: SplitModel | None, geometry: KVGeometry,
         return dataclasses.replace(base, attention=kernels)
     # one prefill pass a step (the host's work per pass binds there), whose rows are read and written by slot (rows
     # stay: promoting and retiring rows moves no KV), in recurring shapes; decode passes of a recurring shape from a
-    # compiled graph (no graph build); q/k/v and gate/up as one matmul each (fewer launches a layer)
-    return dataclasses.replace(base, rows_stay=True, packed_prefill=True,
-                               compiled_decode=kernels.decode is not None, fuse=True, attention=kernels)
+    # compiled graph (no graph build), and packed passes through the attention kernel too; q/k/v and gate/up as
+    # one matmul each (fewer launches a layer)
+    return dataclasses.replace(base, rows_stay=True, packed_prefill=True, compiled_decode=kernels.decode is not None,
+                               compiled_prefill=kernels.packed is not None, fuse=True, attention=kernels)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -146,6 +147,9 @@ class ModelRunner:
         compiled = self.batch.compiled_decode  # CUDA: decode passes from compiled graphs
         if compiled is not None:
             unfused.update(decode_compiled_passes=compiled.passes, decode_traces=compiled.traces)
+        compiled = self.batch.compiled_prefill  # CUDA: packed prefill passes too
+        if compiled is not None:
+            unfused.update(prefill_compiled_passes=compiled.passes, prefill_traces=compiled.traces)
         return RunnerStats({**self.profile.as_dict(), **unfused}, self.batch.nbytes,
                            self._store.nbytes if self._store is not None else 0,
                            self._mm.stats() if self._mm is not None else None)

@@ -1,4 +1,4 @@
-"""Decode passes replayed from compiled graphs (``kv.compiled_decode``; the engine uses them on CUDA).
+"""Decode passes replayed from compiled graphs (``kv.compiled``; the engine uses them on CUDA).
 
 A compiled pass must give what a built pass gives, write each step's KV where that step's rows are (nothing per step
 baked into a trace), and write the buffers in place (no copy of a whole buffer). The CUDA kernel's call path runs here
@@ -15,7 +15,7 @@ from mlxbatch.engine import Engine, EngineConfig
 from mlxbatch.engine.attention import AttentionKernels
 from mlxbatch.engine.attention.decode import DecodeAttention
 from mlxbatch.engine.kv import LayoutOptions
-from mlxbatch.engine.kv.compiled_decode import CompiledDecode
+from mlxbatch.engine.kv.compiled import CompiledPasses
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.types import SamplingParams
 
@@ -36,7 +36,7 @@ class FullBuffers:
 
 
 def _tokens(loaded, compiled: bool, kernel: FullBuffers | None, overlap: bool = False,
-            stay: bool = False) -> tuple[list[list[int]], CompiledDecode | None]:
+            stay: bool = False) -> tuple[list[list[int]], CompiledPasses | None]:
     # rows of different lengths, more rows than slots (rows finish and join: decode shapes come and go)
     prompts = [[(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([5, 40, 17, 90, 33, 61, 8, 120] * 3)]
     params = [SamplingParams(temperature=0, max_tokens=8 + 3 * (i % 5), ignore_eos=True) for i in range(len(prompts))]
@@ -122,18 +122,18 @@ def test_a_replay_takes_its_offsets_from_the_last_pass_on_the_device(tiny_loaded
     model = tiny_loaded.model
     batch = _batch(model, [3, 11, 6, 20], compiled=True)
     cd = batch.compiled_decode
-    run, fed = cd.run, []
+    run, fed, carried = cd.run, [], []
 
-    def spy(slots, model, tokens, offsets, rows, keys, values):
-        fed.append(offsets)
-        return run(slots, model, tokens, offsets, rows, keys, values)
+    def spy(slots, model, tokens, args, keys, values):
+        fed.append(args[0])
+        outs = run(slots, model, tokens, args, keys, values)
+        carried.append(outs[1] if outs is not None else None)  # the pass's offsets + 1, on the device
+        return outs
 
     cd.run = spy
-    carried = []
     for step in range(6):
         out = batch.forward(model, 0, [[9 + step] for _ in range(4)])
         mx.eval(out, *batch.kv_arrays())
-        carried.append(cd.next_offsets)
         lengths = list(batch.lengths[:4])
         assert fed[-1].tolist() == lengths  # the pass's offsets are the rows' lengths, however they were made
         for rid in batch.ids[: 3 if step == 3 else 4]:  # at step 3 the last row does not advance
@@ -181,4 +181,4 @@ def test_shapes_compile_on_their_second_sighting_and_only_the_last_are_kept(tiny
     # built at its first sighting (5: only one), traced at its second (2, 3, 4), replayed after (2 twice); 3 was
     # dropped when 4 came (two kept) and is traced again at its third sighting, which drops 4
     assert cd.traces == 4 and cd.passes == 6
-    assert [key[0] for key in cd._fns] == [2, 3]
+    assert [key[0][0] for key in cd._fns] == [2, 3]

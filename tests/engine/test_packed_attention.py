@@ -8,6 +8,7 @@ stand-in that reads only the unit table (no groups planned) gives the same token
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import mlx.core as mx
@@ -130,3 +131,59 @@ def test_create_declines_without_cuda():
         assert pa.PackedAttention.create(backend, 8, 2, 64, mx.bfloat16) is None
     assert not pa.PackedAttention.supports(8, 2, 96, mx.bfloat16)
     assert not pa.PackedAttention.supports(8, 2, 64, mx.float32)
+
+
+class ArrayTableAttention:
+    """The kernel's call computed from the unit table by array ops alone, as the kernel reads it (a token's row and
+    offset from the unit that holds it; empty units hold none): it traces, so packed passes compile around it."""
+
+    def __init__(self, heads: int, kv_heads: int) -> None:
+        self.rep = heads // kv_heads
+        self.calls = 0
+
+    def __call__(self, queries, k_buf, v_buf, units, scale):
+        self.calls += 1
+        row, first, n, off = units[:, 0], units[:, 1], units[:, 2], units[:, 4]
+        t = mx.arange(queries.shape[0])
+        inside = (t[:, None] >= first[None]) & (t[:, None] < (first + n)[None])  # [tokens, units]
+        j = mx.argmax(inside.astype(mx.int32), axis=1)
+        pos = off[j] + t - first[j]
+        k, v = k_buf[row[j]], v_buf[row[j]]  # each token's row's keys [tokens, kv_heads, capacity, dim]
+        mask = (mx.arange(k.shape[2])[None, :] <= pos[:, None])[:, None, None, :]
+        o = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+        return mx.where(mx.any(inside, axis=1)[:, None, None, None], o, 0)  # padding tokens: zeros
+
+
+def _generate(loaded, prompts, layout):
+    """Greedy tokens, the step profile and the packed passes run (``SlotBatch.forward_packed`` calls)."""
+    cfg = EngineConfig(warm_up=False, max_num_seqs=8, max_num_batched_tokens=256, prefill_chunk_size=256)
+    with Engine(loaded, cfg, layout=layout) as eng:
+        b, passes = eng.core.runner.batch, []
+        forward_packed = b.forward_packed
+        b.forward_packed = lambda *a, **k: passes.append(1) or forward_packed(*a, **k)
+        outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0))
+        stats = eng.stats()["profile"]
+    return [[(t.token_id, t.logprob) for t in o.completions[0].logprobs] for o in outs], stats, len(passes)
+
+
+def test_compiled_packed_passes_give_the_built_passes_tokens(tiny_loaded):
+    """Packed passes through the kernel replayed from compiled graphs (``kv.compiled``: tokens padded to a multiple
+    of 128, the unit table to a bucket size, padding tokens written at a scratch position): the same greedy tokens and
+    logprobs as the grouped passes built each step, on label-like rows (step shapes recur) and long prompts in chunks."""
+    rng = random.Random(9)
+    shared = [(5 * j) % 300 + 20 for j in range(40)]
+    prompts = [shared + [rng.randint(30, 900) for _ in range(rng.randint(20, 40))] for _ in range(120)]
+    prompts[50:50] = [[rng.randint(30, 900) for _ in range(rng.randint(100, 400))] for _ in range(4)]
+    cuda = LayoutOptions(batched_moves=True, shape_buckets=True, packed_prefill=True, rows_stay=True)
+    built, stats_built, _ = _generate(tiny_loaded, prompts, cuda)
+    args = tiny_loaded.model.args
+    stand_in = ArrayTableAttention(args.num_attention_heads, args.num_key_value_heads)
+    layout = dataclasses.replace(cuda, compiled_prefill=True, attention=AttentionKernels(packed=stand_in))
+    got, stats, passes = _generate(tiny_loaded, prompts, layout)
+    assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in built]
+    assert max(abs(a[1] - b[1]) for x, y in zip(got, built) for a, b in zip(x, y)) < 1e-4  # the same numbers
+    assert stats["prefill_tokens"] == stats_built["prefill_tokens"]
+    compiled_passes, traces = stats["prefill_compiled_passes"], stats["prefill_traces"]
+    assert traces >= 1 and compiled_passes > 2 * traces  # shapes recur: replays, not traces
+    # the kernel's Python runs in built passes and traces only: a replay calls no Python
+    assert stand_in.calls == len(tiny_loaded.model.layers) * (passes - compiled_passes + traces)

@@ -138,7 +138,8 @@ def probe_error(kernel: PackedAttention, heads: int, kv_heads: int, head_dim: in
                 capacity: int = 768) -> float:
     """Largest difference between the kernel and ``reference`` on a ragged packed pass: rows of 1 to 150 new tokens
     after 0 to 600 committed ones (a unit across two rows' tokens, a row past two key tiles, padding tokens), read
-    from non-consecutive slot rows of a larger buffer, the queries a strided view."""
+    from non-consecutive slot rows of a larger buffer, the queries a strided view, the table ending in empty units
+    (``kv.packed.PackedPass.table``: offset -1, no tokens)."""
     offsets, lengths = [0, 37, 600, 5, 256, 130], [150, 1, 90, 3, 64, 17]
     start, n = 2, sum(lengths)
     padded = -(-n // 128) * 128
@@ -146,7 +147,8 @@ def probe_error(kernel: PackedAttention, heads: int, kv_heads: int, head_dim: in
     q = mx.random.normal((padded, heads + kv_heads, 1, head_dim), key=kq).astype(dtype)[:, :heads]
     kb = mx.random.normal((start + len(lengths) + 2, kv_heads, capacity, head_dim), key=kk).astype(dtype)
     vb = mx.random.normal((start + len(lengths) + 2, kv_heads, capacity, head_dim), key=kv).astype(dtype)
-    table = mx.array(units(start, offsets, lengths, heads // kv_heads), dtype=mx.int32).reshape(-1, FIELDS)
+    flat = units(start, offsets, lengths, heads // kv_heads) + [start, n, 0, 0, -1] * 3  # empty units last
+    table = mx.array(flat, dtype=mx.int32).reshape(-1, FIELDS)  # (a compiled pass's table is padded with them)
     scale = head_dim ** -0.5
     got = kernel(q, kb, vb, table, scale).astype(mx.float32)
     want = reference(q, kb, vb, start, offsets, lengths, scale).astype(mx.float32)

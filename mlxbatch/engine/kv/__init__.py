@@ -38,8 +38,10 @@ class LayoutOptions:
     shape_buckets: bool = False
     # a step's prefill rows as one packed pass (``forward_packed``, CUDA, where the host's work per pass binds)
     packed_prefill: bool = False
-    # decode passes replayed from compiled graphs (``kv.compiled_decode``: CUDA, with the decode kernel)
+    # decode passes replayed from compiled graphs (``kv.compiled``: CUDA, with the decode kernel)
     compiled_decode: bool = False
+    # packed prefill passes through the packed attention kernel replayed from compiled graphs (``kv.compiled``, CUDA)
+    compiled_prefill: bool = False
     # the runner's: a CPU prefill runs its last layer only for the rows whose logits are needed (an extra small
     # forward a step; on a GPU that launch costs more than 1/L of the prefill saves)
     prune_last: bool = False
@@ -60,7 +62,8 @@ class KVLayout(Protocol):
     options: LayoutOptions  # its layout and passes (read only)
     n_decode: int
     ids: list[str]  # request id per row, in row order (read only)
-    compiled_decode: Any  # ``kv.compiled_decode.CompiledDecode`` where ``options.compiled_decode`` (its counts)
+    compiled_decode: Any  # ``kv.compiled.CompiledPasses`` where ``options.compiled_decode`` (its counts)
+    compiled_prefill: Any  # the same for packed prefill passes, where ``options.compiled_prefill``
 
     def __contains__(self, request_id: str) -> bool: ...
 

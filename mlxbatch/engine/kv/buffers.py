@@ -66,7 +66,7 @@ class SlotBuffers:
 
     def swap(self, keys: list[mx.array], values: list[mx.array]) -> tuple[list[mx.array], list[mx.array]]:
         """Put these buffers in place of the current ones (a compiled pass returns its written buffers, and a trace
-        runs over its own: ``kv.compiled_decode``); returns the buffers they replace."""
+        runs over its own: ``kv.compiled``); returns the buffers they replace."""
         old = self.keys, self.values
         self.keys, self.values = keys, values
         return old

@@ -169,6 +169,38 @@ class PackedPass:
                           max(o + n for o, n in zip(offsets, lengths)), kernel,
                           table.reshape(-1, attention.FIELDS) if kernel is not None else None)
 
+    @staticmethod
+    def from_arrays(args: list[mx.array], capacity: int, kernel: Any) -> tuple[PackedPass, list[mx.array]]:
+        """The plan of a packed pass through ``kernel`` from arrays only (``kv.compiled``): ``args`` are each token's
+        position, its slot row and the unit table (``PackedPass.table``); every token writes, the padding tokens at
+        a scratch position (``PackedPass.table``). No extra outputs."""
+        positions, rows, units = args
+        padded = positions.shape[0]
+        return PackedPass(0, 0, padded, padded, positions, rows[:, None], positions[:, None], (), (), capacity,
+                          kernel, units), []
+
+    @staticmethod
+    def table(slots: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], rep: int, capacity: int
+              ) -> tuple[int, list[int], list[int], list[int]]:
+        """A packed pass through the kernel in a shape that recurs (``from_arrays``): its padded token count, each
+        token's position and slot row (padding tokens: the first row's last position, ``capacity - 1``, which no
+        token of the pass reaches: a scratch), and the unit table padded to ``bucket`` units (empty units read no
+        keys: offset -1)."""
+        n_tok = sum(lengths)
+        padded = round_up(n_tok, TOKEN_STEP)
+        assert capacity > max(o + n for o, n in zip(offsets, lengths)), "the scratch position is past every row"
+        rows: list[int] = []
+        pos: list[int] = []
+        for slot, o, n in zip(slots, offsets, lengths):
+            rows += [slot] * n
+            pos += range(o, o + n)
+        rows += [slots[0]] * (padded - n_tok)
+        pos += [capacity - 1] * (padded - n_tok)
+        units = attention.units(slots, offsets, lengths, rep)
+        count = len(units) // attention.FIELDS
+        units += [slots[0], n_tok, 0, 0, -1] * (bucket(count) - count)
+        return padded, pos, rows, units
+
     def _write_index(self, heads: int) -> tuple[mx.array, ...]:
         """The writes' index arrays (rows, heads, positions), each ``[tokens, heads]``, made once a pass."""
         got = self._index.get(heads)

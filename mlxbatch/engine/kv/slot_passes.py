@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlxbatch.engine.attention import DecodeAttention
 from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.kv.buffers import POSITION_STEP, SlotBuffers
-from mlxbatch.engine.kv.compiled_decode import CompiledDecode
+from mlxbatch.engine.kv.compiled import CompiledPasses, decode_pass
 from mlxbatch.engine.kv.packed import PackedPass, host_arrays, round_up
 from mlxbatch.engine.kv.rows import SlotRows
 from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache, bucketed_pass, plan_forward, write_kv
@@ -36,8 +36,12 @@ class SlotPasses:
         self.num_layers = buffers.num_layers
         self._pass: ForwardPass | PackedPass | None = None  # the forward pass in progress (or the last one)
         self.layers = [SlotLayerCache(self, i) for i in range(buffers.num_layers)]
-        # decode passes replayed from compiled graphs (its traces and counts: this layout's own)
-        self.compiled_decode = CompiledDecode() if options.compiled_decode else None
+        # decode passes, and packed prefill passes through the kernel, replayed from compiled graphs (their traces
+        # and counts: this layout's own)
+        self.compiled_decode = CompiledPasses(decode_pass) if options.compiled_decode else None
+        packed = options.attention.packed
+        self.compiled_prefill = CompiledPasses(lambda args, cap: PackedPass.from_arrays(args, cap, packed), keep=64) \
+            if options.compiled_prefill and packed is not None else None
         self._decode_key: tuple[int, ...] | int | None = None  # ``_decode_slots``' last rows, and their array
         self._decode_rows: mx.array | None = None
         # the last compiled decode pass's offsets + 1: as host ints, and the device array (``_compiled_decode``)
@@ -119,8 +123,14 @@ class SlotPasses:
         tokens end to end, attention in pass groups of ``sizes`` rows); returns the last output of each row in
         ``rows`` (``[len(rows), dim]``). ``model`` must attend through the layer caches (``model.own_body``)."""
         offsets = self._rows.lengths[start : start + len(tokens)]
-        self._rows.ensure(start + len(tokens),
-                          round_up(max(o + len(t) for o, t in zip(offsets, tokens)), POSITION_STEP))
+        end = max(o + len(t) for o, t in zip(offsets, tokens))
+        if self.compiled_prefill is not None:  # a position past every row's end: the padding tokens' scratch
+            self._rows.ensure(start + len(tokens), round_up(end + 1, POSITION_STEP))
+            out = self._compiled_packed(model, start, tokens, offsets, rows)
+            if out is not None:
+                return out
+        else:
+            self._rows.ensure(start + len(tokens), round_up(end, POSITION_STEP))
         kernels = self.options.attention
         plan = PackedPass.plan(start, offsets, [len(t) for t in tokens], sizes, POSITION_STEP, kernels.prefill,
                                self._buffers.pos_cap, kernels.packed, self._rows.slots(start, start + len(tokens)))
@@ -128,6 +138,26 @@ class SlotPasses:
         inputs, last = host_arrays(flat + [0] * (plan.padded - plan.tokens), [plan.last[r] for r in rows])
         out = self.run(model, plan, inputs[:, None])  # [padded, 1, dim]
         return out[last, 0, :]
+
+    def _compiled_packed(self, model: Any, start: int, tokens: Sequence[Sequence[int]], offsets: list[int],
+                         rows: Sequence[int]) -> mx.array | None:
+        """A packed pass through the kernel from a compiled graph (``PackedPass.table``), if its shape is compiled."""
+        compiled, kernel = self.compiled_prefill, self.options.attention.packed
+        assert compiled is not None and kernel is not None
+        slots = self._rows.slots(start, start + len(tokens)) or range(start, start + len(tokens))
+        lengths = [len(t) for t in tokens]
+        padded, pos, at, table = PackedPass.table(slots, offsets, lengths, kernel.rep, self._buffers.pos_cap)
+        last, ends = [], 0
+        for n in lengths:
+            ends += n
+            last.append(ends - 1)
+        flat = [t for row in tokens for t in row]
+        ids, positions, slot_rows, units, picked = host_arrays(flat + [0] * (padded - len(flat)), pos, at, table,
+                                                               [last[r] for r in rows])
+        buffers = self._buffers
+        outs = compiled.run(self, model, ids[:, None], [positions, slot_rows, units.reshape(-1, 5)], buffers.keys,
+                            buffers.values)
+        return outs[0][picked] if outs is not None else None
 
     def _compiled_decode(self, model: Any, tokens: Sequence[Sequence[int]] | mx.array, offsets: list[int]
                          ) -> mx.array | None:
@@ -137,7 +167,9 @@ class SlotPasses:
         n = len(offsets)
         self._rows.ensure(n, max(offsets) + 1)
         buffers = self._buffers
-        if not compiled.accepts(self, n, buffers.keys[0].shape[1], buffers.pos_cap):
+        kernel = self.decode_attention  # not where the kernel would leave it to MLX's attention: that reads exactly
+        # the keys the rows use, a compiled pass reads to the capacity
+        if compiled.broken or (kernel is not None and not kernel.worth(n, buffers.keys[0].shape[1], buffers.pos_cap)):
             return None
         carried = self._next_offsets
         if carried is not None and carried[0] == offsets:  # every row advanced by one: the last pass's offsets + 1
@@ -150,10 +182,11 @@ class SlotPasses:
             ids, off = host_arrays([t for row in tokens for t in row], offsets)
             inputs = ids[:, None]
         self._next_offsets = None
-        out = compiled.run(self, model, inputs, off, self._decode_slots(n), buffers.keys, buffers.values)
-        if out is not None:  # the device's offsets + 1, for the next pass if its rows all advanced by one
-            self._next_offsets = ([o + 1 for o in offsets], compiled.next_offsets)
-        return out
+        outs = compiled.run(self, model, inputs, [off, self._decode_slots(n)], buffers.keys, buffers.values)
+        if outs is None:
+            return None
+        self._next_offsets = ([o + 1 for o in offsets], outs[1])  # the device's offsets + 1, for the next pass if
+        return outs[0]  # its rows all advanced by one
 
     def _decode_slots(self, n: int) -> mx.array:
         """The slots of rows ``0 .. n`` as an array, made again only when they changed."""
@@ -169,7 +202,7 @@ class SlotPasses:
     def swap(self, keys: list[mx.array], values: list[mx.array], fp: ForwardPass | None
              ) -> tuple[list[mx.array], list[mx.array]]:
         """Put ``keys``/``values`` in place of the buffers and ``fp`` as the pass in progress; returns the buffers
-        they replace (``kv.compiled_decode``: a trace runs the layer caches over its own buffers, and the written
+        they replace (``kv.compiled``: a trace runs the layer caches over its own buffers, and the written
         buffers a compiled pass returns replace the old ones)."""
         old = self._buffers.swap(keys, values)
         self._pass = fp

@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlxbatch.engine.attention import DecodeAttention
 from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.kv.buffers import POSITION_STEP, SlotBuffers, row_capacity
-from mlxbatch.engine.kv.compiled_decode import CompiledDecode
+from mlxbatch.engine.kv.compiled import CompiledPasses
 from mlxbatch.engine.kv.packed import PackedPass, round_up
 from mlxbatch.engine.kv.rows import SlotRows
 from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache
@@ -217,8 +217,12 @@ class SlotBatch:
         return self.passes.layers
 
     @property
-    def compiled_decode(self) -> CompiledDecode | None:
+    def compiled_decode(self) -> CompiledPasses | None:
         return self.passes.compiled_decode
+
+    @property
+    def compiled_prefill(self) -> CompiledPasses | None:
+        return self.passes.compiled_prefill
 
     @property
     def decode_attention(self) -> DecodeAttention | None:
