@@ -36,6 +36,7 @@ from mlxbatch.engine.sched.prefix_keeping import BlockStore, PrefixKeeping, stor
 __all__ = ["LIVE_SOURCES", "BlockStore", "CachedBlocks", "PrefixIndex", "PrefixSource", "RunningRow"]
 
 LIVE_SOURCES = 32  # recently admitted sequences tried as running-row prefix sources
+_LIVE = (RequestStatus.PREFILLING, RequestStatus.DECODING)  # a running-row source's statuses (it holds KV)
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,6 @@ class PrefixIndex:
         k = max(at_least + self.live_margin - 1, self.block_size - 1)
         if k >= limit:
             return None
-        live = (RequestStatus.PREFILLING, RequestStatus.DECODING)
         # the sequences admitted this step (the last ones) are not visited: their rows are not filled before this
         # step's copies (in a wave of admissions they are most of ``_recent``)
         for src in itertools.islice(self._recent, max(0, len(self._recent) - self._admitted_now)):
@@ -191,7 +191,7 @@ class PrefixIndex:
             ids = src.prompt_token_ids
             if len(ids) <= k or ids[k] != tokens[k] or ids[0] != tokens[0] or src.num_computed_tokens <= k:
                 continue
-            if src.status not in live or src.media:
+            if src.status not in _LIVE or src.media:
                 continue
             if self._admitted_at.get(src.request_id, self._step) >= self._step:
                 continue  # admitted again this step (an earlier entry of it), or freed: no row to copy from now

@@ -25,6 +25,11 @@ __all__ = ["Admission", "KVCost", "PrefillChunk", "Scheduler", "SchedulerConfig"
 
 log = logging.getLogger(__name__)
 
+# the statuses as module names: the loops over the running rows compare them for every row every step, and on Python
+# 3.11 an Enum's class attribute is looked up through ``EnumType.__getattr__``, several times a global's cost
+WAITING, PREFILLING, DECODING, FINISHED = (RequestStatus.WAITING, RequestStatus.PREFILLING, RequestStatus.DECODING,
+                                           RequestStatus.FINISHED)
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cost: KVCost, prefix: PrefixIndex | None = None) -> None:
         self.config = config
@@ -43,7 +48,7 @@ class Scheduler:
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        assert request.status is RequestStatus.WAITING
+        assert request.status is WAITING
         self.waiting.append(request)
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
@@ -77,9 +82,9 @@ class Scheduler:
         decodes: list[Request] = []
         prefilling: set[str] = set()  # sequences whose KV a sibling sample can still fork (prompt-only prefill in progress)
         for r in self.running:
-            if r.status is RequestStatus.DECODING:
+            if r.status is DECODING:
                 decodes.append(r)
-            elif r.status is RequestStatus.PREFILLING and not r.output_token_ids:
+            elif r.status is PREFILLING and not r.output_token_ids:
                 prefilling.add(r.request_id)
         budget = cfg.max_num_batched_tokens - len(decodes)
         prefills: list[PrefillChunk] = []
@@ -90,7 +95,7 @@ class Scheduler:
         for r in self.running:
             if budget <= 0:
                 break
-            if r.status is RequestStatus.PREFILLING and r.fork_parent is None:
+            if r.status is PREFILLING and r.fork_parent is None:
                 if r.request_id in self._rowless:  # it prefills on its own now: a plain row
                     self._rowless.discard(r.request_id)
                     admissions.append(Admission(r))
@@ -134,7 +139,7 @@ class Scheduler:
                     nxt.fork_parent = parent
                     nxt.num_cached_tokens = nxt.num_prompt_tokens
                 del self.waiting[i]
-                nxt.status = RequestStatus.PREFILLING
+                nxt.status = PREFILLING
                 self.running.append(nxt)
                 self._rowless.add(nxt.request_id)  # its row is a copy of its parent's, made when the parent's prefill ends
                 continue
@@ -152,7 +157,7 @@ class Scheduler:
                 log.warning("request %s needs %d KV bytes, more than the %d budget; running it alone",
                             nxt.request_id, cost, self._budget)
             del self.waiting[i]
-            nxt.status = RequestStatus.PREFILLING
+            nxt.status = PREFILLING
             source = self._aligned(self.prefix.match(nxt), nxt) if self.prefix is not None else None
             if source is not None:  # the runner copies that KV in before the first chunk runs
                 nxt.num_computed_tokens = source.num_tokens
@@ -207,13 +212,13 @@ class Scheduler:
         for chunk in out.prefills:
             chunk.request.num_computed_tokens = chunk.end
             if chunk.last and not chunk.request.status.finished:
-                chunk.request.status = RequestStatus.DECODING
+                chunk.request.status = DECODING
         for parent, child in out.forks:
             self._rowless.discard(child.request_id)
             child.fork_parent = None
             child.num_computed_tokens = parent.num_prompt_tokens
             if not child.status.finished:
-                child.status = RequestStatus.DECODING
+                child.status = DECODING
         for r in out.decodes:
             r.num_computed_tokens += 1
         if self.prefix is not None:
@@ -227,7 +232,7 @@ class Scheduler:
         keep: list[Request] = []
         done: list[Request] = []
         for r in self.running:
-            if r.status is RequestStatus.FINISHED or r.length_done:
+            if r.status is FINISHED or r.length_done:
                 done.append(r)
             else:
                 keep.append(r)
@@ -268,13 +273,13 @@ class Scheduler:
         self._budget = max(1, min(self._budget, self._kv_cost([r.reserved_tokens for r in self.running])))
         for r in reversed(victims):
             self._rowless.discard(r.request_id)
-            r.status = RequestStatus.WAITING
+            r.status = WAITING
             r.num_computed_tokens = 0
             self.waiting.appendleft(r)
         restarted = list(self.running)
         for r in restarted:
             if r.fork_parent is None:  # (a forked sample keeps waiting for its parent's prefill)
-                r.status = RequestStatus.PREFILLING
+                r.status = PREFILLING
             r.num_computed_tokens = 0
             self._rowless.add(r.request_id)
         if self.prefix is not None:
