@@ -58,7 +58,8 @@ class EngineCore:
         # the scheduler, the batch the config leaves unset (``self.config`` holds the values in effect) and the reuse
         # step, as ``sched.setup`` builds them (the dry run of ``mlxbatch plan`` builds them so too)
         built = build_scheduler(config, dev.sizing_facts, mem.slot_budget, mem.prefix_blocks, geo.bytes_per_token,
-                                self.runner.kv_cost, self.runner.layout.packed_prefill, self.runner.invariant_slice)
+                                self.runner.kv_cost, self.runner.layout.packed_prefill, self.runner.invariant_slice,
+                                self.runner.kv_cost_rows)
         self.scheduler, self.batch_size, self.config, self.reuse_step = \
             built.scheduler, built.batch_size, built.config, built.reuse_step
         if self.batch_size.chosen:  # a line only where something was chosen (the warm-up core sets both)

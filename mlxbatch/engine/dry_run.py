@@ -80,8 +80,11 @@ class DryRun:
         def kv_cost(reserved: list[int]) -> int:  # the slot layout's charge (the runner's ``kv_cost``)
             return SlotBatch.cost_positions(reserved) * bpt
 
+        def kv_cost_rows(rows: int, longest: int) -> int:  # the same by rows (the runner's ``kv_cost_rows``)
+            return SlotBatch.rows_cost_positions(rows, longest) * bpt
+
         built = build_scheduler(config, dev.sizing_facts, self.memory.slot_budget, self.memory.prefix_blocks, bpt,
-                                kv_cost, packed_prefill)
+                                kv_cost, packed_prefill, rows_cost=kv_cost_rows)
         self.scheduler, self.batch_size, self.config, self.reuse_step = \
             built.scheduler, built.batch_size, built.config, built.reuse_step
         self.model = model

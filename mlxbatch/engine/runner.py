@@ -122,9 +122,14 @@ class ModelRunner:
         self._steps = StepCommit(slots, self._store, self._grammars, self.profile)
 
     def kv_cost(self, reserved_lengths: list[int]) -> int:
+        """The layout's KV bytes for sequences of these reserved lengths (the scheduler's ``KVCost``)."""
+        return self.kv_cost_rows(len(reserved_lengths), max(reserved_lengths)) if reserved_lengths else 0
+
+    def kv_cost_rows(self, rows: int, longest: int) -> int:
+        """The same from the number of sequences and the longest reserved length (the scheduler's ``RowsCost``)."""
         if self._fixed is not None:
-            return self._fixed.shapes.kv_cost_positions(reserved_lengths) * self.geometry.bytes_per_token
-        return SlotBatch.cost_positions(reserved_lengths) * self.geometry.bytes_per_token
+            return self._fixed.shapes.rows_cost_positions(rows, longest) * self.geometry.bytes_per_token
+        return SlotBatch.rows_cost_positions(rows, longest) * self.geometry.bytes_per_token
 
     def set_constraint(self, request_id: str, matcher: Matcher | None) -> None:
         """Constrain a sequence's tokens by ``matcher`` (None: drop its matcher)."""

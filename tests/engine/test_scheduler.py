@@ -119,3 +119,31 @@ def test_limits_grow_back_after_calm_steps():
     for _ in range(64 * 8):
         run_step(s)
     assert s._max_seqs == 8 and s.kv_budget_bytes == 10**6
+
+
+def test_admission_charging_by_rows_and_longest_admits_what_charging_every_length_admits():
+    """A layout's cost given by the rows' count and the longest reserved length (``RowsCost``: admission keeps both as
+    it adds rows) admits, step by step, exactly what the same cost over every reserved length admits, where the KV
+    budget binds and rows of different lengths come and go."""
+
+    def by_rows(rows: int, longest: int) -> int:  # a slot-like layout: rows double, the longest row sets the width
+        return (1 << max(2, (rows - 1).bit_length())) * longest
+
+    def by_lengths(lengths: list[int]) -> int:
+        return by_rows(len(lengths), max(lengths)) if lengths else 0
+
+    # a long row, then short ones (admitted in its step, charged at its length), then rows of assorted lengths
+    rows = [(150, 50)] + [(10, 10)] * 20 + [(5 + 37 * i % 150, 1 + 7 * i % 40) for i in range(30)]
+    admitted = []
+    for rows_cost in (None, by_rows):
+        s = Scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, kv_budget_bytes=by_rows(8, 200)),
+                      by_lengths, rows_cost=rows_cost)
+        for i, (prompt, new) in enumerate(rows):
+            s.add(req(f"r{i}", prompt, new))
+        steps = []
+        while s.has_work:
+            out, _ = run_step(s)
+            steps.append([c.request.request_id for c in out.prefills if c.start == 0])
+        admitted.append(steps)
+    assert admitted[0] == admitted[1]
+    assert len(admitted[0][0]) == 8  # the long row and 7 short ones: 8 rows at its length fill the budget

@@ -68,12 +68,17 @@ class Shapes:
         return width
 
     def kv_cost_positions(self, reserved: Sequence[int]) -> int:
-        """KV positions the slot buffers hold for sequences of these reserved lengths: their rows plus the padding
-        rows a forward may run past them, times the widest key width (in whole position steps)."""
-        if not reserved:
+        """KV positions the slot buffers hold for sequences of these reserved lengths (``rows_cost_positions``)."""
+        return self.rows_cost_positions(len(reserved), max(reserved)) if reserved else 0
+
+    def rows_cost_positions(self, rows: int, longest: int) -> int:
+        """KV positions the slot buffers hold for ``rows`` sequences of at most ``longest`` reserved positions: their
+        rows plus the padding rows a forward may run past them, times the widest key width (in whole position
+        steps)."""
+        if not rows:
             return 0
-        width = self.kv_width(max(reserved) + self.slice_tokens)
-        return (len(reserved) + self.decode_rows) * -(-width // POSITION_STEP) * POSITION_STEP
+        width = self.kv_width(longest + self.slice_tokens)
+        return (rows + self.decode_rows) * -(-width // POSITION_STEP) * POSITION_STEP
 
     def spans(self, members: Sequence[int], rows: int) -> list[tuple[int, int]]:
         """Row ranges ``[lo, hi)`` of the forwards that run these rows (sorted row indices). ``exact``: ranges of

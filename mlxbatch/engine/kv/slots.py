@@ -85,11 +85,15 @@ class SlotBatch:
     # -- the buffers ---------------------------------------------------------------------------------
     @staticmethod
     def cost_positions(lengths: Sequence[int]) -> int:
-        """KV positions the buffers hold for sequences of these (reserved) lengths: the row capacity that many rows
-        grow the buffers to (rows double) x the longest, padded. What is charged is what is allocated."""
-        if not lengths:
-            return 0
-        return row_capacity(len(lengths)) * round_up(max(lengths), POSITION_STEP)
+        """KV positions the buffers hold for sequences of these (reserved) lengths (``rows_cost_positions``)."""
+        return SlotBatch.rows_cost_positions(len(lengths), max(lengths)) if lengths else 0
+
+    @staticmethod
+    def rows_cost_positions(rows: int, longest: int) -> int:
+        """KV positions the buffers hold for ``rows`` sequences of at most ``longest`` (reserved) positions: the row
+        capacity that many rows grow the buffers to (rows double) x the longest, padded. What is charged is what is
+        allocated."""
+        return row_capacity(rows) * round_up(longest, POSITION_STEP) if rows else 0
 
     def kv_arrays(self) -> list[mx.array]:
         return self.buffers.arrays()

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Sequence
 
 from mlxbatch.engine.request import Request, RequestStatus
 from mlxbatch.engine.sched.prefix import CachedBlocks, PrefixIndex, PrefixSource, RunningRow
-from mlxbatch.engine.sched.step import Admission, KVCost, PrefillChunk, SchedulerConfig, SchedulerOutput
+from mlxbatch.engine.sched.step import Admission, KVCost, PrefillChunk, RowsCost, SchedulerConfig, SchedulerOutput
 
-__all__ = ["Admission", "KVCost", "PrefillChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+__all__ = ["Admission", "KVCost", "PrefillChunk", "RowsCost", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +30,13 @@ log = logging.getLogger(__name__)
 WAITING, PREFILLING, DECODING, FINISHED = (RequestStatus.WAITING, RequestStatus.PREFILLING, RequestStatus.DECODING,
                                            RequestStatus.FINISHED)
 
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cost: KVCost, prefix: PrefixIndex | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cost: KVCost, prefix: PrefixIndex | None = None,
+                 rows_cost: RowsCost | None = None) -> None:
         self.config = config
         self._kv_cost = kv_cost
+        self._rows_cost = rows_cost  # ``kv_cost`` by the rows' count and the longest (None: the layout gives none)
         self.prefix = prefix
         self._budget = config.kv_budget_bytes
         self._max_seqs = config.max_num_seqs
@@ -108,9 +111,7 @@ class Scheduler:
                 and len(self.waiting) > free)
         self._held = hold
         admits = bool(self.waiting) and free > 0 and not hold
-        # the reserved lengths of the running sequences, and of the next in line while admission weighs its KV cost
-        # (only admission reads it; after a ``break`` nothing does)
-        reserved = [r.reserved_tokens for r in self.running] if admits else []
+        charge = _Charge(self._kv_cost, self._rows_cost, [r.reserved_tokens for r in self.running] if admits else [])
         # Admission in queue order, except that a sequence whose shared prefix an admitted sequence is computing
         # right now waits for that KV (computed once) while the sequences behind it go ahead: waiting at the head
         # of the queue serialised chains of nested prompts (multi-turn chats) to one admission a step.
@@ -129,8 +130,7 @@ class Scheduler:
             if twin is not None:  # the same prompt is being prefilled: fork it as another sample of it
                 parent = twin.request_id
             if parent is not None:  # admitted with its parent: shares its prefill, takes no tokens of the budget
-                reserved.append(nxt.reserved_tokens)
-                if self._kv_cost(reserved) > self._budget:
+                if charge.with_row(nxt.reserved_tokens) > self._budget:
                     nxt.fork_parent = None  # no room to fork now: it prefills on its own later
                     break
                 if twin is not None:
@@ -142,6 +142,7 @@ class Scheduler:
                 nxt.status = PREFILLING
                 self.running.append(nxt)
                 self._rowless.add(nxt.request_id)  # its row is a copy of its parent's, made when the parent's prefill ends
+                charge.add(nxt.reserved_tokens)
                 continue
             if budget <= 0:
                 break
@@ -149,8 +150,7 @@ class Scheduler:
                 held.add(nxt.request_id)  # admitted once that KV is cached; the next in line may go first
                 i += 1
                 continue
-            reserved.append(nxt.reserved_tokens)
-            cost = self._kv_cost(reserved)
+            cost = charge.with_row(nxt.reserved_tokens)
             if cost > self._budget and self.running:
                 break  # it waits for memory; an empty engine admits it anyway (nothing else can free)
             if cost > self._budget:
@@ -164,6 +164,7 @@ class Scheduler:
                 nxt.num_cached_tokens = max(nxt.num_cached_tokens, min(source.num_tokens, nxt.num_prompt_tokens))
             admissions.append(Admission(nxt, source))
             self.running.append(nxt)
+            charge.add(nxt.reserved_tokens)
             prefilling.add(nxt.request_id)
             chunk = self._chunk(nxt, budget)
             prefills.append(chunk)
@@ -289,3 +290,25 @@ class Scheduler:
         log.warning("out of memory: %d sequence(s) back to the queue, %d recompute their KV; now at most %d at once",
                     len(victims), len(restarted), self._max_seqs)
         return victims + restarted
+
+
+class _Charge:
+    """What admission charges for the running sequences and those it admits this step: the layout's KV cost of their
+    reserved lengths, from their count and the longest where the layout gives that form (``RowsCost``: no scan of every
+    running row for each row weighed), else from the lengths themselves."""
+
+    def __init__(self, kv_cost: KVCost, rows_cost: RowsCost | None, reserved: list[int]) -> None:
+        self._kv_cost, self._rows_cost = kv_cost, rows_cost
+        self._reserved = reserved
+        self._longest = max(reserved, default=0)
+
+    def with_row(self, reserved: int) -> int:
+        """The cost if a sequence of ``reserved`` positions joins them."""
+        if self._rows_cost is not None:
+            return self._rows_cost(len(self._reserved) + 1, max(self._longest, reserved))
+        return self._kv_cost([*self._reserved, reserved])
+
+    def add(self, reserved: int) -> None:
+        """A sequence of ``reserved`` positions joined them."""
+        self._reserved.append(reserved)
+        self._longest = max(self._longest, reserved)

@@ -17,7 +17,7 @@ from mlxbatch.engine.sched.blocks import BLOCK_SIZE
 from mlxbatch.engine.sched.prefix import PrefixIndex
 from mlxbatch.engine.sched.scheduler import Scheduler
 from mlxbatch.engine.sched.sizing import BatchSize, DeviceFacts, size_batch
-from mlxbatch.engine.sched.step import KVCost, SchedulerConfig
+from mlxbatch.engine.sched.step import KVCost, RowsCost, SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -35,10 +35,10 @@ class SchedulerSetup:
 
 def build_scheduler(config: EngineConfig, device: DeviceFacts, slot_budget: int, prefix_blocks: int,
                     bytes_per_token: int, kv_cost: KVCost, packed_prefill: bool,
-                    invariant_slice: int = 0) -> SchedulerSetup:
+                    invariant_slice: int = 0, rows_cost: RowsCost | None = None) -> SchedulerSetup:
     """The scheduler of an engine with this config on this device: ``slot_budget`` and ``prefix_blocks`` from its
-    memory plan (``engine.model.memory.plan_memory``), ``kv_cost`` and ``packed_prefill`` / ``invariant_slice``
-    from its KV layout (the runner's)."""
+    memory plan (``engine.model.memory.plan_memory``), ``kv_cost`` (and the same as ``rows_cost``) and
+    ``packed_prefill`` / ``invariant_slice`` from its KV layout (the runner's)."""
     # the batch the config leaves unset, sized by the device and the slots' budget as the layout charges it
     batch = size_batch(device, slot_budget, kv_cost, config.expected_row_tokens, config.max_num_seqs,
                        config.max_num_batched_tokens)
@@ -51,5 +51,6 @@ def build_scheduler(config: EngineConfig, device: DeviceFacts, slot_budget: int,
                         # CUDA: a pass's fixed host cost binds, so its passes are filled (a 16th of the slots)
                         batch.max_num_seqs // 16 if packed_prefill else 0),
         kv_cost,
-        PrefixIndex(prefix_blocks, BLOCK_SIZE, bytes_per_token * BLOCK_SIZE, step) if prefix_blocks else None)
+        PrefixIndex(prefix_blocks, BLOCK_SIZE, bytes_per_token * BLOCK_SIZE, step) if prefix_blocks else None,
+        rows_cost)
     return SchedulerSetup(scheduler, batch, config, step)

@@ -12,6 +12,10 @@ from mlxbatch.engine.request import Request
 from mlxbatch.engine.sched.prefix import BlockStore, PrefixSource
 
 KVCost = Callable[[list[int]], int]  # reserved lengths of the running sequences -> bytes (the runner's layout)
+# the same charge from the number of rows and the longest reserved length, for a layout whose charge depends on nothing
+# else (every layout the engine has): admission then keeps both as it adds rows, where a ``KVCost`` reads every
+# running row's length for each row it weighs
+RowsCost = Callable[[int, int], int]
 
 
 @dataclass(frozen=True)
