@@ -139,6 +139,9 @@ class StepProfile:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    # steps whose decode rows ran in the packed pass (CUDA, ``runner``: one pass a step); building that pass counts
+    # in ``prefill_build_s``, its launch (the step's one) in ``decode_build_s``
+    one_pass_steps: int = 0
     grammar_mask_s: float = 0.0  # structured outputs: filling the allowed-token masks (host), inside sampling_s
     grammar_advance_s: float = 0.0  # ... advancing the matchers by the sampled tokens (host)
     traffic: Traffic = field(default_factory=Traffic)
@@ -162,7 +165,8 @@ class StepProfile:
             "steps": self.steps, "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
             "sampling_s": round(self.sampling_s, 4), "host_s": round(self.host_s, 4),
             "total_s": round(self.total_s, 4), "prefill_tokens": self.prefill_tokens,
-            "decode_tokens": self.decode_tokens, "grammar_mask_s": round(self.grammar_mask_s, 5),
+            "decode_tokens": self.decode_tokens, "one_pass_steps": self.one_pass_steps,
+            "grammar_mask_s": round(self.grammar_mask_s, 5),
             "prefill_build_s": round(self.prefill_build_s, 4), "decode_build_s": round(self.decode_build_s, 4),
             **{f"waited_{k}_s": round(v, 4) for k, v in self.traffic.waited.items()},
             **{f"encoded_{k}_s": round(v, 4) for k, v in self.traffic.encoded.items()},

@@ -212,6 +212,10 @@ class ModelRunner:
             # the passes: each group its own, or every group in one packed pass (``kv.packed``: no score rows)
             packed = self.layout.packed_prefill and self._mm is None \
                 and all(c.request.score_from is None for c in out.prefills)
+            if packed and out.decodes and self.layout.attention.packed is not None:
+                due, step_logits = self._one_pass(out, [c for g in groups for c in g])
+                prof.prefill_build_s += time.perf_counter() - t0 - (traffic.wait_s - w0)
+                return self._steps.draw_commit(out, due, [step_logits], scored)
             passes = [([c for g in groups for c in g], [len(g) for g in groups])] if packed else \
                 [(g, None) for g in groups]
             for group, sizes in passes:
@@ -250,6 +254,29 @@ class ModelRunner:
             prof.decode_build_s += time.perf_counter() - t0 - (traffic.wait_s - w0)
             prof.decode_tokens += len(rows)
         return self._steps.draw_commit(out, due, logits, scored)
+
+    def _one_pass(self, out: SchedulerOutput, group: list[PrefillChunk]) -> tuple[list[Request], mx.array]:
+        """The step's decode rows and prefill chunks as one packed pass (CUDA, through the packed attention kernel:
+        a decode row is a row of one token): one graph, one launch and one wait a step instead of two, whose
+        encoding and building are most of a step (docs/benchmarks.md). Returns the rows due (the decode rows, then
+        the rows whose prompt ends) and their logits."""
+        prof, batch = self.profile, self.batch
+        n = batch.n_decode
+        assert len(out.decodes) == n, "every decoding sequence runs every step"
+        by_id = {r.request_id: r for r in out.decodes}
+        rows = [by_id[rid] for rid in batch.ids[:n]]
+        for i, c in enumerate(group):
+            assert batch.ids[n + i] == c.request.request_id and batch.committed(c.request.request_id) == c.start
+        fed = self._steps.decode_tokens(rows)  # the last step's draw, on the device, or the host's tokens
+        lead = fed if isinstance(fed, mx.array) else None
+        tokens = ([[0]] * n if lead is not None else list(fed)) + [c.request.tokens(c.start, c.end) for c in group]
+        last = [i for i, c in enumerate(group) if c.last]
+        fn, head = self._body_head(None)
+        hidden = batch.forward_packed(fn, 0, tokens, [len(tokens)], list(range(n)) + [n + i for i in last], lead)
+        prof.prefill_tokens += sum(c.end - c.start for c in group)
+        prof.decode_tokens += n
+        prof.one_pass_steps += 1
+        return rows + [group[i].request for i in last], head(hidden) if head is not None else hidden
 
     def _launch_fixed(self, out: SchedulerOutput) -> Launched:
         """The step in batch-invariant mode: fixed-shape forwards, then the shared draw and commit."""

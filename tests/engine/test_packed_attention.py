@@ -154,35 +154,42 @@ class ArrayTableAttention:
         return mx.where(mx.any(inside, axis=1)[:, None, None, None], o, 0)  # padding tokens: zeros
 
 
-def _generate(loaded, prompts, layout):
+def _generate(loaded, prompts, layout, overlap: bool = False):
     """Greedy tokens, the step profile and the packed passes run (``SlotBatch.forward_packed`` calls)."""
-    cfg = EngineConfig(warm_up=False, max_num_seqs=8, max_num_batched_tokens=256, prefill_chunk_size=256)
+    cfg = EngineConfig(warm_up=False, max_num_seqs=8, max_num_batched_tokens=256, prefill_chunk_size=256,
+                       overlap_steps=overlap)
     with Engine(loaded, cfg, layout=layout) as eng:
         b, passes = eng.core.runner.batch, []
         forward_packed = b.forward_packed
-        b.forward_packed = lambda *a, **k: passes.append(1) or forward_packed(*a, **k)
+        b.forward_packed = lambda *a, **k: passes.append(len(a) > 5 and a[5] is not None) or forward_packed(*a, **k)
         outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0))
         stats = eng.stats()["profile"]
-    return [[(t.token_id, t.logprob) for t in o.completions[0].logprobs] for o in outs], stats, len(passes)
+    return [[(t.token_id, t.logprob) for t in o.completions[0].logprobs] for o in outs], stats, passes
 
 
-def test_compiled_packed_passes_give_the_built_passes_tokens(tiny_loaded):
-    """Packed passes through the kernel replayed from compiled graphs (``kv.compiled``: tokens padded to a multiple
-    of 128, the unit table to a bucket size, padding tokens written at a scratch position): the same greedy tokens and
-    logprobs as the grouped passes built each step, on label-like rows (step shapes recur) and long prompts in chunks."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["decode rows fed from the host", "fed the draw on the device"])
+def test_one_compiled_pass_a_step_gives_the_built_passes_tokens(tiny_loaded, overlap):
+    """With the packed kernel a step is one packed pass (the decode rows rows of one token), replayed from a compiled
+    graph when its shape recurs (``kv.compiled``: tokens padded to a multiple of 128, the unit table to a bucket size,
+    padding tokens written at a scratch position): the same greedy tokens and logprobs as grouped prefill passes and
+    separate decode passes, on label-like rows (step shapes recur) and long prompts in chunks."""
     rng = random.Random(9)
     shared = [(5 * j) % 300 + 20 for j in range(40)]
     prompts = [shared + [rng.randint(30, 900) for _ in range(rng.randint(20, 40))] for _ in range(120)]
     prompts[50:50] = [[rng.randint(30, 900) for _ in range(rng.randint(100, 400))] for _ in range(4)]
     cuda = LayoutOptions(batched_moves=True, shape_buckets=True, packed_prefill=True, rows_stay=True)
-    built, stats_built, _ = _generate(tiny_loaded, prompts, cuda)
+    built, stats_built, _ = _generate(tiny_loaded, prompts, cuda, overlap)
     args = tiny_loaded.model.args
     stand_in = ArrayTableAttention(args.num_attention_heads, args.num_key_value_heads)
     layout = dataclasses.replace(cuda, compiled_prefill=True, attention=AttentionKernels(packed=stand_in))
-    got, stats, passes = _generate(tiny_loaded, prompts, layout)
+    got, stats, fed = _generate(tiny_loaded, prompts, layout, overlap)
+    passes = len(fed)
+    assert any(fed) == overlap  # overlapped steps feed the decode rows the draw still on the device
     assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in built]
     assert max(abs(a[1] - b[1]) for x, y in zip(got, built) for a, b in zip(x, y)) < 1e-4  # the same numbers
     assert stats["prefill_tokens"] == stats_built["prefill_tokens"]
+    assert stats_built["one_pass_steps"] == 0 and stats["one_pass_steps"] > 0.8 * passes  # most steps decode too
+    assert stats["decode_tokens"] == stats_built["decode_tokens"]
     compiled_passes, traces = stats["prefill_compiled_passes"], stats["prefill_traces"]
     assert traces >= 1 and compiled_passes > 2 * traces  # shapes recur: replays, not traces
     # the kernel's Python runs in built passes and traces only: a replay calls no Python

@@ -114,9 +114,10 @@ class KVLayout(Protocol):
         ...
 
     def forward_packed(self, model: Any, start: int, tokens: Sequence[Sequence[int]], sizes: Sequence[int],
-                       rows: Sequence[int]) -> mx.array:
-        """Prefill rows ``[start, start + len(tokens))`` in one pass, their tokens end to end (attention in pass groups
-        of ``sizes`` rows); the last output of each row in ``rows``."""
+                       rows: Sequence[int], lead: mx.array | None = None) -> mx.array:
+        """Rows ``[start, start + len(tokens))`` in one pass, their tokens end to end (attention in pass groups of
+        ``sizes`` rows); the last output of each row in ``rows``. ``lead``: the first rows' one token each, on the
+        device (decode rows)."""
         ...
 
     def advance(self, request_id: str, count: int) -> None:

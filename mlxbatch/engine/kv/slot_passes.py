@@ -118,15 +118,17 @@ class SlotPasses:
         return model(inputs, cache=self.layers)
 
     def forward_packed(self, model: Any, start: int, tokens: Sequence[Sequence[int]], sizes: Sequence[int],
-                       rows: Sequence[int]) -> mx.array:
-        """Prefill rows ``[start, start+len(tokens))`` over their new tokens in one packed pass (``kv.packed``: the
+                       rows: Sequence[int], lead: mx.array | None = None) -> mx.array:
+        """Rows ``[start, start+len(tokens))`` over their new tokens in one packed pass (``kv.packed``: the
         tokens end to end, attention in pass groups of ``sizes`` rows); returns the last output of each row in
-        ``rows`` (``[len(rows), dim]``). ``model`` must attend through the layer caches (``model.own_body``)."""
+        ``rows`` (``[len(rows), dim]``). ``model`` must attend through the layer caches (``model.own_body``).
+        ``lead``: the first rows' one token each, still on the device (``[n, 1]``: a step's decode rows fed the step
+        before's draw); their entries in ``tokens`` hold one token each, not read."""
         offsets = self._rows.lengths[start : start + len(tokens)]
         end = max(o + len(t) for o, t in zip(offsets, tokens))
         if self.compiled_prefill is not None:  # a position past every row's end: the padding tokens' scratch
             self._rows.ensure(start + len(tokens), round_up(end + 1, POSITION_STEP))
-            out = self._compiled_packed(model, start, tokens, offsets, rows)
+            out = self._compiled_packed(model, start, tokens, offsets, rows, lead)
             if out is not None:
                 return out
         else:
@@ -136,11 +138,11 @@ class SlotPasses:
                                self._buffers.pos_cap, kernels.packed, self._rows.slots(start, start + len(tokens)))
         flat = [t for row in tokens for t in row]
         inputs, last = host_arrays(flat + [0] * (plan.padded - plan.tokens), [plan.last[r] for r in rows])
-        out = self.run(model, plan, inputs[:, None])  # [padded, 1, dim]
+        out = self.run(model, plan, _with_lead(inputs, lead)[:, None])  # [padded, 1, dim]
         return out[last, 0, :]
 
     def _compiled_packed(self, model: Any, start: int, tokens: Sequence[Sequence[int]], offsets: list[int],
-                         rows: Sequence[int]) -> mx.array | None:
+                         rows: Sequence[int], lead: mx.array | None) -> mx.array | None:
         """A packed pass through the kernel from a compiled graph (``PackedPass.table``), if its shape is compiled."""
         compiled, kernel = self.compiled_prefill, self.options.attention.packed
         assert compiled is not None and kernel is not None
@@ -155,7 +157,7 @@ class SlotPasses:
         ids, positions, slot_rows, units, picked = host_arrays(flat + [0] * (padded - len(flat)), pos, at, table,
                                                                [last[r] for r in rows])
         buffers = self._buffers
-        outs = compiled.run(self, model, ids[:, None], [positions, slot_rows, units.reshape(-1, 5)], buffers.keys,
+        outs = compiled.run(self, model, _with_lead(ids, lead)[:, None], [positions, slot_rows, units.reshape(-1, 5)], buffers.keys,
                             buffers.values)
         return outs[0][picked] if outs is not None else None
 
@@ -221,3 +223,10 @@ class SlotPasses:
 
     def layer_buffers(self, layer: int) -> tuple[mx.array, mx.array]:
         return self._buffers.layer(layer)
+
+
+def _with_lead(ids: mx.array, lead: mx.array | None) -> mx.array:
+    """A packed pass's token ids with its first ``len(lead)`` taken from ``lead`` (``[n, 1]``, on the device)."""
+    if lead is None:
+        return ids
+    return mx.concatenate([lead.reshape(-1).astype(mx.int32), ids[lead.shape[0] :]])

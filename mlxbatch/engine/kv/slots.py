@@ -237,8 +237,8 @@ class SlotBatch:
         return self.passes.forward(model, start, tokens, full, offsets)
 
     def forward_packed(self, model: Any, start: int, tokens: Sequence[Sequence[int]], sizes: Sequence[int],
-                       rows: Sequence[int]) -> mx.array:
-        return self.passes.forward_packed(model, start, tokens, sizes, rows)
+                       rows: Sequence[int], lead: mx.array | None = None) -> mx.array:
+        return self.passes.forward_packed(model, start, tokens, sizes, rows, lead)
 
     def current_pass(self) -> ForwardPass | PackedPass:
         return self.passes.current_pass()
