@@ -19,6 +19,7 @@ from mlxbatch.engine.attention import AttentionKernels
 from mlxbatch.engine.attention import packed as pa
 from mlxbatch.engine.backend import CPU, Backend
 from mlxbatch.engine.kv import LayoutOptions
+from mlxbatch.engine.kv import packed as pk
 from mlxbatch.engine.kv.packed import PackedPass
 from mlxbatch.engine.kv.slots import POSITION_STEP
 from mlxbatch.types import SamplingParams
@@ -40,6 +41,26 @@ def test_units_cover_every_query_row_once(rep):
         seen += [(tok0 + m // rep, m % rep) for m in range(m0, min(m0 + pa.UNIT, n * rep))]
     assert sorted(seen) == [(t, h) for t in range(sum(lengths)) for h in range(rep)]  # each exactly once
     assert len(seen) == len(set(seen))
+
+
+def test_a_compiled_pass_table_is_its_tokens_then_padding_and_empty_units():
+    """``PackedPass.table``: each real token at its row's slot and position, the padding tokens at the scratch
+    (the first row's slot, the capacity's last position), and the unit table padded by empty units."""
+    rng = random.Random(3)
+    lengths = [1] * 20 + [rng.randint(2, 90) for _ in range(7)]
+    offsets = [rng.randint(0, 300) for _ in lengths]
+    slots = rng.sample(range(64), len(lengths))
+    padded, pos, rows, units = PackedPass.table(slots, offsets, lengths, 7, 512)
+    n = sum(lengths)
+    assert padded % 128 == 0 and padded >= n > padded - 128
+    assert rows[:n].tolist() == [s for s, k in zip(slots, lengths) for _ in range(k)]
+    assert pos[:n].tolist() == [o + i for o, k in zip(offsets, lengths) for i in range(k)]
+    assert set(rows[n:].tolist()) <= {slots[0]} and set(pos[n:].tolist()) <= {511}
+    real = pa.units(slots, offsets, lengths, 7)
+    assert units.reshape(-1)[: len(real)].tolist() == real
+    count = len(real) // pa.FIELDS
+    assert units.shape == (pk.bucket(count), pa.FIELDS)
+    assert all(u == [slots[0], n, 0, 0, -1] for u in units[count:].tolist())
 
 
 def _buffers(rows: int, kv_heads: int, cap: int, dim: int):

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxbatch.engine.attention.decode import DecodeAttention
-from mlxbatch.engine.attention.packed import FIELDS, PackedAttention, units
+from mlxbatch.engine.attention.packed import FIELDS, PackedAttention, unit_rows, units
 from mlxbatch.engine.attention.prefill import PrefillAttention, causal_mask, unfused
 from mlxbatch.engine.backend import Backend
 
 __all__ = ["FIELDS", "AttentionKernels", "DecodeAttention", "PackedAttention", "PrefillAttention", "causal_mask",
-           "unfused", "units"]
+           "unfused", "unit_rows", "units"]
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from mlxbatch.engine.attention.sources import kernel_source
 from mlxbatch.engine.backend import Backend
@@ -41,14 +42,24 @@ SOURCE = kernel_source("packed.cu")  # the kernel body
 def units(start: int | Sequence[int], offsets: Sequence[int], lengths: Sequence[int], rep: int) -> list[int]:
     """The unit table of a packed pass over slot rows ``start ..`` (or each row's slot: ``start`` a sequence;
     ``offsets``: their committed lengths; ``lengths``: their new tokens, laid end to end in row order), flat,
-    ``FIELDS`` ints a unit."""
+    ``FIELDS`` ints a unit (``unit_rows``)."""
     slots = range(start, start + len(offsets)) if isinstance(start, int) else start
-    table: list[int] = []
-    first = 0
-    for slot, off, n in zip(slots, offsets, lengths):
-        for m0 in range(0, n * rep, UNIT):
-            table += (slot, first, n, m0, off)
-        first += n
+    return unit_rows(slots, offsets, lengths, rep).reshape(-1).tolist()
+
+
+def unit_rows(slots: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], rep: int) -> np.ndarray:
+    """The unit table, ``[units, FIELDS]`` int32: each row's ``n * rep`` query rows (its tokens times the query heads
+    of a KV head) cut in units of ``UNIT``, a unit (slot row, its first packed token, its tokens, first query row,
+    its offset)."""
+    slot = np.asarray(slots, np.int32)
+    off = np.asarray(offsets, np.int32)
+    n = np.asarray(lengths, np.int32)
+    first = np.cumsum(n, dtype=np.int32) - n
+    per = -(-n * rep // UNIT)  # each row's units
+    of = np.repeat(np.arange(len(n)), per)  # each unit's row
+    table = np.empty((int(per.sum()), FIELDS), np.int32)
+    table[:, 0], table[:, 1], table[:, 2], table[:, 4] = slot[of], first[of], n[of], off[of]
+    table[:, 3] = (np.arange(len(table)) - np.repeat(np.cumsum(per) - per, per)) * UNIT
     return table
 
 

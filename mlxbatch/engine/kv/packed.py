@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlxbatch.engine import attention
 from mlxbatch.engine.attention import causal_mask, unfused
@@ -43,15 +44,21 @@ def bucket(x: int) -> int:
     return -(-x // step) * step
 
 
-def host_arrays(*parts: Sequence[int]) -> list[mx.array]:
-    """Lists of ints as int32 views of one array made from host data. On CUDA such an array is a unified-memory
-    buffer, which MLX's allocator later frees with a synchronous ``cudaFree`` (a wait for the whole device) when it
-    trims its cache: one buffer a pass, not one a list (docs/benchmarks.md)."""
-    whole = mx.array([x for p in parts for x in p], dtype=mx.int32)
+def host_arrays(*parts: Sequence[int] | np.ndarray) -> list[mx.array]:
+    """Lists (or int32 arrays) of ints as int32 views of one array made from host data. On CUDA such an array is a
+    unified-memory buffer, which MLX's allocator later frees with a synchronous ``cudaFree`` (a wait for the whole
+    device) when it trims its cache: one buffer a pass, not one a list (docs/benchmarks.md). An array part keeps its
+    shape (flattened inside the buffer)."""
+    if all(not isinstance(p, np.ndarray) for p in parts):
+        whole = mx.array([x for p in parts for x in p], dtype=mx.int32)
+    else:
+        whole = mx.array(np.concatenate([np.asarray(p, np.int32).reshape(-1) for p in parts]))
     out, at = [], 0
     for p in parts:
-        out.append(whole[at : at + len(p)])
-        at += len(p)
+        size = p.size if isinstance(p, np.ndarray) else len(p)
+        view = whole[at : at + size]
+        out.append(view.reshape(p.shape) if isinstance(p, np.ndarray) and p.ndim > 1 else view)
+        at += size
     return out
 
 
@@ -181,24 +188,27 @@ class PackedPass:
 
     @staticmethod
     def table(slots: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], rep: int, capacity: int
-              ) -> tuple[int, list[int], list[int], list[int]]:
+              ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         """A packed pass through the kernel in a shape that recurs (``from_arrays``): its padded token count, each
         token's position and slot row (padding tokens: the first row's last position, ``capacity - 1``, which no
-        token of the pass reaches: a scratch), and the unit table padded to ``bucket`` units (empty units read no
-        keys: offset -1)."""
-        n_tok = sum(lengths)
+        token of the pass reaches: a scratch), and the unit table (``attention.units``' rows, ``[units, FIELDS]``)
+        padded to ``bucket`` units (empty units read no keys: offset -1). Made by array ops (a step's tables are
+        ~4,000 tokens and ~500 units: Python lists of them were ~0.5 ms a step)."""
+        slot = np.asarray(slots, np.int32)
+        off = np.asarray(offsets, np.int32)
+        n = np.asarray(lengths, np.int32)
+        first = np.cumsum(n, dtype=np.int32) - n
+        n_tok = int(first[-1] + n[-1])
         padded = round_up(n_tok, TOKEN_STEP)
-        assert capacity > max(o + n for o, n in zip(offsets, lengths)), "the scratch position is past every row"
-        rows: list[int] = []
-        pos: list[int] = []
-        for slot, o, n in zip(slots, offsets, lengths):
-            rows += [slot] * n
-            pos += range(o, o + n)
-        rows += [slots[0]] * (padded - n_tok)
-        pos += [capacity - 1] * (padded - n_tok)
-        units = attention.units(slots, offsets, lengths, rep)
-        count = len(units) // attention.FIELDS
-        units += [slots[0], n_tok, 0, 0, -1] * (bucket(count) - count)
+        assert capacity > int((off + n).max()), "the scratch position is past every row"
+        rows = np.full(padded, slot[0], np.int32)
+        rows[:n_tok] = np.repeat(slot, n)
+        pos = np.full(padded, capacity - 1, np.int32)
+        pos[:n_tok] = np.repeat(off - first, n) + np.arange(n_tok, dtype=np.int32)
+        table = attention.unit_rows(slot, off, n, rep)
+        units = np.empty((bucket(len(table)), attention.FIELDS), np.int32)
+        units[: len(table)] = table
+        units[len(table) :] = (slot[0], n_tok, 0, 0, -1)
         return padded, pos, rows, units
 
     def _write_index(self, heads: int) -> tuple[mx.array, ...]:

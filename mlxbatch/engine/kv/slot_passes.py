@@ -12,10 +12,12 @@ compiled decode passes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlxbatch.engine.attention import DecodeAttention
 from mlxbatch.engine.kv import LayoutOptions
@@ -149,16 +151,13 @@ class SlotPasses:
         slots = self._rows.slots(start, start + len(tokens)) or range(start, start + len(tokens))
         lengths = [len(t) for t in tokens]
         padded, pos, at, table = PackedPass.table(slots, offsets, lengths, kernel.rep, self._buffers.pos_cap)
-        last, ends = [], 0
-        for n in lengths:
-            ends += n
-            last.append(ends - 1)
-        flat = [t for row in tokens for t in row]
-        ids, positions, slot_rows, units, picked = host_arrays(flat + [0] * (padded - len(flat)), pos, at, table,
-                                                               [last[r] for r in rows])
+        ids = np.zeros(padded, np.int32)
+        ids[: sum(lengths)] = np.fromiter(itertools.chain.from_iterable(tokens), np.int32, sum(lengths))
+        last = np.cumsum(lengths) - 1
+        ids_a, positions, slot_rows, units, picked = host_arrays(ids, pos, at, table, last[list(rows)])
         buffers = self._buffers
-        outs = compiled.run(self, model, _with_lead(ids, lead)[:, None], [positions, slot_rows, units.reshape(-1, 5)], buffers.keys,
-                            buffers.values)
+        outs = compiled.run(self, model, _with_lead(ids_a, lead)[:, None], [positions, slot_rows, units],
+                            buffers.keys, buffers.values)
         return outs[0][picked] if outs is not None else None
 
     def _compiled_decode(self, model: Any, tokens: Sequence[Sequence[int]] | mx.array, offsets: list[int]
