@@ -103,6 +103,49 @@ def test_calibration_generates_under_the_jobs_output_constraint(tmp_path, tiny_m
     assert tokens_per_row(constraint_column="only") <= 4  # each row's own constraint
 
 
+def test_calibration_runs_again_only_the_rows_that_go_on(tmp_path, tiny_model_path, monkeypatch):
+    """The prefill phase gives each probe row its own sampling and one token: a row that ended there (a one-token
+    choice) is not run again for its length, and where every row did, no decode step is timed (none would run). The
+    demo's one-token rows recomputed 376 of their 416 prompt tokens in a length phase before, then timed a decode
+    step that no row took. The warm-up runs the first row's start only; the step probe's rows are 2 tokens."""
+    from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.plan import calibrate
+    from mlxbatch.job.plan.predict import plan_job
+
+    phases: list[list[int]] = []  # each probe run: its prompts' lengths
+    real = calibrate._run
+
+    def recorded(core, prompts, params, cache_tokens=None):
+        phases.append([len(p) for p in prompts])
+        return real(core, prompts, params, cache_tokens)
+
+    monkeypatch.setattr(calibrate, "_run", recorded)
+    long_choice = {"regex": "[a-z]{30}"}  # many tokens whatever the model picks
+    rows = [{"id": f"r{i}", "text": f"sentence number {i} with a few more words in it",
+             "only": long_choice if i % 3 == 0 else {"choice": ["a", "b"]}} for i in range(6)]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+
+    def calibrated(**output):
+        phases.clear()
+        job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", sampling={"max_tokens": 40},
+                        output={"path": str(tmp_path / "out"), **output})
+        eta = plan_job(validate_job(job), calibrate=True).eta
+        assert eta is not None and eta.method == "measured", eta
+        return eta
+
+    eta = calibrated(choice=["a", "b"])  # one token each (a letter: one spelling)
+    warm, prefill = phases  # no length phase, no step probe
+    assert warm[0] == calibrate.WARM_UP_TOKENS < prefill[0] and len(prefill) == 6
+    assert eta.tokens_per_row == 1 and eta.decode_s == 0 and not eta.decode_s_per_step
+    assert "no decode steps" in eta.summary()
+
+    eta = calibrated(constraint_column="only")  # rows 0 and 3 go on, the others are one token
+    warm, prefill, length, step = phases
+    assert len(prefill) == 6 and sorted(length) == sorted(prefill[i] for i in (0, 3)) == sorted(length)
+    assert len(length) == 2 and set(step) == {calibrate.STEP_PROBE_PROMPT}
+    assert eta.tokens_per_row > 4 * 2 / 6 and eta.decode_s > 0 and eta.decode_s_per_step > 0
+
+
 def test_plan_follows_the_reuse_step_of_cuda(tmp_path, tiny_model_path, monkeypatch):
     """On CUDA's text path the engine reuses by the block (``EngineCore.reuse_step``), and ``mlxbatch plan`` plans and
     predicts with the step its dry run of the engine builds on this machine (a CPU's is 1, so CUDA's text path is

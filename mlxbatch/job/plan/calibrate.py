@@ -1,21 +1,22 @@
 """The ETA of ``mlxbatch plan``: measured on this machine with the job's own model, settings and first rows.
 
 Owns the calibration. The model is loaded through the engine's public API and an ``EngineCore`` is built with the
-job's engine settings (its start-up is timed: the run pays it too). Then two short real phases on the job's first
-rows (as many as run at once):
-1. **prefill**: the first rows (as many as run at once, up to ``PREFILL_PROBE_TOKENS`` predicted prefill tokens)
-   with one token each, submitted as the run submits them (the plan's order and retention): seconds per prefill
-   token the engine computed, so the rate holds what the engine does for such rows (prefix copies, reuse), and the
-   plan's prediction of the run's prefill tokens (within 2% of the run's count) scales it. (Submitted in input
-   order, the demo's first 32 rows computed 873 tokens against a floor of 512: the rate per predicted token was
-   1.7x the run's.);
-2. **length**: the same rows again, each with the sampling the run gives it (``output.choice`` / ``regex`` /
-   ``json_schema`` or its ``constraint_column`` value, overrides, seed), ``max_tokens`` capped at
-   ``DECODE_PROBE_TOKENS``: how many tokens a row generates (rows the cap cut are counted at their ``max_tokens``,
-   an upper bound);
-3. **step**: as many short rows as the run keeps running at once, a few greedy tokens each: seconds per decode
-   step at the run's batch size; the length phase's own decode steps (the first rows' contexts, rows finishing and
-   moving) when they take longer.
+job's engine settings (its start-up is timed: the run pays it too), warmed up on the start of the first row. Then
+short real phases on the job's first rows (as many as run at once):
+1. **prefill**: the first rows (as many as run at once, up to ``PREFILL_PROBE_TOKENS`` predicted prefill tokens),
+   each with the sampling the run gives it (``output.choice`` / ``regex`` / ``json_schema`` or its
+   ``constraint_column`` value, overrides, seed) and one token, submitted as the run submits them (the plan's order
+   and retention): seconds per prefill token the engine computed, so the rate holds what the engine does for such
+   rows (prefix copies, reuse), and the plan's prediction of the run's prefill tokens (within 2% of the run's count)
+   scales it. (Submitted in input order, the demo's first 32 rows computed 873 tokens against a floor of 512: the
+   rate per predicted token was 1.7x the run's.) A row that ended on that token (a one-token label, an EOS) is
+   as long as the run makes it;
+2. **length**: the other rows again, with the same sampling, ``max_tokens`` capped at ``DECODE_PROBE_TOKENS``: how
+   many tokens a row generates (rows the cap cut are counted at their ``max_tokens``, an upper bound). (Every row
+   ran again before: the demo's one-token rows recomputed 376 of their 416 prompt tokens to learn nothing new);
+3. **step**: only where some row decodes (rows of one token take theirs from the prefill step): as many short rows
+   as the run keeps running at once, a few greedy tokens each: seconds per decode step at the run's batch size; the
+   length phase's own decode steps (the first rows' contexts, rows finishing and moving) when they take longer.
 ETA = start-up + predicted prefill tokens x seconds per token + decode steps x seconds per step + host time
 (preparing and tokenizing every row twice: the run's feed and its final pass; timed by the plan).
 Without weights (a tokenizer-only folder) ``estimate`` gives the older FLOPs figure: the plan's prefill and every
@@ -37,7 +38,11 @@ from mlxbatch.job.spec import JobSpec
 
 DECODE_PROBE_TOKENS = 24  # generated tokens per row at most while measuring how long rows are
 PREFILL_PROBE_TOKENS = 1024  # predicted prefill tokens of the first rows timed for prefill, at most
-STEP_PROBE_PROMPT, STEP_PROBE_TOKENS = 8, 6  # the short rows that time a decode step at the run's batch size
+# the short rows that time a decode step at the run's batch size: a decode step's cost is the weights and the rows,
+# their few keys hardly count, so their prompts are 2 tokens (8 before: 320 prompt tokens for label's 40 rows, the
+# probe's cost, and no other step time)
+STEP_PROBE_PROMPT, STEP_PROBE_TOKENS = 2, 6
+WARM_UP_TOKENS = 16  # the warm-up runs the first row's start (first kernels, buffers; label's whole row: 5 s on a CPU)
 
 
 @dataclass(frozen=True)
@@ -59,10 +64,12 @@ class Eta:
 
     def summary(self) -> str:
         if self.method == "measured":
+            # rows of one token (a label, scored rows) take no decode step: none was timed
+            step = f"{self.decode_s_per_step:.3f} s a decode step" if self.decode_s_per_step else "no decode steps"
             return (f"ETA: ~{self.total_s / 60:.1f} min ({self.total_s:.0f} s: start {self.startup_s:.0f} s, prefill "
                     f"{self.prefill_s:.0f} s, decode {self.decode_s:.0f} s, host {self.host_s:.0f} s), measured on "
                     f"this machine: {1 / max(self.prefill_s_per_token or 1e-9, 1e-9):.0f} prefill tok/s, "
-                    f"{self.decode_s_per_step or 0:.3f} s a decode step, ~{self.tokens_per_row or 0:.1f} tokens a row")
+                    f"{step}, ~{self.tokens_per_row or 0:.1f} tokens a row")
         return (f"ETA: ~{self.total_s / 60:.1f} min (prefill {self.prefill_s:.0f} s, decode <= {self.decode_s:.0f} s) "
                 f"on this device ({self.matmul_gflops or 0:.0f} GFLOP/s matmul, {self.bandwidth_gbs or 0:.0f} GB/s "
                 "measured); an estimate from FLOPs, not measured (--no-calibrate, or no weights here): every row "
@@ -120,7 +127,7 @@ def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: 
     per token the engine computed, the probe's rows submitted in the plan's order with its retention.
     ``sample_params``: each sample row's ``SamplingParams`` as the run prepares it (output constraint included);
     None: the job's sampling with its output constraint (``output.choice`` / ``regex`` / ``json_schema``)."""
-    from mlxbatch.types import FinishReason, SamplingParams
+    from mlxbatch.types import SamplingParams
 
     if not sample:
         return None
@@ -129,41 +136,57 @@ def measured_eta(spec: JobSpec, loaded: Any, sample: list[Any], prefill_tokens: 
         if predicted(probe + [p]) > PREFILL_PROBE_TOKENS:
             break
         probe.append(p)
+    params = spec.sampling.params
+    if spec.task.constraint is not None:
+        params = dataclasses.replace(params, constraint=spec.task.constraint)
+    # each probe row's sampling as the run gives it (scored rows generate nothing: one greedy token each)
+    rows = (list(sample_params[:len(probe)]) if sample_params else [params] * len(probe)) if gen_rows \
+        else [SamplingParams(temperature=0, max_tokens=1)] * len(probe)
     t0 = time.perf_counter()
     core = _engine(spec, loaded)
     startup = time.perf_counter() - t0
     try:
-        _run(core, [sample[0]], SamplingParams(temperature=0, max_tokens=2))  # warm-up: first kernels, buffers
+        warm = sample[0][:WARM_UP_TOKENS] if isinstance(sample[0], list) else sample[0]
+        _run(core, [warm], SamplingParams(temperature=0, max_tokens=2))  # warm-up: first kernels, buffers
         core.shutdown()
         core = _engine(spec, loaded)  # a fresh prefix cache: the probe computes what the run would
+        if any(p.constraint is not None for p in rows):
+            _ = core.compiler  # built once per run, before its first step: not a cost of each token
         order, keep = _as_planned(probe, core.reuse_step)
-        first = _run(core, [probe[i] for i in order], SamplingParams(temperature=0, max_tokens=1), keep)
+        firsts = [_capped(rows[i], spec.seed, 1) for i in order]
+        first = _run(core, [probe[i] for i in order], firsts, keep)
         per_token = first.wall_s / max(first.prefill_tokens, 1)
-        params = spec.sampling.params
-        if spec.task.constraint is not None:
-            params = dataclasses.replace(params, constraint=spec.task.constraint)
         decode_s = step = per_row = 0.0
         if gen_rows:
-            # how long rows are: the probe rows again (their prompts cached now), each with the run's sampling
-            rows = list(sample_params[:len(probe)]) if sample_params else [params] * len(probe)
-            capped = [_capped(p, spec.seed) for p in rows]
-            own = _run(core, probe, capped)
-            lengths = [p.max_tokens * p.n if c.max_tokens < p.max_tokens and o.finish_reason is FinishReason.LENGTH
-                       else o.generated_tokens for p, c, o in zip(rows, capped, own.outputs, strict=True)]
-            per_row = sum(lengths) / len(lengths)
-            # a decode step at the run's batch size: as many short rows as run at once
-            at_once = max(1, min(core.config.max_num_seqs, gen_rows * params.n))
-            short = [list(range(7 + i, 7 + i + STEP_PROBE_PROMPT)) for i in range(at_once)]
-            timed = _run(core, short, SamplingParams(temperature=0, max_tokens=STEP_PROBE_TOKENS, ignore_eos=True))
-            # the larger of the short rows' step at the run's batch size and the first rows' own decode step (their
-            # contexts' attention, the rows that finish and move): the run's steps have both (label: 0.14 and 0.35 s
-            # on 2 CPU cores, the run's 0.43)
-            step = max(timed.decode_step_s or 0.0, own.decode_step_s or 0.0)
-            # continuous batching packs rows: all tokens over the rows at once, plus the last wave's longest rows
-            # (rows admitted in waves decode a step behind their prefill, so the first token counts too); rows of
-            # one token (a one-token label) take theirs from the prefill step and need no decode step at all
-            steps = math.ceil(gen_rows * per_row / at_once) + max(lengths) - per_row if max(lengths) > 1 else 0
-            decode_s = steps * step
+            # how long rows are: a row that ended on its first token is done (its length is the run's); the others
+            # run again (their prompts' retained prefixes cached), capped at DECODE_PROBE_TOKENS
+            lengths: list[int | None] = [None] * len(probe)
+            for i, c, o in zip(order, firsts, first.outputs, strict=True):
+                lengths[i] = _length(rows[i], c, o) if rows[i].n == 1 else None
+            again = [i for i, n in enumerate(lengths) if n is None]
+            own = None
+            if again:
+                capped = [_capped(rows[i], spec.seed) for i in again]
+                own = _run(core, [probe[i] for i in again], capped)
+                for i, c, o in zip(again, capped, own.outputs, strict=True):
+                    n = _length(rows[i], c, o)
+                    lengths[i] = rows[i].max_tokens * rows[i].n if n is None else n  # cut by the cap: an upper bound
+            per_row = sum(lengths) / len(lengths)  # type: ignore[arg-type]
+            longest = max(lengths)  # type: ignore[type-var]
+            if longest > 1:
+                # a decode step at the run's batch size: as many short rows as run at once
+                at_once = max(1, min(core.config.max_num_seqs, gen_rows * params.n))
+                short = [list(range(7 + i, 7 + i + STEP_PROBE_PROMPT)) for i in range(at_once)]
+                timed = _run(core, short, SamplingParams(temperature=0, max_tokens=STEP_PROBE_TOKENS, ignore_eos=True))
+                # the larger of the short rows' step at the run's batch size and the first rows' own decode step
+                # (their contexts' attention, the rows that finish and move): the run's steps have both (label: 0.14
+                # and 0.35 s on 2 CPU cores, the run's 0.43)
+                step = max(timed.decode_step_s or 0.0, (own.decode_step_s if own else None) or 0.0)
+                # continuous batching packs rows: all tokens over the rows at once, plus the last wave's longest
+                # rows (rows admitted in waves decode a step behind their prefill, so the first token counts too);
+                # rows of one token (a one-token label) take theirs from the prefill step and need no decode step
+                steps = math.ceil(gen_rows * per_row / at_once) + longest - per_row
+                decode_s = steps * step
     finally:
         core.shutdown()
     return Eta(per_token * prefill_tokens, decode_s, "measured", startup, host_s, prefill_s_per_token=per_token,
@@ -183,13 +206,24 @@ def _as_planned(rows: list[Any], reuse_step: int = 1) -> tuple[list[int], list[i
     return order, keep
 
 
-def _capped(params: Any, seed: int) -> Any:
-    """A row's sampling for the length probe: ``max_tokens`` (and ``min_tokens``) capped at DECODE_PROBE_TOKENS."""
-    capped = dataclasses.replace(params, max_tokens=min(params.max_tokens, DECODE_PROBE_TOKENS),
-                                 min_tokens=min(params.min_tokens, DECODE_PROBE_TOKENS))
+def _capped(params: Any, seed: int, cap: int = DECODE_PROBE_TOKENS) -> Any:
+    """A row's sampling for a probe: ``max_tokens`` (and ``min_tokens``) capped at ``cap``; one sample for the
+    prefill phase's one token (``cap`` 1)."""
+    capped = dataclasses.replace(params, max_tokens=min(params.max_tokens, cap), min_tokens=min(params.min_tokens, cap),
+                                 **({"n": 1} if cap == 1 else {}))
     if capped.seed is None and not capped.greedy:
         capped = dataclasses.replace(capped, seed=seed)
     return capped
+
+
+def _length(params: Any, capped: Any, out: Any) -> int | None:
+    """Tokens the run generates for a row whose probe ran with ``capped`` and gave ``out``; None where the cap cut
+    it (the run goes on)."""
+    from mlxbatch.types import FinishReason
+
+    if capped.max_tokens < params.max_tokens and out.finish_reason is FinishReason.LENGTH:
+        return None
+    return out.generated_tokens
 
 
 def estimate(spec: JobSpec, model_dir: Path, rows: int, floor_tokens: int, new_tokens: int,
