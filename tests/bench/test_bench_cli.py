@@ -73,7 +73,8 @@ def test_gpu_command_on_a_bare_copy_of_the_tree(tmp_path, tiny_model_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-S", "-m", "mlxbatch.bench", "--section", "gpu", "--model", "tiny", "--commit", "abc1234",
            "--out", str(out), "--cache-dir", str(_cache_with_tiny(tmp_path, tiny_model_path)),
-           "--suite-workloads", "label", "--suite-rows", "8", "--decode-levels", "1", "--decode-repeats", "2", "--json", str(out / "all.json")]
+           "--suite-workloads", "label", "--suite-rows", "4", "--decode-levels", "1", "--decode-new-tokens", "16",
+           "--decode-repeats", "2", "--json", str(out / "all.json")]
     check = "import importlib.util as u; print(u.find_spec('mlxbatch') is None)"
     assert _run([sys.executable, "-S", "-c", check], env=env, cwd=tmp_path).stdout.strip() == "True"
     env["PYTHONPATH"] = os.pathsep.join([str(tree), deps])
@@ -83,7 +84,7 @@ def test_gpu_command_on_a_bare_copy_of_the_tree(tmp_path, tiny_model_path):
     assert suite["commit"] == "abc1234" and suite["meta"]["git"] == "abc1234 (given)"
     assert suite["meta"]["model"] == "tiny" and suite["meta"]["cuda_kernel_launch"] == ""  # CPU: no CUDA launch
     label = suite["figures"]["label"]
-    assert label["rows"] == 8 and label["floor"] > 0 and label["x_b1"] > 0 and label["prefill_over_floor"] >= 1
+    assert label["rows"] == 4 and label["floor"] > 0 and label["x_b1"] > 0 and label["prefill_over_floor"] >= 1
     assert label["x_b1_again"] > 0 and "engine-again" in label["runs"]
     assert label["x_b1_generic"] > 0 and "engine-generic" in label["runs"]  # the path a Mac's GPU takes, beside
     decode = suite["figures"]["decode"]["1"]
@@ -95,7 +96,7 @@ def test_gpu_command_on_a_bare_copy_of_the_tree(tmp_path, tiny_model_path):
     assert min(decode["engine_steps"]) <= decode["engine_step"] <= max(decode["engine_steps"])
     assert "median of 2" in (out / "gpu_suite.md").read_text()
     md = (out / "gpu_suite.md").read_text()
-    assert md.startswith("GPU figures measured at commit abc1234") and "### label: 8 rows" in md
+    assert md.startswith("GPU figures measured at commit abc1234") and "### label: 4 rows" in md
     assert "- software: python" in md and "(git abc1234 (given))" in md  # the machine header
     summary = json.loads((out / "all.json").read_text())["sections"]["gpu"]["tables"][0]
     assert summary["rows"][0][0] == "label" and len(_numbers(summary["rows"][0])) == 7

@@ -180,8 +180,8 @@ def test_smollm2_row_alone_equals_row_in_a_batch(dtype):
     loaded = load_model(ModelSpec(str(ensure_smollm2()), dtype))
     small = dtype == "bfloat16"  # bfloat16 matmuls are slow on the CPU
     n = 2 if small else 6
-    # float32: 48-token prompts, every third one starting with the same 24 (a reused slice and a half)
-    prompts = [p[: 12 if small else 48] for p in rows(n, seed=3, shared=8 if small else 24, vocab=4000)]
+    # float32: 32-token prompts, every third one starting with the same 24 (a reused slice and a half)
+    prompts = [p[: 12 if small else 32] for p in rows(n, seed=3, shared=8 if small else 24, vocab=4000)]
     ps = params(n, max_tokens=2 if small else 4)
     batch = generate(loaded, prompts, ps, max_num_seqs=n)
     # reversed, n // 2 rows at a time (bfloat16: one, so each row runs alone)
