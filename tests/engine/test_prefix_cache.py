@@ -25,6 +25,9 @@ def fewshot_like(n: int, seed: int = 1) -> list[list[int]]:
 
 
 def run(loaded, prompts, cache: bool, **cfg):
+    if cache:  # room for ~1,000 blocks, far more than these prompts hold (the default, 2 GiB, is 131k blocks of the
+        # tiny model, and checking every one after every step was 90% of this module's time)
+        cfg.setdefault("prefix_cache_bytes", 16 << 20)
     eng = Engine(loaded, EngineConfig(prefix_cache=cache, warm_up=False, **cfg))
     if cache:  # the block pool's invariants hold after every engine step
         step = eng.core.step
