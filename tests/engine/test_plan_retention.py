@@ -54,7 +54,10 @@ def test_plan_retention_drops_dead_prefixes_and_keeps_output_equal(tiny_loaded):
     off = Engine(tiny_loaded, EngineConfig(prefix_cache=False, warm_up=False, max_num_seqs=4)).generate(prompts, GREEDY)
     results = {}
     for planned in (True, False):
-        eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4))
+        # room for 4,096 blocks, far more than LRU keeps here (the default pool, 131k blocks of the tiny model,
+        # made the check after every step most of the test's time)
+        eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4,
+                                               prefix_cache_bytes=4096 * 16 * eng_bytes(tiny_loaded)))
         pool = eng.core.scheduler.prefix.pool
         peak = [0]
 
