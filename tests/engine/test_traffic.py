@@ -453,7 +453,7 @@ def _bf16_batch(batched: bool, running: int = 0) -> SlotBatch:
     for bufs in (b.buffers.keys, b.buffers.values):
         for i in range(L):
             key, sub = mx.random.split(key)
-            bufs[i] = mx.random.normal(bufs[i].shape, key=sub).astype(mx.bfloat16)
+            bufs[i] = mx.random.uniform(-1, 1, bufs[i].shape, key=sub).astype(mx.bfloat16)  # 4x cheaper than normal
     for rid, n in [*((f"run{i}", 300) for i in range(running)), ("src", 200)]:
         b.add(rid)
         b.advance(rid, n)
