@@ -27,6 +27,11 @@ if platform.machine() in ("x86_64", "AMD64"):
 # sums, so the bits do not change.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
+# Ray starts its worker processes (the engine actors, the tasks) at nice 15: beside the suite's other worker, at nice
+# 0, they got a sliver of the CPU (a node probe's task waited 33-45 s for its worker to start; the Ray module's first
+# test took 88-150 s instead of 12-20). The clusters the tests start (ray.init, `ray start`, `mlxbatch run --ray`)
+# inherit this.
+os.environ["RAY_worker_niceness"] = "0"
 
 import mlxbatch  # noqa: E402, F401  (preloads OpenBLAS before mlx)
 
