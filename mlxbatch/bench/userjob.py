@@ -107,7 +107,7 @@ def model_size(b: Bench) -> tuple[int, int]:
 def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float, rows: int) -> list[Table]:
     main = Table(f"the user's job: {rows:,} rows through `mlxbatch run`",
                  ["engine section", "rows/s", "wall s", "process s", "engine steps s", "prefill / decode / host s",
-                  "wall outside the steps", "of it: waiting for rows / writing results", "wall / steps",
+                  "wall outside the steps", "of it: waiting for rows / writing results / garbage collector", "wall / steps",
                   "of the floor", "prefill / window floor", "KV in use MB", "steps"])
     split = Table("where a step's time goes (seconds; ms a step)",
                   ["engine section", "steps", "ms a step", "prefill: build", "of it encoding", "prefill: wait",
@@ -139,9 +139,12 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
 
 def _outside(run: dict[str, Any]) -> str | None:
     """The parts of the wall outside the steps that the run times: the engine idle while the feed prepared the next
-    window (the start, mostly), and the end after the last row (results.parquet written, the report's summary)."""
-    wait, end = run.get("waiting_for_rows_s"), run.get("writing_results_s")
-    return None if wait is None or end is None else f"{wait:.1f} / {end:.1f} s"
+    window (the start, mostly), the end after the last row (results.parquet written, the report's summary), and
+    Python's garbage collector (in any thread, so partly inside the steps)."""
+    wait, end, gc_s = run.get("waiting_for_rows_s"), run.get("writing_results_s"), run.get("garbage_collector_s")
+    if wait is None or end is None:
+        return None
+    return f"{wait:.1f} / {end:.1f}" + (f" / {gc_s:.1f} s" if gc_s is not None else " s")
 
 
 DEFAULTS = "none (defaults)"

@@ -53,19 +53,25 @@ def test_bad_rows_become_error_rows_and_the_job_completes(tmp_path, tiny_model_p
     assert t["waiting_for_rows_s"] + t["writing_results_s"] + steps <= t["wall_s"]
 
 
-def test_rows_run_at_the_short_gil_switch_interval_and_the_process_gets_its_own_back(tmp_path, tiny_model_path):
-    """While rows run, the step loop gets the GIL back from the feed's threads within ``SWITCH_INTERVAL_S``; after
-    the run (a notebook's process lives on) the interval is what it was."""
+def test_rows_run_at_the_short_gil_switch_interval_and_quiet_collector_and_the_process_gets_its_own_back(
+        tmp_path, tiny_model_path):
+    """While rows run, the step loop gets the GIL back from the feed's threads within ``SWITCH_INTERVAL_S``, and the
+    cyclic collector leaves the objects alive at the start alone and runs young collections rarely; after the run (a
+    notebook's process lives on) the interval and the collector are what they were."""
+    import gc
     import sys
     import threading
 
-    from mlxbatch.job.run.runner import SWITCH_INTERVAL_S
+    from mlxbatch.job.run.interpreter import SWITCH_INTERVAL_S, YOUNG_THRESHOLD
 
-    before, seen, done = sys.getswitchinterval(), set(), threading.Event()
+    before, threshold, seen, done = sys.getswitchinterval(), gc.get_threshold(), set(), threading.Event()
+    frozen, young = [], []
 
     def watch() -> None:
         while not done.wait(0.005):
             seen.add(sys.getswitchinterval())
+            frozen.append(gc.get_freeze_count())
+            young.append(gc.get_threshold()[0])
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -76,6 +82,10 @@ def test_rows_run_at_the_short_gil_switch_interval_and_the_process_gets_its_own_
         watcher.join()
     assert SWITCH_INTERVAL_S < before and SWITCH_INTERVAL_S in seen
     assert sys.getswitchinterval() == before
+    assert max(frozen) > 10_000 and YOUNG_THRESHOLD in young  # the model and the modules, frozen while rows ran
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == threshold
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert 0 <= report["this_run"]["garbage_collector_s"] < report["this_run"]["wall_s"]
 
 
 def test_rerun_skips_done_rows_and_a_changed_parameter_reruns_only_its_rows(tmp_path, tiny_model_path):

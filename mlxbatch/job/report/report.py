@@ -105,6 +105,7 @@ class RunStats:
     # (the run's start, mostly), and the end after the last row was checkpointed (results.parquet, the summary)
     rows_wait_s: float = 0.0
     rows_done_s: float | None = None  # seconds from the start when every row was finished and checkpointed
+    collector_s: float = 0.0  # seconds Python's cyclic garbage collector ran while rows were generated (any thread)
     errors_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
     engine: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
@@ -158,6 +159,7 @@ class RunStats:
                 "rows_per_s": round(self.finished / max(wall, 1e-9), 3), "wall_s": round(wall, 3),
                 "waiting_for_rows_s": round(self.rows_wait_s, 3),
                 "writing_results_s": round(wall - self.rows_done_s, 3) if self.rows_done_s is not None else None,
+                "garbage_collector_s": round(self.collector_s, 3),
                 "finished_at": finished_at}
 
     def _figures(self, this: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,7 @@ from mlxbatch.job.rows.tasks import output_columns, prompt_text, record_for
 from mlxbatch.job.rows.workers import WORKERS_ENV, feed_workers, spawn, stop
 from mlxbatch.job.run.checkpointer import Checkpointer
 from mlxbatch.job.run.error_rate import ErrorRate
+from mlxbatch.job.run.interpreter import generating
 from mlxbatch.job.run.run_meta import follow_saved_plan, record_invariance, save_job_meta
 from mlxbatch.job.run.stopping import StopSignals
 from mlxbatch.job.spec import JobSpec
@@ -73,11 +75,6 @@ from mlxbatch.types import RequestOutput
 log = logging.getLogger(__name__)
 
 REDO_PASSES = 3  # runs over the input after shards failed their checksum at the end
-# The interpreter's GIL switch interval while rows run (Python's default is 5 ms). The step loop hands the GIL back at
-# every MLX call (the device encoding a pass) and then waits for it while the feed's and the checkpoint writer's
-# threads run Python: up to a whole interval each time. A 4.2 ms loop of a GIL-free call and 0.2 ms of Python took
-# 9.6 ms beside a busy thread at 5 ms, 5.3 ms at 0.5 ms (docs/benchmarks.md).
-SWITCH_INTERVAL_S = 0.0005
 
 
 class JobInterrupted(MlxbatchError):
@@ -301,8 +298,8 @@ class JobRunner:
             errors.finished(index, record.error is not None)
             bar.finished()
 
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)  # (restored below: the process may be a notebook's)
+        settings = ExitStack()  # the interpreter's settings for rows (restored below: the process may be a notebook's)
+        collector = settings.enter_context(generating())
         try:
             while True:
                 if not feed.finished and self._stop.signum is None:
@@ -347,7 +344,8 @@ class JobRunner:
             flush()  # what finished before the engines were lost (or the disk filled) is kept
             raise
         finally:
-            sys.setswitchinterval(switch)
+            settings.close()
+            stats.collector_s += collector.seconds
             feed.close()
             bar.show(stats, executor.in_flight, executor, force=True)
             bar.close()
