@@ -39,8 +39,9 @@ class EngineConfig:
     # max_num_seqs: fixed forward shapes (engine.invariant); costs speed, so off by default
     batch_invariant: bool = False
     # launch each step before reading the last one's tokens, so that the host's work (reading results, scheduling,
-    # building the next passes) runs while the device computes. Off by default: on the H200 it measured no faster
-    # (docs/benchmarks.md, 4e27dd2); every step is then read before the next is built
+    # building the next passes) runs while the device computes (a job's ``engine.overlap_steps``). Off by default: on
+    # the H200 it measured no faster (4e27dd2), on an H100 at the default batch not clearly faster (84a1614), with 512
+    # rows and 8192-token steps 9% faster (docs/benchmarks.md); every step is then read before the next is built
     overlap_steps: bool = False
 
     def __post_init__(self) -> None:

@@ -143,6 +143,11 @@ def results(out: Path) -> tuple[dict[str, str | None], int]:
     return {r["id"]: r["text"] for r in rows}, len(rows)
 
 
+def _seqs(max_num_seqs: int | None) -> dict[str, Any] | None:
+    """The engine section of ``--max-num-seqs`` (None or 0: none, the defaults)."""
+    return {"max_num_seqs": max_num_seqs} if max_num_seqs else None
+
+
 def compare(a: argparse.Namespace) -> Table:
     import mlx.core as mx
 
@@ -152,7 +157,7 @@ def compare(a: argparse.Namespace) -> Table:
     gpus = a.gpus if a.gpus is not None else gpus_here()
     env = child_env()
     runs: dict[str, dict[str, Any]] = {}
-    job = job_file(folder, "one", a.model_path, dtype, data, a.max_tokens, a.max_num_seqs or None)
+    job = job_file(folder, "one", a.model_path, dtype, data, a.max_tokens, _seqs(a.max_num_seqs))
     log(f"ray userjob: {a.rows:,} rows on one {'GPU' if gpus else 'process'}, no Ray")
     runs["one GPU, no Ray" if gpus else "one process, no Ray"] = {
         **timed_run(job, a.timeout, (), {**env, "CUDA_VISIBLE_DEVICES": "0"} if gpus else env),
@@ -161,7 +166,7 @@ def compare(a: argparse.Namespace) -> Table:
     try:
         address = start_head(temp, gpus, a.cpus)
         log(f"ray userjob: ray start --head at {address} ({gpus} GPU(s)); the same job with --ray")
-        job = job_file(folder, "ray", a.model_path, dtype, data, a.max_tokens, a.max_num_seqs or None)
+        job = job_file(folder, "ray", a.model_path, dtype, data, a.max_tokens, _seqs(a.max_num_seqs))
         runs["--ray, one actor per GPU" if gpus else "--ray"] = {
             **timed_run(job, a.timeout, ("--ray", address), ray_env(temp)),
             "out": folder / "out-ray"}

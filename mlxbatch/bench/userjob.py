@@ -2,13 +2,15 @@
 
     python3 -m mlxbatch.bench userjob --model 0.5b --commit <sha> --json out.json     # the GPU machine: 100k rows
     mlxbatch bench userjob --model tiny --rows 20000 --configs defaults,16,32,64,128,256   # the CPU version
-    python3 -m mlxbatch.bench userjob --model 0.5b --configs 256,512 --mlx-lm-rows 0 ...   # a GPU call of 10 minutes
+    python3 -m mlxbatch.bench userjob --model 0.5b --configs defaults,512x8192+overlap --mlx-lm-rows 0 ...  # GPU A/B
 
 The job (``jobdata.write_reviews``): ``--rows`` rows (default 100,000), each one shared instruction of ~30 tokens as
 the system message and a review of 8-40 words as the user message (~137 prompt tokens a row with the random models'
 tokenizer), ``--max-tokens`` new tokens (default 8), greedy, ``model: {path, dtype}`` (``--dtype auto``: bfloat16 on
 a GPU, float32 on a CPU). It runs as ``mlxbatch run job.yaml`` in a child process, as a user runs it, once per
-``--configs`` entry: ``defaults`` with no ``engine:`` section, a number N with ``engine: {max_num_seqs: N}``. Then, in
+``--configs`` entry: ``defaults`` with no ``engine:`` section, N with ``engine: {max_num_seqs: N}``, NxT with
+``max_num_batched_tokens: T`` too, a ``+overlap`` suffix with ``overlap_steps: true``
+(``512x8192+overlap``, ``defaults+overlap``). Then, in
 this process, mlx-lm's ``batch_generate`` on the first ``--mlx-lm-rows`` rows (default a tenth) of the same prompts
 (the chat template applied by the tokenizer; ``completion_batch_size`` = ``--concurrency``, default 256 on a GPU and
 32 on a CPU), and the hardware floor of the job (``floor``: the matmul rate and bandwidth measured here).
@@ -21,6 +23,7 @@ host, waiting for the device, sampling, the rest). ``--json`` writes the tables,
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -39,12 +42,12 @@ MESSAGES = [{"role": "system", "content": INSTRUCTION}, {"role": "user", "conten
 
 
 def job_file(folder: Path, tag: str, model: str, dtype: str, data: Path, max_tokens: int,
-             max_num_seqs: int | None) -> Path:
+             engine: dict[str, Any] | None) -> Path:
     job: dict[str, Any] = {"model": {"path": model, "dtype": dtype}, "input": {"path": str(data), "id_column": "id"},
                            "prompt": {"messages": MESSAGES}, "sampling": {"temperature": 0, "max_tokens": max_tokens},
                            "output": str(folder / f"out-{tag}")}
-    if max_num_seqs is not None:
-        job["engine"] = {"max_num_seqs": max_num_seqs}
+    if engine is not None:
+        job["engine"] = dict(engine)
     path = folder / f"job-{tag}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
@@ -150,19 +153,38 @@ def _outside(run: dict[str, Any]) -> str | None:
 DEFAULTS = "none (defaults)"
 
 
-def parse_configs(text: str) -> list[int | None]:
-    """``defaults,64,128`` -> [None, 64, 128]: ``defaults`` is the job with no engine section."""
-    out: list[int | None] = []
+_CONFIG = re.compile(r"^(?:defaults|(\d+)(?:x(\d+))?)(\+overlap)?$")
+
+
+def parse_configs(text: str) -> list[dict[str, Any] | None]:
+    """``--configs`` -> the runs' engine sections, None for ``defaults`` (the job with no engine section): ``N`` is
+    ``max_num_seqs: N``, ``NxT`` adds ``max_num_batched_tokens: T``, a ``+overlap`` suffix ``overlap_steps: true``
+    (``defaults+overlap``: that key alone)."""
+    out: list[dict[str, Any] | None] = []
     for item in filter(None, (x.strip() for x in text.split(","))):
-        if item == "defaults":
-            out.append(None)
-        elif item.isdigit() and int(item) > 0:
-            out.append(int(item))
-        else:
-            raise SystemExit(f"--configs: {item!r}: expected 'defaults' or a max_num_seqs (an integer >= 1)")
+        m = _CONFIG.match(item)
+        if m is None or any(g is not None and int(g) == 0 for g in m.groups()[:2]):
+            raise SystemExit(f"--configs: {item!r}: expected 'defaults' or N, NxT (max_num_seqs, max_num_batched_tokens: "
+                             "integers >= 1), each with an optional '+overlap'")
+        seqs, tokens, overlap = m.groups()
+        section: dict[str, Any] = {}
+        if seqs is not None:
+            section["max_num_seqs"] = int(seqs)
+        if tokens is not None:
+            section["max_num_batched_tokens"] = int(tokens)
+        if overlap:
+            section["overlap_steps"] = True
+        out.append(section or None)
     if not out:
         raise SystemExit("--configs: name at least one run ('defaults' or a max_num_seqs)")
     return out
+
+
+def config_tag(section: dict[str, Any] | None) -> str:
+    """A run's name in the tables: its engine section as the job file says it."""
+    if section is None:
+        return DEFAULTS
+    return ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in section.items())
 
 
 def notes(runs: dict[str, tuple[float, dict]], ref: dict | None, floor: Floor, speed: MachineSpeed, params: int,
@@ -197,8 +219,9 @@ def notes(runs: dict[str, tuple[float, dict]], ref: dict | None, floor: Floor, s
 def main(argv: list[str] | None = None) -> int:
     mine, args = parse_script_args(
         list(sys.argv[1:] if argv is None else argv), "userjob", __doc__, {"rows": 100_000, "max_tokens": 8},
-        configs=("defaults,64,128,256,512,1024", "the runs, in order: 'defaults' (no engine section) and "
-                 "max_num_seqs of hand-set engine sections (default defaults,64,128,256,512,1024)"),
+        configs=("defaults,64,128,256,512,1024", "the runs, in order: 'defaults' (no engine section) and hand-set "
+                 "engine sections: N (max_num_seqs), NxT (and max_num_batched_tokens), each with an optional "
+                 "'+overlap' (overlap_steps: true) (default defaults,64,128,256,512,1024)"),
         mlx_lm_rows=(-1, "rows for mlx-lm's batch_generate (default: a tenth of --rows; 0 skips it)"),
         floor_batch=(256, "rows decoding together in the floor's decode steps (default 256)"),
         matmul_n=(0, "the floor's matmul size (default 8192 on a GPU, 2048 on a CPU)"),
@@ -217,10 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     data = write_reviews(folder / "reviews.jsonl", args.rows, args.seed)
     runs: dict[str, tuple[float, dict]] = {}
     outs: dict[str, Path] = {}
-    for n in configs:
-        tag = DEFAULTS if n is None else f"max_num_seqs: {n}"
+    for section in configs:
+        tag = config_tag(section)
         log(f"userjob: {args.rows:,} rows, engine section {tag}")
-        job = job_file(folder, "defaults" if n is None else f"seqs-{n}", model, dtype, data, args.max_tokens, n)
+        name = "defaults" if section is None else "seqs-" + "-".join(str(v) for v in section.values() if v is not True)
+        name += "-overlap" if section and section.get("overlap_steps") else ""
+        job = job_file(folder, name, model, dtype, data, args.max_tokens, section)
         runs[tag] = run_cli(job, mine.timeout)
         outs[tag] = Path(yaml.safe_load(job.read_text())["output"])
         log(f"  {runs[tag][1]['rows_per_s']:.1f} rows/s")

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from mlxbatch.bench import invariance, kernels, ray_runs, runs
@@ -133,22 +134,26 @@ def test_userjob_runs_the_job_through_the_cli_with_and_without_an_engine_section
 
     out, work = tmp_path / "userjob.json", tmp_path / "work"
     assert userjob.main(["--model", "tiny", "--cache-dir", _cache(tmp_path, tiny_model_path), "--rows", "120",
-                         "--configs", "defaults,16", "--mlx-lm-rows", "24", "--matmul-n", "256", "--stream-mib", "16",
-                         "--workdir", str(work), "--json", str(out)]) == 0
+                         "--configs", "defaults,16x512+overlap", "--mlx-lm-rows", "24", "--matmul-n", "256",
+                         "--stream-mib", "16", "--workdir", str(work), "--json", str(out)]) == 0
     assert "engine" not in yaml.safe_load((work / "job-defaults.yaml").read_text())  # what a user types
-    assert yaml.safe_load((work / "job-seqs-16.yaml").read_text())["engine"] == {"max_num_seqs": 16}
+    hand = "max_num_seqs: 16, max_num_batched_tokens: 512, overlap_steps: true"
+    assert yaml.safe_load((work / "job-seqs-16-512-overlap.yaml").read_text())["engine"] == {
+        "max_num_seqs": 16, "max_num_batched_tokens": 512, "overlap_steps": True}
     res = json.loads(out.read_text())
     rows = _table(out)
-    assert [r["engine section"] for r in rows] == ["none (defaults)", "max_num_seqs: 16",
-                                                   "mlx-lm batch_generate, first 24 rows"]
+    assert [r["engine section"] for r in rows] == ["none (defaults)", hand, "mlx-lm batch_generate, first 24 rows"]
+    texts = [pq.read_table(work / name / "results.parquet", columns=["text"]).column("text").to_pylist()
+             for name in ("out-defaults", "out-seqs-16-512-overlap")]
+    assert texts[0] == texts[1] and len(texts[0]) == 120  # overlapped steps of another size: the same greedy rows
     for r in rows[:2]:
         assert r["rows/s"] > 0 and r["engine steps s"] > 0 and r["wall s"] >= r["engine steps s"]
         assert r["prefill / window floor"] >= 1.0
     report = res["reports"]["none (defaults)"]["report"]
     assert report["rows"]["ok"] == 120
     chosen = report["engine"]["batch"]  # what the engine sized with no engine section, and the notes say it
-    assert chosen["max_num_seqs_from"] == "device" and res["reports"]["max_num_seqs: 16"]["report"]["engine"][
-        "batch"]["max_num_seqs"] == 16
+    assert chosen["max_num_seqs_from"] == "device" and res["reports"][hand]["report"]["engine"]["batch"][
+        "max_num_batched_tokens"] == 512
     assert any(f"the defaults ran max_num_seqs {chosen['max_num_seqs']} (device)" in n for n in res["tables"][0]["notes"])
     floor = res["floor"]
     assert floor["prefill_tokens"] == report["prefix_reuse"]["window_floor_tokens"]
@@ -161,6 +166,7 @@ def test_userjob_runs_the_job_through_the_cli_with_and_without_an_engine_section
 def test_userjob_refuses_bad_configs_before_any_work():
     from mlxbatch.bench import userjob
 
-    for bad, says in (("defaults,x", "'x'"), ("0", "'0'"), ("", "at least one")):
+    for bad, says in (("defaults,x", "'x'"), ("0", "'0'"), ("16x0", "'16x0'"), ("16+ov", "'16\\+ov'"),
+                      ("", "at least one")):
         with pytest.raises(SystemExit, match=says):
             userjob.main(["--model", "/nonexistent", "--configs", bad])

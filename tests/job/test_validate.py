@@ -257,3 +257,14 @@ def test_an_adapter_folder_without_the_lora_files_is_refused_before_the_model_lo
         assert res.exit_code == 2, res.output
         assert "model.adapter" in res.output and "adapters.safetensors" in res.output, res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_the_checker_knows_every_engine_key_and_only_those():
+    """The engine section's keys have one definition, ``EngineSection``'s fields (their defaults are EngineConfig's):
+    the checker's known keys must be those, or a new setting is refused as unknown (or a removed one accepted)."""
+    import dataclasses
+
+    from mlxbatch.job.spec.checker import _SECTIONS
+    from mlxbatch.job.spec.sections import EngineSection
+
+    assert _SECTIONS["engine"] == {f.name for f in dataclasses.fields(EngineSection)}

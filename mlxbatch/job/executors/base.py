@@ -92,7 +92,7 @@ def engine_config(e: EngineSection, seed: int, row_tokens: int | None = None) ->
     return EngineConfig(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                         prefill_chunk_size=e.prefill_chunk_size, kv_memory_fraction=e.kv_memory_fraction,
                         prefix_cache=e.prefix_cache, batch_invariant=e.batch_invariant, seed=seed,
-                        expected_row_tokens=row_tokens)
+                        expected_row_tokens=row_tokens, overlap_steps=e.overlap_steps)
 
 
 def row_tokens_hint(spec: JobSpec) -> int | None:

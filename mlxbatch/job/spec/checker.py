@@ -26,7 +26,7 @@ _SECTIONS: dict[str, set[str]] = {
     "score": {"candidates", "answer"},
     "checkpoint": {"every_rows", "every_seconds"},
     "engine": {"max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "kv_memory_fraction", "prefix_cache",
-               "batch_invariant"},
+               "batch_invariant", "overlap_steps"},  # EngineSection's fields (a test keeps them equal)
     "plan": {"enabled", "window"},
 }
 

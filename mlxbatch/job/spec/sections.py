@@ -69,6 +69,7 @@ class EngineSection:  # the defaults are EngineConfig's (one definition)
     kv_memory_fraction: float | None = EngineConfig.kv_memory_fraction  # None: the device's default share
     prefix_cache: bool = EngineConfig.prefix_cache
     batch_invariant: bool = EngineConfig.batch_invariant
+    overlap_steps: bool = EngineConfig.overlap_steps
 
 
 @dataclass(frozen=True)
