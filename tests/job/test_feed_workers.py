@@ -145,7 +145,7 @@ def _ids(out: Path) -> list[str]:
 
 @pytest.mark.parametrize("how", ["sigkill", "ctrl-c"])
 def test_no_worker_survives_a_killed_or_stopped_run_and_the_resume_completes(tmp_path, tiny_model_path, how):
-    rows = texts(400)
+    rows = texts(200)  # 4 windows: running for seconds after the first shard (the kill comes then); 400 ran twice as long
     data = write_jsonl(tmp_path / "in.jsonl", rows)
     job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", prompt=CHAT, plan={"window": 50},
                     sampling={"temperature": 0, "max_tokens": 6})
