@@ -220,6 +220,22 @@ def test_stats_bytes_held() -> None:
     assert pool.stats.bytes_held == 1000
 
 
+def test_blocks_are_handed_out_never_used_first_then_freed_ones_in_order() -> None:
+    """A block's books are made when it is first handed out (a small model's default pool is 131k blocks): the order
+    is the one queue of every block, never-used ids first, then freed ones as they were freed."""
+    pool = BlockPool(6, bytes_per_block=10)
+    assert pool.num_available == 6 and pool.block(5).ref_count == 0 and pool.block(5).block_hash is None
+    assert pool.allocate(3) == [0, 1, 2]
+    pool.release([1])
+    pool.release([0])
+    assert pool.stats.blocks_free == 5 and pool.stats.bytes_held == 10
+    assert pool.allocate(3) == [3, 4, 5]
+    assert pool.allocate(2) == [1, 0]
+    pool.check_integrity()
+    with pytest.raises(IndexError):
+        pool.block(6)
+
+
 # -- random operations ------------------------------------------------------------------------------------
 HASHES = st.integers(0, 5)
 
