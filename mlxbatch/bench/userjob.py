@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     for section in configs:
         tag = config_tag(section)
         log(f"userjob: {args.rows:,} rows, engine section {tag}")
-        name = "defaults" if section is None else "seqs-" + "-".join(str(v) for v in section.values() if v is not True)
-        name += "-overlap" if section and section.get("overlap_steps") else ""
+        name = "defaults" if section is None else "seqs-" + "-".join("overlap" if v is True else str(v)
+                                                                     for v in section.values())
         job = job_file(folder, name, model, dtype, data, args.max_tokens, section)
         runs[tag] = run_cli(job, mine.timeout)
         outs[tag] = Path(yaml.safe_load(job.read_text())["output"])
