@@ -111,7 +111,7 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
     main = Table(f"the user's job: {rows:,} rows through `mlxbatch run`",
                  ["engine section", "rows/s", "wall s", "process s", "engine steps s", "prefill / decode / host s",
                   "wall outside the steps", "of it: waiting for rows / writing results / garbage collector", "wall / steps",
-                  "of the floor", "prefill / window floor", "KV in use MB", "steps"])
+                  "of the floor", "prefill / window floor", "KV in use MB", "MLX peak MB", "steps"])
     split = Table("where a step's time goes (seconds; ms a step)",
                   ["engine section", "steps", "ms a step", "prefill: build", "of it encoding", "prefill: wait",
                    "decode: build", "of it encoding", "decode: wait", "sampling", "host (scheduling, bookkeeping)",
@@ -124,7 +124,7 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
                           f"{outside:.1f} s ({outside / wall:.0%})", _outside(r.get("this_run") or {}),
                           ratio(wall, p["total_s"]),
                           f"{floor_s / wall:.1%}", r["prefix_reuse"]["window_floor_ratio"],
-                          r["engine"]["kv_bytes"] / MB, p["steps"]])
+                          r["engine"]["kv_bytes"] / MB, r["engine"].get("peak_memory_bytes", 0) / MB, p["steps"]])
         split.rows.append([tag, p["steps"], 1e3 * p["total_s"] / max(1, p["steps"]), p["prefill_build_s"],
                            p.get("encoded_prefill_s"), p.get("waited_prefill_s", 0.0), p["decode_build_s"],
                            p.get("encoded_decode_s"), p.get("waited_decode_s", 0.0),
@@ -132,7 +132,7 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
     if ref is not None:
         main.rows.append([f"mlx-lm batch_generate, first {ref['rows']:,} rows", ref["rows_per_s"], ref["wall_s"],
                           None, None, f"{ref['prompt_s']:.1f} / {ref['decode_s']:.1f} / -", None, None, None,
-                          f"{floor_s * ref['rows'] / rows / ref['wall_s']:.1%}", None, None, None])
+                          f"{floor_s * ref['rows'] / rows / ref['wall_s']:.1%}", None, None, None, None])
     split.notes.append("build: the host building and launching the passes (copy-ins and row moves included); wait: "
                        "the host waiting for the device after it; of it encoding: the part of build inside `mx.async_eval` (MLX "
                        "ordering the graph and encoding its kernels; the rest is Python building the graph and the "

@@ -285,4 +285,6 @@ class EngineCore:
         return {"profile": rs.profile, "batch": self.batch_size.as_dict(),
                 "kv_budget_bytes": self.scheduler.kv_budget_bytes, "kv_bytes": rs.kv_bytes,
                 "preemptions": self.scheduler.num_preemptions, "prefix_cache": prefix,
-                "vision_cache": rs.vision_cache, "device": self.worker.device.kind}
+                "vision_cache": rs.vision_cache, "device": self.worker.device.kind,
+                # MLX's peak memory in this process: weights, KV and the largest step's transient
+                "peak_memory_bytes": self.worker.peak_memory()}

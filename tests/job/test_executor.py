@@ -82,8 +82,9 @@ def test_engine_counters_of_actors_merge_into_one_report():
          "prefix_cache": {"tokens_reused": 5, "block_size": 16}, "vision_cache": None, "device": "cpu"}
     b = {**a, "profile": {"prefill_tokens": 32, "decode_s": 0.5}, "vision_cache": {"hits": 3, "misses": 1,
                                                                                   "hit_rate": 0.75}}
-    m = merge_engine_stats([a, b])
+    m = merge_engine_stats([{**a, "peak_memory_bytes": 70}, {**b, "peak_memory_bytes": 90}])
     assert m["profile"] == {"prefill_tokens": 42, "decode_s": 2.0} and m["kv_budget_bytes"] == 200
+    assert m["peak_memory_bytes"] == 90  # each actor's own device: the largest, not a sum
     assert m["prefix_cache"] == {"tokens_reused": 10, "block_size": 16} and m["device"] == "cpu"
     assert m["vision_cache"] == {"hits": 3, "misses": 1, "hit_rate": 0.75} and merge_engine_stats([]) == {}
     # each engine's batch: once when every actor runs the same, else each distinct one

@@ -51,6 +51,8 @@ def test_bad_rows_become_error_rows_and_the_job_completes(tmp_path, tiny_model_p
     t, steps = report["this_run"], report["engine"]["profile"]["total_s"]
     assert t["waiting_for_rows_s"] > 0 and t["writing_results_s"] > 0
     assert t["waiting_for_rows_s"] + t["writing_results_s"] + steps <= t["wall_s"]
+    # MLX's peak memory holds at least the KV buffers the run allocated
+    assert report["engine"]["peak_memory_bytes"] >= report["engine"]["kv_bytes"] > 0
 
 
 def test_rows_run_at_the_short_gil_switch_interval_and_quiet_collector_and_the_process_gets_its_own_back(

@@ -133,6 +133,10 @@ class Worker:
         return HealthReport(ok, self.device.kind, time.perf_counter() - t0, mx.get_active_memory(),
                             mx.get_peak_memory(), msg)
 
+    def peak_memory(self) -> int:
+        """MLX's peak memory in this process so far (bytes)."""
+        return mx.get_peak_memory()
+
     def shutdown(self) -> None:
         mx.synchronize()
         mx.clear_cache()

@@ -44,6 +44,8 @@ def merge_engine_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     return {"profile": _merge([s.get("profile") for s in stats]) or {}, "batch": _batches(stats),
             "kv_budget_bytes": sum(s.get("kv_budget_bytes", 0) for s in stats),
             "kv_bytes": sum(s.get("kv_bytes", 0) for s in stats),
+            # each engine's own process and device: the largest of them, not a sum
+            "peak_memory_bytes": max(s.get("peak_memory_bytes", 0) for s in stats),
             "preemptions": sum(s.get("preemptions", 0) for s in stats),
             "prefix_cache": _merge([s.get("prefix_cache") for s in stats]),
             "vision_cache": _merge([s.get("vision_cache") for s in stats]),
