@@ -117,3 +117,12 @@ def fail_launch_at():
         runner._launch = flaky
 
     return arm
+
+
+@pytest.fixture(params=["engine thread", "launch thread"])
+def either_launch_thread(request, monkeypatch):
+    """Every engine the test makes launches its steps on its own thread, or from a thread of its own
+    (``engine.launcher``) whatever the backend and ``overlap_steps``: a module that uses this runs each test both ways."""
+    on = request.param == "launch thread"
+    monkeypatch.setattr("mlxbatch.engine.core.uses_launch_thread", lambda backend, config, vision: on)
+    return on

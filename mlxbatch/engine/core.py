@@ -8,6 +8,7 @@ dedicated thread.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -19,12 +20,13 @@ from mlxbatch.engine.decoding.structured import GrammarCompiler
 from mlxbatch.engine.inputs import Prompt
 from mlxbatch.engine.intake import RequestGroup, RequestIntake
 from mlxbatch.engine.kv import LayoutOptions
+from mlxbatch.engine.launcher import Launcher
 from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.engine.model.memory import MemoryLimits, plan_memory
 from mlxbatch.engine.model.worker import Worker
 from mlxbatch.engine.outputs import Launched
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.runner import ModelRunner
+from mlxbatch.engine.runner import ModelRunner, uses_launch_thread
 from mlxbatch.engine.sched.blocks import BLOCK_SIZE
 from mlxbatch.engine.sched.setup import build_scheduler
 from mlxbatch.engine.sched.step import SchedulerOutput
@@ -40,7 +42,8 @@ log = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
-                 worker: Worker | None = None, *, layout: LayoutOptions | None = None) -> None:
+                 worker: Worker | None = None, *, layout: LayoutOptions | None = None,
+                 launch_thread: bool | None = None) -> None:
         config = config or EngineConfig()
         self.loaded = loaded
         self.worker = worker or Worker(loaded)
@@ -51,9 +54,15 @@ class EngineCore:
         self.memory = mem
         self._limits = MemoryLimits(dev.kind)
         self._limits.apply(dev.total_memory, self.worker.weights_bytes + mem.total, mem.step_bytes)
-        self.runner = ModelRunner(loaded.model, geo, self.worker.backend, mem.prefix_blocks, BLOCK_SIZE,
-                                  vlm=loaded.vlm, vision_cache_bytes=mem.vision_cache_bytes,
-                                  batch_invariant=config.batch_invariant, layout=layout)
+        if launch_thread is None:
+            launch_thread = uses_launch_thread(self.worker.backend, config, loaded.vlm is not None)
+        # the launch thread (``engine.launcher``): the engine's arrays live on its stream, made and used inside ``_mlx``
+        self._launcher = Launcher(self.worker.backend.gpu, self._limits.step_bound) if launch_thread else None
+        with self._mlx():
+            self.runner = ModelRunner(loaded.model, geo, self.worker.backend, mem.prefix_blocks, BLOCK_SIZE,
+                                      vlm=loaded.vlm, vision_cache_bytes=mem.vision_cache_bytes,
+                                      batch_invariant=config.batch_invariant, layout=layout)
+        self.runner.traffic.launcher = self._launcher
         self._layout = layout  # (given: the warm-up's core takes it too)
         # the scheduler, the batch the config leaves unset (``self.config`` holds the values in effect) and the reuse
         # step, as ``sched.setup`` builds them (the dry run of ``mlxbatch plan`` builds them so too)
@@ -85,7 +94,25 @@ class EngineCore:
         cfg = dataclasses.replace(self.config, warm_up=False, max_num_seqs=8, max_num_batched_tokens=64,
                                   prefill_chunk_size=16, kv_budget_bytes=budget, prefix_cache=True,
                                   prefix_cache_bytes=4 * per_row)
-        return exercise(EngineCore(self.loaded, cfg, self.worker, layout=self._layout))
+        core = EngineCore(self.loaded, cfg, self.worker, layout=self._layout,
+                          launch_thread=self._launcher is not None)
+        try:
+            return exercise(core)
+        finally:
+            core.close_launch_thread()
+
+    def _mlx(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the engine's arrays are made and evaluated: the launch thread's stream, if it has one."""
+        return self._launcher.on_stream() if self._launcher is not None else contextlib.nullcontext()
+
+    def close_launch_thread(self) -> None:
+        """Stop the launch thread (what it launched completes first); steps after this launch on this thread."""
+        if self._launcher is not None:
+            with self._mlx():
+                self.runner.traffic.drain()
+            self.runner.traffic.launcher = None
+            self._launcher.close()
+            self._launcher = None
 
     # -- submission ----------------------------------------------------------------------------
     @property
@@ -145,6 +172,10 @@ class EngineCore:
 
     # -- the step loop -------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
+        with self._mlx():
+            return self._step()
+
+    def _step(self) -> list[StreamDelta]:
         """One engine step; returns text deltas (streamed requests) and one final delta per finished request.
 
         Steps overlap (``EngineConfig.overlap_steps``): a step is launched on the device, then the host reads the step
@@ -176,7 +207,8 @@ class EngineCore:
         try:
             if self._pending is not None and not overlap:
                 touched += self._read(self._pending)
-            with self._limits.step_bound():
+            # (the launch thread bounds its launches itself: only one bound at a time sets MLX's limit)
+            with self._limits.step_bound() if self._launcher is None else contextlib.nullcontext():
                 launched = self.runner.launch(out)
             if self._pending is not None:
                 touched += self._read(self._pending)
@@ -205,6 +237,7 @@ class EngineCore:
         The runner starts its KV layout afresh and drops the prefix cache's blocks if a failed step may have written
         them (``ModelRunner.recover``); the failed step's planned stores never happened."""
         log.warning("step failed for lack of memory (%s); shrinking the batch", exc)
+        self.runner.traffic.drain()  # the launch thread's work ends (and fails) before the rows go
         unread: list[Request] = []
         if self._pending is not None:
             for rid in self._pending.due:
@@ -274,6 +307,7 @@ class EngineCore:
         self._pending = None
         self._groups.clear()
         self._closed = True
+        self.close_launch_thread()
         self.worker.shutdown()
         self._limits.restore()
 

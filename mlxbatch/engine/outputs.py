@@ -34,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxbatch.engine.decoding.sampling import Drawn, SampledToken
+from mlxbatch.engine.launcher import Launcher
 from mlxbatch.types import TokenLogprob
 
 
@@ -60,6 +61,10 @@ class Traffic:
         # called before each device call with what it is ("decode"/"prefill": a launch of that kind, "evaluate",
         # "synchronize", "read") and the arrays it hands over; tests set it to fail the device (None: nothing)
         self.fault: Callable[[str, Sequence[Any]], None] | None = None
+        # the launch thread, where the engine has one (``engine.launcher``): launches are handed to it; and the launch
+        # it waits for before its own (None: none, or seen complete)
+        self.launcher: Launcher | None = None
+        self._settling: tuple[int, str] | None = None
 
     def evaluate(self, *arrays: Any) -> None:
         """``mx.eval`` counted as one sync (after what is in flight: see the module's docstring)."""
@@ -70,7 +75,10 @@ class Traffic:
         mx.eval(*arrays)
 
     def launch(self, kind: str, *arrays: Any) -> int:
-        """Enqueue the evaluation of ``arrays`` and return at once (after what is in flight); returns its number."""
+        """Enqueue the evaluation of ``arrays`` and return at once (after what is in flight); returns its number.
+        With a launch thread, the wait for what is in flight and the enqueueing happen there."""
+        if self.launcher is not None:
+            return self._hand_over(kind, arrays)
         self.settle()
         if self.fault is not None:
             self.fault(kind, arrays)
@@ -81,22 +89,86 @@ class Traffic:
         self._in_flight = kind
         return self.launches
 
+    def _hand_over(self, kind: str, arrays: Sequence[Any]) -> int:
+        assert self.launcher is not None
+        self.join()
+        if self._in_flight is not None and self.fault is not None:
+            self.fault("synchronize", ())  # (the thread's wait for it: the same seam as ``settle``)
+        if self.fault is not None:
+            self.fault(kind, arrays)
+        if self._in_flight is not None:
+            self._settling = (self.launches, self._in_flight)
+        self.launcher.submit(arrays, settle_first=self._in_flight is not None)
+        self.launches += 1
+        self._in_flight = kind
+        return self.launches
+
+    def join(self) -> None:
+        """Wait until the launch thread has launched what it was handed: its times counted, its failure raised (the
+        launch before it counts as complete only if the thread saw it so)."""
+        if self.launcher is None or not self.launcher.pending:
+            return
+        res = self.launcher.join()
+        kind = self._in_flight or "prefill"
+        self.encoded[kind] = self.encoded.get(kind, 0.0) + res.encoded_s
+        if self._settling is not None:  # nothing waited for it on this thread: the thread's wait counts
+            self._settled_by_thread(res.settled, res.waited_s)
+        if res.error is not None:
+            raise res.error
+
+    def _settled_by_thread(self, ok: bool, waited_s: float) -> None:
+        """The thread's wait for the launch before its own is over: one sync; that launch is complete if ``ok``."""
+        assert self._settling is not None
+        n, kind = self._settling
+        self._settling = None
+        self.syncs += 1
+        self.waited[kind] = self.waited.get(kind, 0.0) + waited_s
+        if ok:
+            self._settled = max(self._settled, n)
+
+    def drain(self) -> None:
+        """With a launch thread: wait until it is idle and its stream has run everything, a failure dropped (after a
+        failed step, or when the thread stops: nothing reads what it launched). The launches' books stay as they are:
+        nothing more counts as complete."""
+        if self.launcher is None:
+            return
+        if self.launcher.pending:
+            self.launcher.join()
+        self._settling = None
+        try:
+            mx.synchronize(self.launcher.stream)
+        except Exception:  # noqa: BLE001 (the failure of a step already given up)
+            pass
+
     def settle(self) -> None:
         """Wait until every launch has completed and released its buffers (one sync, if anything is in flight)."""
+        self.join()
         if self._in_flight is None:
             return
         t0 = time.perf_counter()
         if self.fault is not None:
             self.fault("synchronize", ())
-        mx.synchronize()
+        if self.launcher is not None:
+            mx.synchronize(self.launcher.stream)
+        else:
+            mx.synchronize()
         self.syncs += 1
         self.waited[self._in_flight] = self.waited.get(self._in_flight, 0.0) + time.perf_counter() - t0
         self._in_flight, self._settled = None, self.launches
 
     def wait_for(self, launch: int) -> None:
-        """Wait for launch number ``launch`` (nothing to do if a later wait already covered it)."""
-        if launch > self._settled:
-            self.settle()
+        """Wait for launch number ``launch`` (nothing to do if a later wait already covered it). The launch the
+        thread waits for before its own is waited for with it: the rest of that launch is not."""
+        if launch <= self._settled:
+            return
+        if self.launcher is not None and self._settling is not None and self._settling[0] == launch:
+            t0 = time.perf_counter()
+            if self.fault is not None:
+                self.fault("synchronize", ())
+            if self.launcher.wait_settled():
+                self._settled_by_thread(True, time.perf_counter() - t0)
+                return
+        self.settle()  # (the thread's wait failed: its failure is raised here)
 
     @property
     def settled(self) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxbatch.config import EngineConfig
 from mlxbatch.engine import invariant
 from mlxbatch.engine.attention import AttentionKernels
 from mlxbatch.engine.backend import Backend
@@ -50,6 +51,13 @@ def cuda_text_path(backend: Backend, vision: bool, batch_invariant: bool) -> boo
     """Whether a model runs the CUDA text path on ``backend``: prefill passes in recurring shapes, and packed where
     the model's body is ours (``OwnBody``: the common mlx-lm decoder layers)."""
     return not vision and not batch_invariant and backend.cuda
+
+
+def uses_launch_thread(backend: Backend, config: EngineConfig, vision: bool) -> bool:
+    """Whether an engine launches its steps from a thread of its own (``engine.launcher``): where steps overlap (a
+    step's books run while the device computes the step before) on the CUDA text path, whose encoding of a step's
+    kernels is ~40% of its host time (docs/benchmarks.md). Metal encodes on the host too, but no Mac has measured it."""
+    return config.overlap_steps and cuda_text_path(backend, vision, config.batch_invariant)
 
 
 def layout_for(backend: Backend, split: SplitModel | None, geometry: KVGeometry, vision: bool,
@@ -195,6 +203,7 @@ class ModelRunner:
         return not len(self._grammars) and self._mm is None and self._fixed is None
 
     def _launch(self, out: SchedulerOutput) -> Launched:
+        self.traffic.join()  # (no graph is built while the launch thread encodes one)
         self._steps.settle_rows()
         if self._fixed is not None:
             return self._launch_fixed(out)

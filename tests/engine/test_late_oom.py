@@ -20,6 +20,9 @@ import pytest
 from mlxbatch.engine import Engine, EngineConfig
 from mlxbatch.types import OutputConstraint, SamplingParams
 
+# each test with steps launched on the engine's thread and from a launch thread
+pytestmark = pytest.mark.usefixtures("either_launch_thread")
+
 METAL_OOM = ("[metal::malloc] Attempting to allocate 21474836480 bytes which is greater than the maximum allowed "
              "buffer size of 17179869184 bytes.")
 

@@ -16,6 +16,9 @@ import pytest
 from mlxbatch.engine import Engine, EngineConfig
 from mlxbatch.types import SamplingParams
 
+# each test with steps launched on the engine's thread and from a launch thread
+pytestmark = pytest.mark.usefixtures("either_launch_thread")
+
 SHARED = list(range(40, 88))  # a 48-token prefix several prompts share (three cache blocks)
 
 
@@ -125,28 +128,37 @@ def test_a_step_is_launched_before_the_one_before_it_is_read(tiny_loaded):
 
 
 def test_nothing_is_enqueued_while_a_launch_is_in_flight(tiny_loaded, monkeypatch):
-    """Every evaluation the engine asks for (``mx.eval``, ``mx.async_eval``) comes when nothing it launched is
-    still running: the rule that keeps CUDA's in-place KV writes in place (docs: ``engine.outputs``)."""
+    """Every evaluation the engine asks for (``mx.eval``, ``mx.async_eval``), on its thread or the launch thread, comes
+    after a synchronisation that followed the last launch: the rule that keeps CUDA's in-place KV writes in place
+    (docs: ``engine.outputs``)."""
     eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=8, max_num_batched_tokens=128,
                                            prefill_chunk_size=32, overlap_steps=True))
-    traffic, calls = eng.core.runner.traffic, {"n": 0}
-    real_eval, real_async = mx.eval, mx.async_eval
+    state = {"launched": False, "n": 0}
+    real_eval, real_async, real_sync = mx.eval, mx.async_eval, mx.synchronize
 
-    def checked(real):
+    def checked(real, waits: bool):
         def call(*args, **kw):
-            assert traffic._in_flight is None, "an evaluation was enqueued while a launch was in flight"
-            calls["n"] += 1
-            return real(*args, **kw)
+            assert not state["launched"], "an evaluation was enqueued while a launch was in flight"
+            state["n"] += 1
+            out = real(*args, **kw)
+            state["launched"] = not waits
+            return out
         return call
 
-    monkeypatch.setattr(mx, "eval", checked(real_eval))
-    monkeypatch.setattr(mx, "async_eval", checked(real_async))
+    def synchronize(*args, **kw):
+        out = real_sync(*args, **kw)
+        state["launched"] = False
+        return out
+
+    monkeypatch.setattr(mx, "eval", checked(real_eval, waits=True))
+    monkeypatch.setattr(mx, "async_eval", checked(real_async, waits=False))
+    monkeypatch.setattr(mx, "synchronize", synchronize)
     try:
         outs = eng.generate(_prompts(24, seed=5), _params(24, stop_token=5))
     finally:
         monkeypatch.undo()
         eng.close()
-    assert len(outs) == 24 and calls["n"] > 24
+    assert len(outs) == 24 and state["n"] > 24
 
 
 def test_abort_while_the_last_token_is_drawn(tiny_loaded):

@@ -1,0 +1,82 @@
+"""The launch thread (``engine.launcher``): with it, a step's ``mx.async_eval`` runs on a thread of the engine's own
+while the engine's thread reads the step before and keeps its books; what requests get is what they get without it
+(float32 on the CPU: the same tokens and logprobs), the engine's counts of launches and syncs are the same, and the
+thread ends with the engine. The overlap and late out-of-memory suites run with it too
+(``either_launch_thread``)."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+
+from mlxbatch.engine import Engine, EngineConfig
+from mlxbatch.engine.backend import Backend
+from mlxbatch.engine.runner import uses_launch_thread
+from mlxbatch.types import SamplingParams
+
+CONFIG = dict(warm_up=False, max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_size=32, overlap_steps=True)
+PROMPTS = [[3 + (11 * i + 7 * j) % 900 for j in range(5 + 4 * i)] for i in range(10)]
+PARAMS = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True, logprobs=1) if i % 2
+          else SamplingParams(temperature=0.8, seed=i, max_tokens=9) for i in range(10)]
+
+
+def _launch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "mlxbatch-launch"]
+
+
+def _run(loaded, monkeypatch, on: bool):
+    monkeypatch.setattr("mlxbatch.engine.core.uses_launch_thread", lambda backend, config, vision: on)
+    threads: list[str] = []
+    real = mx.async_eval
+
+    def recorded(*arrays):
+        threads.append(threading.current_thread().name)
+        return real(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", recorded)
+    with Engine(loaded, EngineConfig(**CONFIG)) as eng:
+        outs = eng.generate(PROMPTS, PARAMS)
+        traffic = eng.core.runner.traffic
+        counts = (traffic.launches, traffic.syncs)
+        encoded = sum(traffic.encoded.values())
+        assert (eng.core._launcher is not None) == on
+    monkeypatch.setattr(mx, "async_eval", real)
+    view = [[(c.token_ids, None if c.logprobs is None else [(lp.token_id, lp.logprob) for lp in c.logprobs])
+             for c in o.completions] for o in outs]
+    return view, counts, threads, encoded
+
+
+def test_steps_launched_from_the_launch_thread_give_the_same_outputs_and_counts(tiny_loaded, monkeypatch):
+    want, counts, threads, _ = _run(tiny_loaded, monkeypatch, on=False)
+    assert set(threads) == {"MainThread"}
+    got, counts_lt, threads_lt, encoded = _run(tiny_loaded, monkeypatch, on=True)
+    assert got == want
+    assert counts_lt == counts  # the same launches, and a sync for each wait, wherever it waited
+    assert threads_lt and set(threads_lt) == {"mlxbatch-launch"}  # every step's launch went through the thread
+    assert encoded > 0  # the thread's time inside async_eval is counted
+    assert not _launch_threads(), "the launch thread outlived its engine"
+
+
+def test_the_warm_up_core_stops_its_launch_thread(tiny_loaded, monkeypatch):
+    monkeypatch.setattr("mlxbatch.engine.core.uses_launch_thread", lambda backend, config, vision: True)
+    with Engine(tiny_loaded, EngineConfig(**CONFIG)) as eng:
+        eng.core.warm_up_paths()  # (a GPU engine does this as it starts; its throwaway core has a thread of its own)
+        assert len(_launch_threads()) == 1
+        out = eng.generate([PROMPTS[0]], PARAMS[1])
+        assert len(out[0].completions[0].token_ids) == PARAMS[1].max_tokens
+    assert not _launch_threads()
+
+
+@pytest.mark.parametrize("kind, overlap, vision, invariant, want", [
+    ("cuda", True, False, False, True),
+    ("cuda", False, False, False, False),  # steps one at a time: nothing to run beside the encoding
+    ("cuda", True, True, False, False),  # vision rows: fed embeddings made on the engine's thread
+    ("cuda", True, False, True, False),  # fixed-shape forwards
+    ("metal", True, False, False, False),  # not measured on a Mac yet
+    ("cpu", True, False, False, False),  # the CPU's encoding is cheap: the thread would only add a hand-over
+])
+def test_which_engines_launch_from_a_thread(kind, overlap, vision, invariant, want):
+    config = EngineConfig(overlap_steps=overlap, batch_invariant=invariant)
+    assert uses_launch_thread(Backend(kind), config, vision) is want
