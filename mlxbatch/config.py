@@ -39,10 +39,11 @@ class EngineConfig:
     # max_num_seqs: fixed forward shapes (engine.invariant); costs speed, so off by default
     batch_invariant: bool = False
     # launch each step before reading the last one's tokens, so that the host's work (reading results, scheduling,
-    # building the next passes) runs while the device computes (a job's ``engine.overlap_steps``). Off by default: on
-    # the H200 it measured no faster (4e27dd2), on an H100 at the default batch not clearly faster (84a1614), with 512
-    # rows and 8192-token steps 9% faster (docs/benchmarks.md); every step is then read before the next is built
-    overlap_steps: bool = False
+    # building the next passes) runs while the device computes (a job's ``engine.overlap_steps``). None: by device: on
+    # the CUDA text path, whose steps are launched from a thread of their own too (``engine.launcher``), off elsewhere
+    # (on its own, without that thread, it measured no faster on an H200 and an H100: docs/benchmarks.md); off, every
+    # step is read before the next is built
+    overlap_steps: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "expected_row_tokens"):

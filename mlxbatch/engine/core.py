@@ -26,7 +26,7 @@ from mlxbatch.engine.model.memory import MemoryLimits, plan_memory
 from mlxbatch.engine.model.worker import Worker
 from mlxbatch.engine.outputs import Launched
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.runner import ModelRunner, uses_launch_thread
+from mlxbatch.engine.runner import ModelRunner, overlaps_steps, uses_launch_thread
 from mlxbatch.engine.sched.blocks import BLOCK_SIZE
 from mlxbatch.engine.sched.setup import build_scheduler
 from mlxbatch.engine.sched.step import SchedulerOutput
@@ -47,6 +47,8 @@ class EngineCore:
         config = config or EngineConfig()
         self.loaded = loaded
         self.worker = worker or Worker(loaded)
+        config = dataclasses.replace(config, overlap_steps=overlaps_steps(self.worker.backend, config,
+                                                                         loaded.vlm is not None))
         dev, geo = self.worker.device, self.worker.geometry
         block_bytes = geo.bytes_per_token * BLOCK_SIZE
         mem = plan_memory(config, dev.kind, dev.host_memory, self.worker.kv_budget_bytes, block_bytes,

@@ -53,11 +53,18 @@ def cuda_text_path(backend: Backend, vision: bool, batch_invariant: bool) -> boo
     return not vision and not batch_invariant and backend.cuda
 
 
+def overlaps_steps(backend: Backend, config: EngineConfig, vision: bool) -> bool:
+    """Whether an engine overlaps its steps (``EngineConfig.overlap_steps``; None: by device, on the CUDA text path)."""
+    if config.overlap_steps is not None:
+        return config.overlap_steps
+    return cuda_text_path(backend, vision, config.batch_invariant)
+
+
 def uses_launch_thread(backend: Backend, config: EngineConfig, vision: bool) -> bool:
     """Whether an engine launches its steps from a thread of its own (``engine.launcher``): where steps overlap (a
     step's books run while the device computes the step before) on the CUDA text path, whose encoding of a step's
     kernels is ~40% of its host time (docs/benchmarks.md). Metal encodes on the host too, but no Mac has measured it."""
-    return config.overlap_steps and cuda_text_path(backend, vision, config.batch_invariant)
+    return overlaps_steps(backend, config, vision) and cuda_text_path(backend, vision, config.batch_invariant)
 
 
 def layout_for(backend: Backend, split: SplitModel | None, geometry: KVGeometry, vision: bool,

@@ -13,7 +13,7 @@ import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
 from mlxbatch.engine.backend import Backend
-from mlxbatch.engine.runner import uses_launch_thread
+from mlxbatch.engine.runner import overlaps_steps, uses_launch_thread
 from mlxbatch.types import SamplingParams
 
 CONFIG = dict(warm_up=False, max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_size=32, overlap_steps=True)
@@ -70,13 +70,21 @@ def test_the_warm_up_core_stops_its_launch_thread(tiny_loaded, monkeypatch):
 
 
 @pytest.mark.parametrize("kind, overlap, vision, invariant, want", [
-    ("cuda", True, False, False, True),
-    ("cuda", False, False, False, False),  # steps one at a time: nothing to run beside the encoding
-    ("cuda", True, True, False, False),  # vision rows: fed embeddings made on the engine's thread
-    ("cuda", True, False, True, False),  # fixed-shape forwards
-    ("metal", True, False, False, False),  # not measured on a Mac yet
-    ("cpu", True, False, False, False),  # the CPU's encoding is cheap: the thread would only add a hand-over
+    ("cuda", None, False, False, (True, True)),  # by device: overlapped, from the thread
+    ("cuda", True, False, False, (True, True)),
+    ("cuda", False, False, False, (False, False)),  # steps one at a time: nothing to run beside the encoding
+    ("cuda", None, True, False, (False, False)),  # vision rows: fed embeddings made on the engine's thread
+    ("cuda", None, False, True, (False, False)),  # fixed-shape forwards
+    ("metal", None, False, False, (False, False)),  # not measured on a Mac yet
+    ("metal", True, False, False, (True, False)),
+    ("cpu", None, False, False, (False, False)),  # the CPU's encoding is cheap: the thread would only add a hand-over
+    ("cpu", True, False, False, (True, False)),
 ])
-def test_which_engines_launch_from_a_thread(kind, overlap, vision, invariant, want):
+def test_which_engines_overlap_steps_and_launch_from_a_thread(kind, overlap, vision, invariant, want):
     config = EngineConfig(overlap_steps=overlap, batch_invariant=invariant)
-    assert uses_launch_thread(Backend(kind), config, vision) is want
+    assert (overlaps_steps(Backend(kind), config, vision), uses_launch_thread(Backend(kind), config, vision)) == want
+
+
+def test_a_cpu_engine_resolves_overlap_by_device(tiny_loaded):
+    with Engine(tiny_loaded, EngineConfig(warm_up=False)) as eng:
+        assert eng.core.config.overlap_steps is False and eng.core._launcher is None

@@ -69,7 +69,7 @@ class EngineSection:  # the defaults are EngineConfig's (one definition)
     kv_memory_fraction: float | None = EngineConfig.kv_memory_fraction  # None: the device's default share
     prefix_cache: bool = EngineConfig.prefix_cache
     batch_invariant: bool = EngineConfig.batch_invariant
-    overlap_steps: bool = EngineConfig.overlap_steps
+    overlap_steps: bool | None = EngineConfig.overlap_steps  # None: by device
 
 
 @dataclass(frozen=True)
@@ -233,11 +233,11 @@ def parse_checkpoint(c: Checker, raw: dict[str, Any]) -> CheckpointSection:
 def parse_engine(c: Checker, raw: dict[str, Any]) -> EngineSection:
     """``engine``: the engine's settings (EngineConfig's defaults)."""
     e = c.section(raw, "engine")
-    kinds = {"float": float, "float | None": float, "bool": bool}
+    kinds = {"float": float, "float | None": float, "bool": bool, "bool | None": bool}
     engine = EngineSection(*(c.typed(e, "engine", f.name, kinds.get(str(f.type), int), f.default)
                              for f in dataclasses.fields(EngineSection)))
     for f in dataclasses.fields(EngineSection):
-        if getattr(engine, f.name) is not None and str(f.type) != "bool":
+        if getattr(engine, f.name) is not None and not str(f.type).startswith("bool"):
             c.positive(f"engine.{f.name}", getattr(engine, f.name))
     if engine.kv_memory_fraction is not None and not 0 < engine.kv_memory_fraction <= 1:
         c.bad("engine.kv_memory_fraction", f"must be in (0, 1], got {engine.kv_memory_fraction}")
