@@ -33,7 +33,7 @@ class Engine:
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, *, dtype: str = "auto",
                  adapter_path: str | None = None, trust_remote_code: bool = False,
                  layout: LayoutOptions | None = None) -> None:
-        """``layout``: the KV layout's options (None: what this device runs, ``runner.layout_for``); tests and
+        """``layout``: the KV layout's options (None: what this device runs, ``paths.layout_for``); tests and
         diagnostics take another device's decisions with it."""
         self._user = f"engine-{next(_engine_ids)}"
         if isinstance(model, LoadedModel):

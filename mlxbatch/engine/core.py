@@ -25,8 +25,9 @@ from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.engine.model.memory import MemoryLimits, plan_memory
 from mlxbatch.engine.model.worker import Worker
 from mlxbatch.engine.outputs import Launched
+from mlxbatch.engine.paths import overlaps_steps, uses_launch_thread
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.runner import ModelRunner, overlaps_steps, uses_launch_thread
+from mlxbatch.engine.runner import ModelRunner
 from mlxbatch.engine.sched.blocks import BLOCK_SIZE
 from mlxbatch.engine.sched.setup import build_scheduler
 from mlxbatch.engine.sched.step import SchedulerOutput

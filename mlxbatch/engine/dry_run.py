@@ -27,8 +27,8 @@ from mlxbatch.engine.intake import continuation_ids, sample_sequences, score_seq
 from mlxbatch.engine.kv.slots import SlotBatch
 from mlxbatch.engine.model.memory import kv_budget, plan_memory
 from mlxbatch.engine.model.worker import DeviceInfo, device_info
+from mlxbatch.engine.paths import cuda_text_path
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.runner import cuda_text_path
 from mlxbatch.engine.sched.blocks import BLOCK_SIZE
 from mlxbatch.engine.sched.setup import build_scheduler
 from mlxbatch.types import SamplingParams, TokenLogprob

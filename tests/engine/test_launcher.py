@@ -13,7 +13,7 @@ import pytest
 
 from mlxbatch.engine import Engine, EngineConfig
 from mlxbatch.engine.backend import Backend
-from mlxbatch.engine.runner import overlaps_steps, uses_launch_thread
+from mlxbatch.engine.paths import overlaps_steps, uses_launch_thread
 from mlxbatch.types import SamplingParams
 
 CONFIG = dict(warm_up=False, max_num_seqs=8, max_num_batched_tokens=128, prefill_chunk_size=32, overlap_steps=True)

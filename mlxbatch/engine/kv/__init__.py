@@ -22,7 +22,7 @@ from mlxbatch.engine.outputs import Traffic
 @dataclass(frozen=True)
 class LayoutOptions:
     """How the running batch's rows are laid out and their passes run on a device: decided once, when the runner is
-    made (``runner.layout_for``), and fixed for the layout's life. ``base`` gives what follows from the device alone;
+    made (``paths.layout_for``), and fixed for the layout's life. ``base`` gives what follows from the device alone;
     the CUDA text path (a model whose body is ours) adds the rest. Tests and diagnostics pass other values to run
     another device's decisions here (``Engine(..., layout=)``)."""
 
