@@ -59,6 +59,7 @@ def test_small_macs_get_smaller_defaults():
     assert default_kv_fraction("cuda", 8 * GiB) == 0.5
     assert default_step_tokens("metal", 8 * GiB) == 2048 < default_step_tokens("metal", 32 * GiB)
     assert default_step_tokens("cuda", 8 * GiB) == 4096 and default_step_tokens("cpu", 256 * GiB) == 2048
+    assert default_step_tokens("cuda", 40 * GiB) == 4096 < default_step_tokens("cuda", 80 * GiB) == 16384
 
 
 def test_every_cache_is_inside_the_automatic_budget():

@@ -25,7 +25,7 @@ def slot_cost(bytes_per_token: int):
     return lambda lengths: SlotBatch.cost_positions(lengths) * bytes_per_token
 
 
-@pytest.mark.parametrize("device, seqs, tokens", [(H100, 256, 4096), (DeviceFacts("cuda", 24 * GiB), 256, 4096),
+@pytest.mark.parametrize("device, seqs, tokens", [(H100, 1024, 16384), (DeviceFacts("cuda", 24 * GiB), 256, 4096),
                                                   (DeviceFacts("cuda", 16 * GiB), 128, 4096), (MAC_16, 64, 2048),
                                                   (MAC_36, 128, 4096), (MAC_128, 256, 8192), (CPU, 128, 2048)])
 def test_with_memory_to_spare_each_device_gets_its_own_cap_and_step(device, seqs, tokens):
@@ -42,7 +42,7 @@ def test_a_small_budget_holds_fewer_rows_than_the_device_runs():
     got = size_batch(MAC_16, 2 * GiB, slot_cost(QWEN_7B_KV), expected_row_tokens=4096)
     assert got.max_num_seqs == 8 and got.seqs_from == "memory" and got.budget_rows == 8
     assert slot_cost(QWEN_7B_KV)([4096] * 8) <= 2 * GiB < slot_cost(QWEN_7B_KV)([4096] * 16)
-    # the same rows on an H100's 38.6 GB: 128 fit, under its cap of 256
+    # the same rows on an H100's 38.6 GB: 128 fit, under its cap of 1024
     assert size_batch(H100, int(38.6 * GiB), slot_cost(QWEN_7B_KV), 4096).max_num_seqs == 128
     # without a length hint a row counts as the layout's smallest (256 positions): memory binds later, not sooner
     assert size_batch(MAC_16, 2 * GiB, slot_cost(QWEN_7B_KV), None).max_num_seqs == 64

@@ -13,11 +13,13 @@ and 8192 tokens, 1024 and 16384 on GPUs of 70 GiB or more) over a KV pool sized 
 The device caps, and why:
 - CUDA: a decode step is bound by the host's work and the weights' read, not by the rows (H100, 0.5B shape: 15.6k
   tok/s at 64 rows, 52.8k at 256, 3.7 ms of host work a step either way; docs/benchmarks.md), so rows up to 256 are
-  nearly free: 256 from 20 GiB, 128 below. Past that a step's host work (graph building) grows with its rows: issue
-  47's labeling job ran at 717 rows/s with the old default of 32, at 1,110 with 256 and 985 with 512 (H100, one
-  lease, `c2e6336`), so 256 on the largest GPUs too. Rows with few new tokens are bound by the
-  step's tokens rather than by this cap: with T prefill tokens a step, prompts of P tokens computed and N new tokens,
-  about T x N / (P + N) rows are in flight (4096 x 8 / 145: ~230 for that job), whatever the cap above it.
+  nearly free: 256 from 20 GiB, 128 below. On GPUs of 70 GiB or more, 1024 rows and 16384-token steps (vLLM's
+  offline table for that class): a step's fixed host work (MLX encoding ~100 matmuls, ~8 ms on an H100) is paid
+  once for 4x the rows, and steps overlap with the launch thread (``engine.launcher``): issue 47's 100k-row
+  labeling job ran at 2,386 rows/s with 256 rows x 4096 tokens, 2,688 with 512 x 8192 and 2,820 / 2,728 with
+  1024 x 16384 (H100, one lease, `3fb1924`; MLX's peak 4.3, 6.9 and 9.5 GB). Rows with few new tokens are bound
+  by the step's tokens rather than by this cap: with T prefill tokens a step, prompts of P tokens computed and N new
+  tokens, about T x N / (P + N) rows are in flight (4096 x 8 / 145: ~230 for that job), whatever the cap above it.
 - Metal: the same reasoning on a smaller GPU and a smaller memory shared with macOS: by the machine's RAM (a proxy
   for the chip: base, Pro, Max / Ultra), 64 up to 16 GiB, 128 up to 48 GiB, 256 above.
 - CPU: compute-bound; a step's cost grows with its rows, and batching saves the per-step host work only: 128
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from mlxbatch.engine.sched.step import KVCost
 
 GiB = 1 << 30
+LARGE_GPU = 70 * GiB  # a CUDA GPU with this much memory or more (H100, H200, A100 80 GB) gets the large batch
 SMALL_MAC = 16 * GiB  # a Mac with this much RAM or less gets smaller defaults (engine.model.memory too)
 MOST_ROWS = 1 << 16  # rows_in_budget looks no further
 
@@ -82,7 +85,7 @@ class BatchSize:
 def seq_cap(device: DeviceFacts) -> int:
     """The most rows a step usefully runs on this device (the module's docstring says why)."""
     if device.kind == "cuda":
-        return 256 if device.memory >= 20 * GiB else 128
+        return 1024 if device.memory >= LARGE_GPU else 256 if device.memory >= 20 * GiB else 128
     if device.kind == "metal":
         return 64 if device.memory <= SMALL_MAC else 128 if device.memory <= 48 * GiB else 256
     return 128
@@ -103,17 +106,18 @@ def _step_tokens(device: DeviceFacts, seqs: int) -> tuple[int, str]:
     return (step, "device") if step >= 2 * seqs else (2 * seqs, "rows")
 
 
-def default_step_tokens(kind: str, host_total: int) -> int:
-    """Prefill tokens per step: a multi-second step on a base M-series chip stalls every decoding row (and the
-    desktop). On CUDA 4096: a step's transient grows with its prefill tokens (activations, attention scores) and
-    MLX's memory limit only slows it (``MemoryLimits.step_bound``), so 8192-token steps overshot the 2 GiB step
-    bound to 4.1-4.4 GiB on the H200 (0.5B shape), above mlx-lm's own peak; 4096-token steps stayed near it
-    (docs/benchmarks.md), for ~10% of prefill time on workloads that admit rows in waves."""
+def default_step_tokens(kind: str, memory: int) -> int:
+    """Prefill tokens per step (``memory``: a GPU's, or the machine's RAM): a multi-second step on a base M-series
+    chip stalls every decoding row (and the desktop). On CUDA 4096, and 16384 on GPUs of 70 GiB or more (the module's
+    docstring): a step's transient grows with its prefill tokens (activations, attention scores) and MLX's memory
+    limit only slows it (``MemoryLimits.step_bound``): 8192-token steps overshot the 2 GiB step bound to 4.1-4.4 GiB
+    on the H200 (0.5B shape), 16384-token ones peaked at 9.5 GB of MLX memory on an H100 (weights and 3 GB of KV
+    included), room such a GPU has."""
     if kind == "cpu":
         return 2048
     if kind == "metal":
-        return 2048 if host_total <= SMALL_MAC else 4096 if host_total <= 48 * GiB else 8192
-    return 4096
+        return 2048 if memory <= SMALL_MAC else 4096 if memory <= 48 * GiB else 8192
+    return 16384 if memory >= LARGE_GPU else 4096
 
 
 def rows_in_budget(slot_budget: int, kv_cost: KVCost, row_tokens: int | None) -> int:
