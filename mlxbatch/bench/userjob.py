@@ -114,8 +114,8 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
                   "of the floor", "prefill / window floor", "KV in use MB", "MLX peak MB", "steps"])
     split = Table("where a step's time goes (seconds; ms a step)",
                   ["engine section", "steps", "ms a step", "prefill: build", "of it encoding", "prefill: wait",
-                   "decode: build", "of it encoding", "decode: wait", "sampling", "host (scheduling, bookkeeping)",
-                   "syncs"])
+                   "decode: build", "of it encoding", "decode: wait", "waiting for the launch thread", "sampling",
+                   "host (scheduling, bookkeeping)", "syncs"])
     for tag, (process_s, r) in runs.items():
         p, wall = r["engine"]["profile"], r["wall_s"]
         outside = wall - p["total_s"]
@@ -128,7 +128,7 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
         split.rows.append([tag, p["steps"], 1e3 * p["total_s"] / max(1, p["steps"]), p["prefill_build_s"],
                            p.get("encoded_prefill_s"), p.get("waited_prefill_s", 0.0), p["decode_build_s"],
                            p.get("encoded_decode_s"), p.get("waited_decode_s", 0.0),
-                           p["sampling_s"], p["host_s"], p["syncs"]])
+                           p.get("waited_launch_thread_s", 0.0), p["sampling_s"], p["host_s"], p["syncs"]])
     if ref is not None:
         main.rows.append([f"mlx-lm batch_generate, first {ref['rows']:,} rows", ref["rows_per_s"], ref["wall_s"],
                           None, None, f"{ref['prompt_s']:.1f} / {ref['decode_s']:.1f} / -", None, None, None,
@@ -136,7 +136,9 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
     split.notes.append("build: the host building and launching the passes (copy-ins and row moves included); wait: "
                        "the host waiting for the device after it; of it encoding: the part of build inside `mx.async_eval` (MLX "
                        "ordering the graph and encoding its kernels; the rest is Python building the graph and the "
-                       "step's books); host: the rest of the step")
+                       "step's books), or with the launch thread (NVIDIA), that thread's time in it, beside the step's "
+                       "books; waiting for the launch thread: the engine's thread waiting for that encoding to end; "
+                       "host: the rest of the step")
     return [main, split]
 
 

@@ -37,6 +37,8 @@ from mlxbatch.engine.decoding.sampling import Drawn, SampledToken
 from mlxbatch.engine.launcher import Launcher
 from mlxbatch.types import TokenLogprob
 
+LAUNCH_THREAD = "launch_thread"  # ``Traffic.waited``'s key for the engine's thread waiting for the launch thread
+
 
 @dataclass
 class Traffic:
@@ -108,7 +110,9 @@ class Traffic:
         launch before it counts as complete only if the thread saw it so)."""
         if self.launcher is None or not self.launcher.pending:
             return
+        t0 = time.perf_counter()
         res = self.launcher.join()
+        self.waited[LAUNCH_THREAD] = self.waited.get(LAUNCH_THREAD, 0.0) + time.perf_counter() - t0
         kind = self._in_flight or "prefill"
         self.encoded[kind] = self.encoded.get(kind, 0.0) + res.encoded_s
         if self._settling is not None:  # nothing waited for it on this thread: the thread's wait counts
@@ -229,8 +233,10 @@ class StepProfile:
 
     @property
     def host_s(self) -> float:
-        """Scheduling, bookkeeping, detokenization: step time not spent in the model or sampler."""
-        return max(0.0, self.total_s - self.prefill_s - self.decode_s - self.sampling_s)
+        """Scheduling, bookkeeping, detokenization: step time not spent in the model or sampler, nor waiting for the
+        launch thread to launch the step before (``waited_launch_thread_s``: where its encoding takes longer)."""
+        return max(0.0, self.total_s - self.prefill_s - self.decode_s - self.sampling_s
+                   - self.traffic.waited.get(LAUNCH_THREAD, 0.0))
 
     def as_dict(self) -> dict[str, float]:
         return {
