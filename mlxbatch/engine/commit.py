@@ -67,9 +67,9 @@ class StepCommit:
         pending = self._commit(out)  # the prefix store's writes read this step's KV: evaluated with it
         t0, w0 = time.perf_counter(), self.traffic.wait_s
         if drawn is not None:
-            n = self.traffic.launch("decode" if out.decodes else "prefill", *drawn.arrays(), *pending)
+            n = self.traffic.launch("decode" if out.decodes else "prefill", *drawn.arrays(), *pending, beside=True)
         elif pending or out.decodes:
-            n = self.traffic.launch("prefill", *pending, *self.batch.kv_arrays())
+            n = self.traffic.launch("prefill", *pending, *self.batch.kv_arrays(), beside=True)
         else:
             n = self.traffic.launches
         build = time.perf_counter() - t0 - (self.traffic.wait_s - w0)

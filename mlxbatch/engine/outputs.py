@@ -76,10 +76,12 @@ class Traffic:
             self.fault("evaluate", arrays)
         mx.eval(*arrays)
 
-    def launch(self, kind: str, *arrays: Any) -> int:
+    def launch(self, kind: str, *arrays: Any, beside: bool = False) -> int:
         """Enqueue the evaluation of ``arrays`` and return at once (after what is in flight); returns its number.
-        With a launch thread, the wait for what is in flight and the enqueueing happen there."""
-        if self.launcher is not None:
+        ``beside``: the caller builds no graph until its next call here (a step's last launch), so with a launch
+        thread the wait for what is in flight and the enqueueing happen there, beside the caller's work; a launch
+        inside a step is enqueued on this thread (one thread at a time builds or evaluates graphs)."""
+        if self.launcher is not None and beside:
             return self._hand_over(kind, arrays)
         self.settle()
         if self.fault is not None:

@@ -6,6 +6,7 @@ thread ends with the engine. The overlap and late out-of-memory suites run with 
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import mlx.core as mx
@@ -32,7 +33,12 @@ def _run(loaded, monkeypatch, on: bool):
     real = mx.async_eval
 
     def recorded(*arrays):
-        threads.append(threading.current_thread().name)
+        # where each evaluation is enqueued: the thread, and whether a step's last launch asked for it (its draw)
+        frames, f = [], sys._getframe(1)
+        while f is not None:
+            frames.append(f.f_code.co_name)
+            f = f.f_back
+        threads.append((threading.current_thread().name, "draw_commit" in frames))
         return real(*arrays)
 
     monkeypatch.setattr(mx, "async_eval", recorded)
@@ -54,11 +60,15 @@ def _run(loaded, monkeypatch, on: bool):
 
 def test_steps_launched_from_the_launch_thread_give_the_same_outputs_and_counts(tiny_loaded, monkeypatch):
     want, counts, threads, _ = _run(tiny_loaded, monkeypatch, on=False)
-    assert set(threads) == {"MainThread"}
+    assert {name for name, _ in threads} == {"MainThread"}
     got, counts_lt, threads_lt, encoded = _run(tiny_loaded, monkeypatch, on=True)
     assert got == want
     assert counts_lt == counts  # the same launches, and a sync for each wait, wherever it waited
-    assert threads_lt and set(threads_lt) == {"mlxbatch-launch"}  # every step's launch went through the thread
+    # each step's last launch (its draw) went through the thread; launches inside a step stay on the engine's thread
+    # (it goes on building the step's graph after them)
+    last = sum(1 for _, drew in threads if drew)
+    assert last > 0 and sum(1 for name, _ in threads_lt if name == "mlxbatch-launch") == last
+    assert all(not drew for name, drew in threads_lt if name == "MainThread")
     assert encoded > 0  # the thread's time inside async_eval is counted
     assert not _launch_threads(), "the launch thread outlived its engine"
 
