@@ -75,14 +75,14 @@ def _decode_graph(eng: Engine, prompts: list[list[int]], params: SamplingParams)
     graphs: list[collections.Counter] = []
     launch = outputs.Traffic.launch
 
-    def recorded(self, kind, *arrays):
+    def recorded(self, kind, *arrays, **how):
         if kind == "decode":
             with tempfile.TemporaryDirectory() as tmp:
                 path = os.path.join(tmp, "step.dot")
                 mx.export_to_dot(path, *[a for a in arrays if isinstance(a, mx.array)])
                 with open(path) as f:
                     graphs.append(collections.Counter(re.findall(r'label ="([A-Za-z]+)', f.read())))
-        return launch(self, kind, *arrays)
+        return launch(self, kind, *arrays, **how)
 
     outputs.Traffic.launch = recorded
     try:
