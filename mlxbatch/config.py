@@ -41,8 +41,8 @@ class EngineConfig:
     # launch each step before reading the last one's tokens, so that the host's work (reading results, scheduling,
     # building the next passes) runs while the device computes (a job's ``engine.overlap_steps``). None: by device: on
     # the CUDA text path, whose steps are launched from a thread of their own too (``engine.launcher``), off elsewhere
-    # (on its own, without that thread, it measured no faster on an H200 and ~6% faster on an H100: docs/benchmarks.md); off, every
-    # step is read before the next is built
+    # (on its own, without that thread, it measured no faster on an H200 and ~6% faster on an H100:
+    # docs/benchmarks.md); off, every step is read before the next is built
     overlap_steps: bool | None = None
 
     def __post_init__(self) -> None:

@@ -35,7 +35,7 @@ from mlxbatch.bench.meta import emit
 from mlxbatch.bench.options import parse_script_args
 from mlxbatch.engine import LayoutOptions
 
-CUDA_STEP_TOKENS = 4096  # prefill tokens a step on NVIDIA GPUs (the engine's default there)
+CUDA_STEP_TOKENS = 4096  # prefill tokens a step on NVIDIA GPUs under 70 GB (the engine's default there)
 # the CUDA text path's layout (the engine's ``paths.layout_for`` there): batched moves, rows that stay in their slots,
 # passes in recurring shapes, one packed prefill pass a step. The kernels stay MLX's ops, and the CPU's pruned prefill
 # stays (it never runs beside packed passes): only the decisions are CUDA's

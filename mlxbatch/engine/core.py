@@ -111,8 +111,7 @@ class EngineCore:
     def close_launch_thread(self) -> None:
         """Stop the launch thread (what it launched completes first); steps after this launch on this thread."""
         if self._launcher is not None:
-            with self._mlx():
-                self.runner.traffic.drain()
+            self.runner.traffic.drain()
             self.runner.traffic.launcher = None
             self._launcher.close()
             self._launcher = None

@@ -28,7 +28,7 @@ import mlx.core as mx
 
 
 @dataclass(frozen=True)
-class Launched:
+class LaunchResult:
     """What a submission came to on the launch thread: whether the launch before it was seen complete, the seconds it
     waited for that and spent inside ``mx.async_eval``, and what failed (raised on the engine's thread by ``Traffic``)."""
 
@@ -45,7 +45,7 @@ class _State:
     def __init__(self) -> None:
         self.settled = threading.Event()  # the wait for the launch before is over (succeeded or not)
         self.done = threading.Event()  # the submission is launched (or failed)
-        self.result = Launched(True, 0.0, 0.0, None)
+        self.result = LaunchResult(True, 0.0, 0.0, None)
 
 
 class Launcher:
@@ -83,7 +83,7 @@ class Launcher:
             return self._state.result.settled
         return True  # (the result is written when the submission ends; until then the wait has succeeded)
 
-    def join(self) -> Launched:
+    def join(self) -> LaunchResult:
         """Wait for the submission to be launched (or to fail) and return what it came to."""
         self._state.done.wait()
         self.pending = False
@@ -113,6 +113,6 @@ def _run(jobs: queue.SimpleQueue[tuple[Sequence[Any], bool] | None], st: _State,
             encoded = time.perf_counter() - t0
         except BaseException as exc:  # raised on the engine's thread by ``Traffic``
             error = exc
-        st.result = Launched(settled, waited, encoded, error)
+        st.result = LaunchResult(settled, waited, encoded, error)
         st.settled.set()
         st.done.set()
