@@ -67,7 +67,7 @@ class StepCommit:
         pending = self._commit(out)  # the prefix store's writes read this step's KV: evaluated with it
         t0, w0 = time.perf_counter(), self.traffic.wait_s
         if drawn is not None:
-            n = self.traffic.launch("decode" if out.decodes else "prefill", *drawn.arrays(), *pending, beside=True)
+            n = self.traffic.launch("decode" if out.decodes else "prefill", *pending, drawn=drawn, beside=True)
         elif pending or out.decodes:
             n = self.traffic.launch("prefill", *pending, *self.batch.kv_arrays(), beside=True)
         else:

@@ -11,6 +11,12 @@ MLX evaluates a graph on another thread than the one that built it only on a str
 (``mx.new_thread_unsafe_stream``): the engine builds its graphs on ``stream`` (``EngineCore``), and one thread at a
 time works on it: this thread between ``submit`` and ``join``, the engine's thread otherwise, except that it may read
 the results of the step this thread has seen complete (``wait_settled``). ``Traffic`` is the only caller.
+
+Reading an array changes it in MLX: the first read of a launched array waits for its event and drops it, and so does
+an evaluation that takes the array in (the next step's decode pass takes the step before's draw). Two threads doing
+that to one array at once free its event twice (a segmentation fault on an H100, 1 run in 3 of a 20k-row job). So the
+thread that sees a launch complete also completes the arrays the engine's thread will read from it (``complete``:
+before ``wait_settled`` lets that thread read them), and the engine's thread does the same after its own waits.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ class Launcher:
 
     def __init__(self, gpu: bool, bound: Callable[[], AbstractContextManager[Any]]) -> None:
         self.stream = mx.new_thread_unsafe_stream(mx.gpu if gpu else mx.cpu)
-        self._jobs: queue.SimpleQueue[tuple[Sequence[Any], bool] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Sequence[Any], Sequence[Any] | None] | None] = queue.SimpleQueue()
         self._state = _State()
         self.pending = False  # a submission not joined yet
         self._thread = threading.Thread(target=_run, args=(self._jobs, self._state, self.stream, bound),
@@ -66,14 +72,15 @@ class Launcher:
         """The engine's arrays are made inside this (MLX's default stream of the calling thread: ``stream``)."""
         return mx.stream(self.stream)
 
-    def submit(self, arrays: Sequence[Any], settle_first: bool) -> None:
-        """Launch ``arrays`` (the step's outputs) on the thread, after waiting for what is in flight when
-        ``settle_first``; returns at once. The last submission must be joined first."""
+    def submit(self, arrays: Sequence[Any], settle: Sequence[Any] | None) -> None:
+        """Launch ``arrays`` (the step's outputs) on the thread; returns at once. ``settle``: None when nothing is in
+        flight, else the thread first waits for what is and then completes these arrays of it (those the engine's
+        thread will read: ``complete``). The last submission must be joined first."""
         assert not self.pending, "a submission is still in flight: join it first"
         self._state.settled.clear()
         self._state.done.clear()
         self.pending = True
-        self._jobs.put((arrays, settle_first))
+        self._jobs.put((arrays, settle))
 
     def wait_settled(self) -> bool:
         """Wait until the thread's wait for the launch before the submitted one is over; whether it succeeded (a
@@ -96,15 +103,23 @@ class Launcher:
         self._thread.join()
 
 
-def _run(jobs: queue.SimpleQueue[tuple[Sequence[Any], bool] | None], st: _State, stream: Any,
+def complete(arrays: Sequence[Any]) -> None:
+    """Mark launched arrays whose launch was seen complete as readable (MLX's ``array.wait``: their events dropped)
+    on this thread, so that no evaluation on another thread does it while the engine's thread reads them."""
+    if arrays:
+        mx.eval(*arrays)  # (every array here was launched: ``eval`` only waits for each, it computes nothing)
+
+
+def _run(jobs: queue.SimpleQueue[tuple[Sequence[Any], Sequence[Any] | None] | None], st: _State, stream: Any,
          bound: Callable[[], AbstractContextManager[Any]]) -> None:
     while (job := jobs.get()) is not None:
-        arrays, settle_first = job
-        settled, waited, encoded, error = not settle_first, 0.0, 0.0, None
+        arrays, settle = job
+        settled, waited, encoded, error = settle is None, 0.0, 0.0, None
         try:
-            if settle_first:
+            if settle is not None:
                 t0 = time.perf_counter()
                 mx.synchronize(stream)
+                complete(settle)
                 waited, settled = time.perf_counter() - t0, True
             st.settled.set()
             t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxbatch.engine.decoding.sampling import Drawn, SampledToken
-from mlxbatch.engine.launcher import Launcher
+from mlxbatch.engine.launcher import Launcher, complete
 from mlxbatch.types import TokenLogprob
 
 LAUNCH_THREAD = "launch_thread"  # ``Traffic.waited``'s key for the engine's thread waiting for the launch thread
@@ -55,6 +55,9 @@ class Traffic:
 
     def __post_init__(self) -> None:  # the queue's state (not counters: ``asdict`` leaves it out)
         self._in_flight: str | None = None  # what the launch in flight runs ("prefill", "decode", ...), if any
+        # the arrays of the launch in flight that this thread will read (its draw): whichever thread sees that launch
+        # complete completes them (``launcher.complete``) before this one may read them (see ``engine.launcher``)
+        self._reads: list[Any] = []
         self._settled = 0  # launches known to be complete
         self.waited: dict[str, float] = {}  # seconds the host waited for launches of each kind
         # seconds inside ``mx.async_eval`` by launch kind: MLX ordering the graph and encoding its kernels (on a
@@ -76,13 +79,16 @@ class Traffic:
             self.fault("evaluate", arrays)
         mx.eval(*arrays)
 
-    def launch(self, kind: str, *arrays: Any, beside: bool = False) -> int:
-        """Enqueue the evaluation of ``arrays`` and return at once (after what is in flight); returns its number.
-        ``beside``: the caller builds no graph until its next call here (a step's last launch), so with a launch
-        thread the wait for what is in flight and the enqueueing happen there, beside the caller's work; a launch
-        inside a step is enqueued on this thread (one thread at a time builds or evaluates graphs)."""
+    def launch(self, kind: str, *arrays: Any, drawn: Drawn | None = None, beside: bool = False) -> int:
+        """Enqueue the evaluation of ``arrays`` and ``drawn``'s (a draw this thread will ``read``) and return at once
+        (after what is in flight); returns its number. ``beside``: the caller builds no graph until its next call
+        here (a step's last launch), so with a launch thread the wait for what is in flight and the enqueueing
+        happen there, beside the caller's work; a launch inside a step is enqueued on this thread (one thread at a
+        time builds or evaluates graphs)."""
+        reads = drawn.arrays() if drawn is not None else []
+        arrays = (*reads, *arrays)
         if self.launcher is not None and beside:
-            return self._hand_over(kind, arrays)
+            return self._hand_over(kind, arrays, reads)
         self.settle()
         if self.fault is not None:
             self.fault(kind, arrays)
@@ -90,21 +96,22 @@ class Traffic:
         mx.async_eval(*arrays)
         self.encoded[kind] = self.encoded.get(kind, 0.0) + time.perf_counter() - t0
         self.launches += 1
-        self._in_flight = kind
+        self._in_flight, self._reads = kind, reads
         return self.launches
 
-    def _hand_over(self, kind: str, arrays: Sequence[Any]) -> int:
+    def _hand_over(self, kind: str, arrays: Sequence[Any], reads: list[Any]) -> int:
         assert self.launcher is not None
         self.join()
         if self._in_flight is not None and self.fault is not None:
             self.fault("synchronize", ())  # (the thread's wait for it: the same seam as ``settle``)
         if self.fault is not None:
             self.fault(kind, arrays)
+        settle = None
         if self._in_flight is not None:
-            self._settling = (self.launches, self._in_flight)
-        self.launcher.submit(arrays, settle_first=self._in_flight is not None)
+            self._settling, settle = (self.launches, self._in_flight), self._reads
+        self.launcher.submit(arrays, settle)
         self.launches += 1
-        self._in_flight = kind
+        self._in_flight, self._reads = kind, reads
         return self.launches
 
     def join(self) -> None:
@@ -140,7 +147,7 @@ class Traffic:
             return
         if self.launcher.pending:
             self.launcher.join()
-        self._settling = None
+        self._settling, self._reads = None, []
         try:
             mx.synchronize(self.launcher.stream)
         except Exception:  # noqa: BLE001 (the failure of a step already given up)
@@ -158,9 +165,10 @@ class Traffic:
             mx.synchronize(self.launcher.stream)
         else:
             mx.synchronize()
+        complete(self._reads)
         self.syncs += 1
         self.waited[self._in_flight] = self.waited.get(self._in_flight, 0.0) + time.perf_counter() - t0
-        self._in_flight, self._settled = None, self.launches
+        self._in_flight, self._settled, self._reads = None, self.launches, []
 
     def wait_for(self, launch: int) -> None:
         """Wait for launch number ``launch`` (nothing to do if a later wait already covered it). The launch the

@@ -79,7 +79,9 @@ def _decode_graph(eng: Engine, prompts: list[list[int]], params: SamplingParams)
         if kind == "decode":
             with tempfile.TemporaryDirectory() as tmp:
                 path = os.path.join(tmp, "step.dot")
-                mx.export_to_dot(path, *[a for a in arrays if isinstance(a, mx.array)])
+                drawn = how.get("drawn")  # (a step's draw goes by keyword)
+                wanted = [*arrays, *(drawn.arrays() if drawn is not None else ())]
+                mx.export_to_dot(path, *[a for a in wanted if isinstance(a, mx.array)])
                 with open(path) as f:
                     graphs.append(collections.Counter(re.findall(r'label ="([A-Za-z]+)', f.read())))
         return launch(self, kind, *arrays, **how)

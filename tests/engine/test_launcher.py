@@ -102,3 +102,37 @@ def test_which_engines_overlap_steps_and_launch_from_a_thread(kind, overlap, vis
 def test_a_cpu_engine_resolves_overlap_by_device(tiny_loaded):
     with Engine(tiny_loaded, EngineConfig(warm_up=False)) as eng:
         assert eng.core.config.overlap_steps is False and eng.core._launcher is None
+
+
+def test_a_draw_is_completed_before_the_engines_thread_reads_it(tiny_loaded, monkeypatch):
+    """MLX changes an array when it is first read or taken into an evaluation (its event dropped): the next step's
+    pass takes the step before's draw in while the engine's thread reads that draw. So whichever thread sees a launch
+    complete completes its draw (``launcher.complete``) before the engine's thread may read it; without that, two
+    threads dropped one event at once (a segmentation fault on an H100)."""
+    import mlxbatch.engine.launcher as launcher_mod
+    import mlxbatch.engine.outputs as outputs_mod
+    from mlxbatch.engine.decoding.sampling import Drawn
+
+    monkeypatch.setattr("mlxbatch.engine.core.uses_launch_thread", lambda backend, config, vision: True)
+    completed: dict[int, str] = {}  # id of each array completed -> the thread that completed it
+    unread: list[int] = []
+    real_complete, real_read = launcher_mod.complete, Drawn.read
+
+    def complete(arrays):
+        for a in arrays:
+            completed.setdefault(id(a), threading.current_thread().name)
+        real_complete(arrays)
+
+    def read(self):
+        unread.extend(id(a) for a in self.arrays() if id(a) not in completed)
+        return real_read(self)
+
+    monkeypatch.setattr(launcher_mod, "complete", complete)
+    monkeypatch.setattr(outputs_mod, "complete", complete)
+    monkeypatch.setattr(Drawn, "read", read)
+    with Engine(tiny_loaded, EngineConfig(**CONFIG)) as eng:
+        outs = eng.generate(PROMPTS, PARAMS)
+    assert all(o.finished for o in outs)
+    assert not unread, f"{len(unread)} draw arrays read before any thread completed them"
+    # most steps' draws are completed by the launch thread, beside the engine's thread's work
+    assert list(completed.values()).count("mlxbatch-launch") > len(completed) // 2
