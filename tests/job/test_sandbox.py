@@ -100,6 +100,31 @@ def test_a_text_only_template_is_rendered_once_to_what_each_row_would_render(sys
         assert once.render({"x": x}) == every_row.render({"x": x})
 
 
+@pytest.mark.parametrize("template", ["{{ x }}", "{{x}}", "{{ x }}\n", "{{ x|trim }}", "{{ y }}"])
+@pytest.mark.parametrize("x", ["  a text  ", "", "{{ not a template }}", 7, 2.5, None, ["a"], True])
+def test_a_template_printing_one_field_renders_what_jinja_renders(template, x):
+    """``{{ x }}`` of a text field skips Jinja (its value is what Jinja prints); other values and other templates
+    render, with the same errors (a null printed, a missing field)."""
+    fast, jinja = PromptRenderer(PromptSection(template=template)), PromptRenderer(PromptSection(template=template))
+    jinja._field.clear()
+    assert len(fast._field) == (template in ("{{ x }}", "{{x}}", "{{ y }}"))
+
+    def outcome(r):
+        try:
+            return r.render({"x": x}).prompt
+        except RenderError as exc:
+            return type(exc), str(exc)
+
+    assert outcome(fast) == outcome(jinja)
+
+
+def test_a_field_printed_alone_counts_toward_the_prompt_bound():
+    r = PromptRenderer(PromptSection(system="{{ s }}", template="{{ x }}"), max_chars=5)
+    assert r.render({"s": "ab", "x": "xyz"}).prompt[1]["content"] == "xyz"
+    with pytest.raises(PromptTooLongError):
+        r.render({"s": "ab", "x": "wxyz"})
+
+
 def test_a_text_only_part_counts_toward_the_prompt_bound():
     r = PromptRenderer(PromptSection(system="abc", template="{{ x }}"), max_chars=5)
     assert r.render({"x": "xy"}).prompt[0]["content"] == "abc"

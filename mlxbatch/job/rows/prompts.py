@@ -58,6 +58,9 @@ class PromptRenderer:
         # templates that are text only (no expression, no tag): the same text for every row, rendered once. By the
         # id of the compiled template, which this renderer holds for its life
         self._constant: dict[int, str] = {}
+        # templates that print one field and nothing else (``{{ review }}``): a text field's value is what Jinja
+        # prints, so a row whose field is a ``str`` skips the render (any other value renders: nulls, numbers, ...)
+        self._field: dict[int, str] = {}
         self._template = self._compile("prompt.template", section.template)
         self._messages = [(m["role"], self._compile(f"prompt.messages[{i}].content", m["content"]))
                           for i, m in enumerate(section.messages or ())]
@@ -72,6 +75,10 @@ class PromptRenderer:
                             for out in self._env.parse(source).body)
         except jinja2.TemplateSyntaxError as exc:
             raise TemplateSyntaxError(key, f"template syntax error on line {exc.lineno}: {exc.message}") from exc
+        body = self._env.parse(source).body
+        if (len(body) == 1 and isinstance(body[0], nodes.Output) and len(body[0].nodes) == 1
+                and isinstance(body[0].nodes[0], nodes.Name)):
+            self._field[id(template)] = body[0].nodes[0].name
         if text_only:
             try:
                 self._constant[id(template)] = self._env.render_bounded(template, {})
@@ -113,6 +120,8 @@ class PromptRenderer:
         def render(template: jinja2.Template) -> str:
             nonlocal used
             text = self._constant.get(id(template))
+            if text is None and (name := self._field.get(id(template))) is not None and type(values.get(name)) is str:
+                text = values[name]
             if text is None:
                 text = env.render_bounded(template, values, used)
             elif used + len(text) > self.max_chars:
