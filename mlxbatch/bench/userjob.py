@@ -10,7 +10,8 @@ tokenizer), ``--max-tokens`` new tokens (default 8), greedy, ``model: {path, dty
 a GPU, float32 on a CPU). It runs as ``mlxbatch run job.yaml`` in a child process, as a user runs it, once per
 ``--configs`` entry: ``defaults`` with no ``engine:`` section, N with ``engine: {max_num_seqs: N}``, NxT with
 ``max_num_batched_tokens: T`` too, a ``+overlap`` suffix with ``overlap_steps: true``
-(``512x8192+overlap``, ``defaults+overlap``). Then, in
+(``512x8192+overlap``, ``defaults+overlap``), a ``+workersK`` suffix with ``MLXBATCH_FEED_WORKERS=K`` (the feed's
+rendering, tokenizing and planning in K processes, off the run's GIL: ``defaults+workers4``). Then, in
 this process, mlx-lm's ``batch_generate`` on the first ``--mlx-lm-rows`` rows (default a tenth) of the same prompts
 (the chat template applied by the tokenizer; ``completion_batch_size`` = ``--concurrency``, default 256 on a GPU and
 32 on a CPU), and the hardware floor of the job (``floor``: the matmul rate and bandwidth measured here).
@@ -23,10 +24,12 @@ host, waiting for the device, sampling, the rest). ``--json`` writes the tables,
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,7 @@ from mlxbatch.bench.harness import MB, Bench, Table, log, ratio, resolve_model
 from mlxbatch.bench.jobdata import INSTRUCTION, write_reviews
 from mlxbatch.bench.meta import emit
 from mlxbatch.bench.options import parse_script_args
+from mlxbatch.job.rows.workers import WORKERS_ENV
 
 MESSAGES = [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": "{{ review }}"}]
 
@@ -155,20 +159,43 @@ def _outside(run: dict[str, Any]) -> str | None:
 DEFAULTS = "none (defaults)"
 
 
-_CONFIG = re.compile(r"^(?:defaults|(\d+)(?:x(\d+))?)(\+overlap)?$")
+_CONFIG = re.compile(r"^(?:defaults|(\d+)(?:x(\d+))?)(\+overlap)?(?:\+workers(\d+))?$")
 
 
-def parse_configs(text: str) -> list[dict[str, Any] | None]:
-    """``--configs`` -> the runs' engine sections, None for ``defaults`` (the job with no engine section): ``N`` is
-    ``max_num_seqs: N``, ``NxT`` adds ``max_num_batched_tokens: T``, a ``+overlap`` suffix ``overlap_steps: true``
-    (``defaults+overlap``: that key alone)."""
-    out: list[dict[str, Any] | None] = []
+@dataclass(frozen=True)
+class RunConfig:
+    """One run of the job: its engine section (None: none, the defaults) and its feed's worker processes (None: the
+    run's default, ``MLXBATCH_FEED_WORKERS`` unset)."""
+
+    section: dict[str, Any] | None
+    workers: int | None = None
+
+    @property
+    def tag(self) -> str:
+        """The run's name in the tables: its engine section as the job file says it, and its feed workers."""
+        tag = DEFAULTS if self.section is None else ", ".join(
+            f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in self.section.items())
+        return tag if self.workers is None else f"{tag}; MLXBATCH_FEED_WORKERS={self.workers}"
+
+    @property
+    def name(self) -> str:
+        """Its files' name: ``defaults``, ``seqs-256-4096-overlap``, with ``-workers4``."""
+        name = "defaults" if self.section is None else "seqs-" + "-".join(
+            "overlap" if v is True else str(v) for v in self.section.values())
+        return name if self.workers is None else f"{name}-workers{self.workers}"
+
+
+def parse_configs(text: str) -> list[RunConfig]:
+    """``--configs`` -> the runs: ``defaults`` has no engine section, ``N`` is ``max_num_seqs: N``, ``NxT`` adds
+    ``max_num_batched_tokens: T``, a ``+overlap`` suffix ``overlap_steps: true`` (``defaults+overlap``: that key
+    alone), a ``+workersK`` suffix runs the feed in K worker processes."""
+    out: list[RunConfig] = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         m = _CONFIG.match(item)
         if m is None or any(g is not None and int(g) == 0 for g in m.groups()[:2]):
             raise SystemExit(f"--configs: {item!r}: expected 'defaults' or N, NxT (max_num_seqs, max_num_batched_tokens: "
-                             "integers >= 1), each with an optional '+overlap'")
-        seqs, tokens, overlap = m.groups()
+                             "integers >= 1), each with an optional '+overlap' and '+workersK'")
+        seqs, tokens, overlap, workers = m.groups()
         section: dict[str, Any] = {}
         if seqs is not None:
             section["max_num_seqs"] = int(seqs)
@@ -176,23 +203,16 @@ def parse_configs(text: str) -> list[dict[str, Any] | None]:
             section["max_num_batched_tokens"] = int(tokens)
         if overlap:
             section["overlap_steps"] = True
-        out.append(section or None)
+        out.append(RunConfig(section or None, int(workers) if workers is not None else None))
     if not out:
         raise SystemExit("--configs: name at least one run ('defaults' or a max_num_seqs)")
     return out
 
 
-def config_tag(section: dict[str, Any] | None) -> str:
-    """A run's name in the tables: its engine section as the job file says it."""
-    if section is None:
-        return DEFAULTS
-    return ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in section.items())
-
-
 def notes(runs: dict[str, tuple[float, dict]], ref: dict | None, floor: Floor, speed: MachineSpeed, params: int,
           weight_bytes: int, a: Any, floor_batch: int) -> list[str]:
     first = next(iter(runs.values()))[1]
-    hand = {t: r for t, (_, r) in runs.items() if t != DEFAULTS}
+    hand = {t: r for t, (_, r) in runs.items() if not t.startswith(DEFAULTS)}  # (defaults with feed workers: not hand-set)
     out = [
         f"hardware floor {floor.seconds:.2f} s ({a.rows / floor.seconds:,.0f} rows/s): prefill "
         f"{floor.prefill_tokens:,} window-floor tokens x 2 x {params / 1e6:.1f}M parameters at "
@@ -223,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         list(sys.argv[1:] if argv is None else argv), "userjob", __doc__, {"rows": 100_000, "max_tokens": 8},
         configs=("defaults,64,128,256,512,1024", "the runs, in order: 'defaults' (no engine section) and hand-set "
                  "engine sections: N (max_num_seqs), NxT (and max_num_batched_tokens), each with an optional "
-                 "'+overlap' (overlap_steps: true) (default defaults,64,128,256,512,1024)"),
+                 "'+overlap' (overlap_steps: true) and '+workersK' (MLXBATCH_FEED_WORKERS=K) (default "
+                 "defaults,64,128,256,512,1024)"),
         mlx_lm_rows=(-1, "rows for mlx-lm's batch_generate (default: a tenth of --rows; 0 skips it)"),
         floor_batch=(256, "rows decoding together in the floor's decode steps (default 256)"),
         matmul_n=(0, "the floor's matmul size (default 8192 on a GPU, 2048 on a CPU)"),
@@ -242,13 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     data = write_reviews(folder / "reviews.jsonl", args.rows, args.seed)
     runs: dict[str, tuple[float, dict]] = {}
     outs: dict[str, Path] = {}
-    for section in configs:
-        tag = config_tag(section)
+    for config in configs:
+        tag = config.tag
         log(f"userjob: {args.rows:,} rows, engine section {tag}")
-        name = "defaults" if section is None else "seqs-" + "-".join("overlap" if v is True else str(v)
-                                                                     for v in section.values())
-        job = job_file(folder, name, model, dtype, data, args.max_tokens, section)
-        runs[tag] = run_cli(job, mine.timeout)
+        job = job_file(folder, config.name, model, dtype, data, args.max_tokens, config.section)
+        env = None if config.workers is None else {**os.environ, WORKERS_ENV: str(config.workers)}
+        runs[tag] = run_cli(job, mine.timeout, env=env)
         outs[tag] = Path(yaml.safe_load(job.read_text())["output"])
         log(f"  {runs[tag][1]['rows_per_s']:.1f} rows/s")
     args.dtype = dtype

@@ -170,3 +170,17 @@ def test_userjob_refuses_bad_configs_before_any_work():
                       ("", "at least one")):
         with pytest.raises(SystemExit, match=says):
             userjob.main(["--model", "/nonexistent", "--configs", bad])
+
+
+def test_userjob_configs_name_engine_sections_and_feed_workers():
+    from mlxbatch.bench.userjob import DEFAULTS, RunConfig, parse_configs
+
+    got = parse_configs("defaults, defaults+workers4, 256x4096+overlap+workers2, 64")
+    assert got == [RunConfig(None), RunConfig(None, 4),
+                   RunConfig({"max_num_seqs": 256, "max_num_batched_tokens": 4096, "overlap_steps": True}, 2),
+                   RunConfig({"max_num_seqs": 64})]
+    assert [c.name for c in got] == ["defaults", "defaults-workers4", "seqs-256-4096-overlap-workers2", "seqs-64"]
+    assert got[0].tag == DEFAULTS and got[1].tag == f"{DEFAULTS}; MLXBATCH_FEED_WORKERS=4"
+    for bad in ("defaults+workers", "0x4096", "64+workers4+overlap"):
+        with pytest.raises(SystemExit):
+            parse_configs(bad)
