@@ -83,9 +83,15 @@ class EngineCore:
         self._closed = False
         self._pending: Launched | None = None  # the step launched last, until its tokens are read (``step``)
         if self.config.warm_up:
-            self.worker.warm_up()
-            if self.worker.backend.gpu:  # GPU kernels compile on first use: not inside the first real steps
-                self.warm_up_paths()
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """The model's first evaluations, and on a GPU every kind of step once (its kernels compile on first use: not
+        inside the first real steps). The constructor calls it when ``config.warm_up``; a caller that constructs with
+        it off may call it later (a job warms its engine up while its feed prepares the first rows)."""
+        self.worker.warm_up()
+        if self.worker.backend.gpu:
+            self.warm_up_paths()
 
     def warm_up_paths(self) -> WarmUpReport:
         """Take every kind of step once on a throwaway core of the same model, small budget (engine.warmup)."""

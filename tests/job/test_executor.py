@@ -223,3 +223,35 @@ def test_a_job_without_an_engine_section_runs_and_reports_the_batch_its_device_c
     batch = json.loads((tmp_path / "out" / "report.json").read_text())["engine"]["batch"]
     assert batch["max_num_seqs"] == seqs and batch["max_num_batched_tokens"] == tokens
     assert batch["max_num_seqs_from"] == "device" and batch["rows_in_kv_budget"] >= seqs
+
+
+def test_a_run_warms_its_engine_up_once_while_its_feed_prepares_the_first_window(tmp_path, tiny_model_path,
+                                                                                 monkeypatch):
+    """The feed starts before the engine's warm-up, so the first window is prepared meanwhile (on a GPU the warm-up
+    compiles kernels for seconds; the engine used to wait for the window after it); the run's clock starts after it,
+    and the engine is warmed up once, before its first step."""
+    import threading
+
+    from mlxbatch.engine import EngineCore
+    from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.run.runner import JobRunner
+
+    seen: list[tuple[bool, bool]] = []  # per warm-up: the feed's thread was running; the engine had stepped
+    real_warm_up, real_step = EngineCore.warm_up, EngineCore.step
+    stepped = []
+
+    def warm_up(self):
+        seen.append((any(t.name == "mlxbatch-feed" for t in threading.enumerate()), bool(stepped)))
+        return real_warm_up(self)
+
+    def step(self):
+        stepped.append(1)
+        return real_step(self)
+
+    monkeypatch.setattr(EngineCore, "warm_up", warm_up)
+    monkeypatch.setattr(EngineCore, "step", step)
+    data = write_jsonl(tmp_path / "in.jsonl", texts(12))
+    spec = validate_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out"))
+    JobRunner(spec, progress=False).run()
+    assert seen == [(True, False)]
+    assert (tmp_path / "out" / "_SUCCESS").exists()

@@ -40,10 +40,18 @@ class RowEngine:
     """One engine running row tasks: refused rows come back as errors (kind ``request``, ``constraint`` or
     ``image``) on the next ``step``, never as exceptions."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
-        self.core = EngineCore(loaded, config)
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, warm_up_later: bool = False) -> None:
+        """``warm_up_later``: the engine's warm-up (``config.warm_up``) waits for ``warm_up``."""
+        self._warm_up_due = warm_up_later and config.warm_up
+        self.core = EngineCore(loaded, dataclasses.replace(config, warm_up=False) if self._warm_up_due else config)
         self._refused: list[RowDone] = []
         self.busy_s = 0.0  # time spent stepping
+
+    def warm_up(self) -> None:
+        """The warm-up put off at construction, if any (once)."""
+        if self._warm_up_due:
+            self._warm_up_due = False
+            self.core.warm_up()
 
     def submit(self, task: RowTask) -> None:
         try:
@@ -80,14 +88,21 @@ class LocalExecutor:
     """The single-machine path: one engine in this process."""
 
     def __init__(self, spec: JobSpec, loaded: LoadedModel) -> None:
-        self.engine = RowEngine(loaded, engine_config(spec.engine, spec.seed, row_tokens_hint(spec)))
+        # warmed up by the run once its feed has started (``warm_up``): the first window is prepared meanwhile
+        self.engine = RowEngine(loaded, engine_config(spec.engine, spec.seed, row_tokens_hint(spec)), warm_up_later=True)
         core = self.engine.core
         self.model = dataclasses.replace(ModelInfo.of(loaded), reuse_step=core.reuse_step,
                                          batch=core.batch_size.describe())
         self.max_inflight = max_inflight(core.config.max_num_seqs)
         self._pending: dict[str, Submit] = {}
 
+    def warm_up(self) -> None:
+        """The engine's warm-up (GPU kernels compiled, first evaluations): the run calls it once its feed has started
+        preparing the first window, which a fast start would otherwise wait for with the engine idle."""
+        self.engine.warm_up()
+
     def take(self, feed: RowFeed) -> list[Failed | Resumed]:
+        self.engine.warm_up()  # (done already when the run called ``warm_up``)
         room = take_room(len(self._pending), self.max_inflight)
         if not room:
             return []

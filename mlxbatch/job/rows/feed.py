@@ -249,14 +249,18 @@ class RowFeed:
                     self._thread.join(0.05)
         self._reader.close()
 
+    def start(self) -> None:
+        """With ``background``: start reading ahead now (else on the first ``take``)."""
+        if self._background and self._thread is None:
+            self._thread = threading.Thread(target=self._read_ahead, name="mlxbatch-feed", daemon=True)
+            self._thread.start()
+
     def _next_window(self, block: bool) -> bool:
         """Move the next window's items into the queue; False when none is ready and ``block`` is off."""
         if not self._background:
             w: Window | _ReaderFailed = self._reader.next_window()
         else:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._read_ahead, name="mlxbatch-feed", daemon=True)
-                self._thread.start()
+            self.start()
             try:
                 w = self._ready.get(block=block)
             except queue.Empty:

@@ -262,15 +262,6 @@ class JobRunner:
         model = executor.model
         self._tokenizer = model.tokenizer
         done = store.done_keys()
-        if redo_of is None:
-            stats = RunStats(total=self._total, resumed_shards=len(store.shards))
-        else:
-            stats = redo_of
-        errors = ErrorRate(spec.error_limit(is_openai))
-        bar = Progress(self.progress and redo_of is None, stats.total)
-        bar.start()
-        buffer: list[ResultRecord] = []
-        last_flush = time.monotonic()
         workers = feed_workers()  # processes that prepare rows off this one's GIL (MLXBATCH_FEED_WORKERS)
         spawned, self._spawned = self._spawned, []  # (the first pass's: started before the model loaded)
         feed = RowFeed(self._rows(spec), _preparer(spec, model, is_openai), model.tokenizer, done,
@@ -280,6 +271,21 @@ class JobRunner:
         if workers:
             log.info("feed: %d worker process(es) render, tokenize and plan the rows (%s=0: none)", workers,
                      WORKERS_ENV)
+        feed.start()  # the first window is prepared while the engine warms up (a GPU compiles its kernels)
+        try:
+            executor.warm_up()
+        except BaseException:
+            feed.close()
+            raise
+        if redo_of is None:  # (the run's clock starts here: after the warm-up, as it did when loading ended with it)
+            stats = RunStats(total=self._total, resumed_shards=len(store.shards))
+        else:
+            stats = redo_of
+        errors = ErrorRate(spec.error_limit(is_openai))
+        bar = Progress(self.progress and redo_of is None, stats.total)
+        bar.start()
+        buffer: list[ResultRecord] = []
+        last_flush = time.monotonic()
 
         writer = Checkpointer(store)  # shards are made durable on its thread while the engine steps
 

@@ -109,6 +109,9 @@ class RayExecutor:
                             "stopped, or other work holds its resources; the other actors go on, and it is given up "
                             "after start_timeout_s=%.0f s", who, waited, self._needs(), timeout)
 
+    def warm_up(self) -> None:
+        """Nothing: each actor warmed its engine up when it started (``await_ready``)."""
+
     def await_ready(self) -> None:
         """Wait until every actor loaded the model; those that did not within ``start_timeout_s`` are given up."""
         while any(s.state == "starting" for s in self.slots):
