@@ -292,8 +292,9 @@ class EngineCore:
                 if text or req.status.finished:
                     deltas.append(StreamDelta(group.request_id, req.index, text, (req.output_token_ids[-1],),
                                               req.finish_reason))
-        # only groups with a sequence touched this step (or aborted) can have finished: not a scan of every group
-        candidates = dict.fromkeys([req.group_id for req in touched] + sorted(self._aborted))
+        # only groups with a sequence finished this step (or aborted) can have finished: not a scan of every group,
+        # nor of every group a step touched (each decoding row's, most of them still running)
+        candidates = dict.fromkeys([req.group_id for req in touched if req.status.finished] + sorted(self._aborted))
         self._aborted.clear()
         for gid in [g for g in candidates if g in self._groups and self._groups[g].finished]:
             group = self._groups.pop(gid)
