@@ -17,7 +17,9 @@ this process, mlx-lm's ``batch_generate`` on the first ``--mlx-lm-rows`` rows (d
 32 on a CPU), and the hardware floor of the job (``floor``: the matmul rate and bandwidth measured here).
 
 Prints, per run: rows/s, the wall (the run's own, from report.json, and the child process's, with its start and model
-load), the engine's step time from the report's profile and the wall outside it, the fraction of the floor, the
+load), the engine's step time from the report's profile and the wall outside it, the CPU time of the run's thread
+and of its feed's thread (one GIL between them: their sum near the wall says the process is bound by it), the
+fraction of the floor, the
 prefill computed against the window floor and the KV in use; then where a step's time goes (building passes on the
 host, waiting for the device, sampling, the rest). ``--json`` writes the tables, the reports and the floor.
 """
@@ -114,7 +116,8 @@ def model_size(b: Bench) -> tuple[int, int]:
 def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float, rows: int) -> list[Table]:
     main = Table(f"the user's job: {rows:,} rows through `mlxbatch run`",
                  ["engine section", "rows/s", "wall s", "process s", "engine steps s", "prefill / decode / host s",
-                  "wall outside the steps", "of it: waiting for rows / writing results / garbage collector", "wall / steps",
+                  "wall outside the steps", "of it: waiting for rows / writing results / garbage collector",
+                  "CPU s: the run's thread / the feed's", "wall / steps",
                   "of the floor", "prefill / window floor", "KV in use MB", "MLX peak MB", "steps"])
     split = Table("where a step's time goes (seconds; ms a step)",
                   ["engine section", "steps", "ms a step", "prefill: build", "of it encoding", "prefill: wait",
@@ -126,7 +129,7 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
         main.rows.append([tag, r["rows_per_s"], wall, process_s, p["total_s"],
                           f"{p['prefill_s']:.1f} / {p['decode_s']:.1f} / {p['host_s']:.1f}",
                           f"{outside:.1f} s ({outside / wall:.0%})", _outside(r.get("this_run") or {}),
-                          ratio(wall, p["total_s"]),
+                          _cpu((r.get("this_run") or {}).get("cpu_s")), ratio(wall, p["total_s"]),
                           f"{floor_s / wall:.1%}", r["prefix_reuse"]["window_floor_ratio"],
                           r["engine"]["kv_bytes"] / MB, r["engine"].get("peak_memory_bytes", 0) / MB, p["steps"]])
         split.rows.append([tag, p["steps"], 1e3 * p["total_s"] / max(1, p["steps"]), p["prefill_build_s"],
@@ -135,7 +138,7 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
                            p.get("waited_launch_thread_s", 0.0), p["sampling_s"], p["host_s"], p["syncs"]])
     if ref is not None:
         main.rows.append([f"mlx-lm batch_generate, first {ref['rows']:,} rows", ref["rows_per_s"], ref["wall_s"],
-                          None, None, f"{ref['prompt_s']:.1f} / {ref['decode_s']:.1f} / -", None, None, None,
+                          None, None, f"{ref['prompt_s']:.1f} / {ref['decode_s']:.1f} / -", None, None, None, None,
                           f"{floor_s * ref['rows'] / rows / ref['wall_s']:.1%}", None, None, None, None])
     split.notes.append("build: the host building and launching the passes (copy-ins and row moves included); wait: "
                        "the host waiting for the device after it; of it encoding: the part of build inside `mx.async_eval` (MLX "
@@ -154,6 +157,12 @@ def _outside(run: dict[str, Any]) -> str | None:
     if wait is None or end is None:
         return None
     return f"{wait:.1f} / {end:.1f}" + (f" / {gc_s:.1f} s" if gc_s is not None else " s")
+
+
+def _cpu(cpu: dict[str, float] | None) -> str | None:
+    """The run's CPU seconds while rows ran: its own thread (the engine's steps, the job layer) and the feed's thread
+    (with the GIL they share, their sum near the wall says the process is bound by it)."""
+    return f"{cpu['run_thread']:.1f} / {cpu['feed_thread']:.1f}" if cpu else None
 
 
 DEFAULTS = "none (defaults)"

@@ -106,6 +106,10 @@ class RunStats:
     rows_wait_s: float = 0.0
     rows_done_s: float | None = None  # seconds from the start when every row was finished and checkpointed
     collector_s: float = 0.0  # seconds Python's cyclic garbage collector ran while rows were generated (any thread)
+    # CPU seconds while rows were generated of the run's thread (the engine's steps and the job layer) and of the
+    # feed's thread (reading, rendering, tokenizing, planning): both mostly hold the one GIL
+    run_thread_cpu_s: float = 0.0
+    feed_cpu_s: float = 0.0
     errors_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
     engine: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
@@ -160,6 +164,7 @@ class RunStats:
                 "waiting_for_rows_s": round(self.rows_wait_s, 3),
                 "writing_results_s": round(wall - self.rows_done_s, 3) if self.rows_done_s is not None else None,
                 "garbage_collector_s": round(self.collector_s, 3),
+                "cpu_s": {"run_thread": round(self.run_thread_cpu_s, 3), "feed_thread": round(self.feed_cpu_s, 3)},
                 "finished_at": finished_at}
 
     def _figures(self, this: dict[str, Any]) -> dict[str, Any]:

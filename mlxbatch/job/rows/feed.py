@@ -23,6 +23,7 @@ from __future__ import annotations
 import queue
 import subprocess
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass, field
@@ -207,6 +208,9 @@ class RowFeed:
         self._ready: queue.Queue[Window | _ReaderFailed] = queue.Queue(maxsize=max(1, ahead))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # CPU seconds of the thread that prepared the windows (the read-ahead thread's, read once it has stopped): in
+        # the run's process, time mostly holding the GIL the engine's thread also needs (worker processes not counted)
+        self.cpu_s = 0.0
 
     @property
     def finished(self) -> bool:
@@ -258,7 +262,9 @@ class RowFeed:
     def _next_window(self, block: bool) -> bool:
         """Move the next window's items into the queue; False when none is ready and ``block`` is off."""
         if not self._background:
+            c0 = time.thread_time()
             w: Window | _ReaderFailed = self._reader.next_window()
+            self.cpu_s += time.thread_time() - c0
         else:
             self.start()
             try:
@@ -283,7 +289,9 @@ class RowFeed:
         """The reader thread: windows in input order until the input ends, a failure, or ``close``."""
         try:
             while not self._stop.is_set():
+                c0 = time.thread_time()
                 w: Window | _ReaderFailed = self._reader.next_window(self._stop)
+                self.cpu_s += time.thread_time() - c0
                 self._hand_over(w)
                 if w.last:
                     return

@@ -286,6 +286,7 @@ class JobRunner:
         bar.start()
         buffer: list[ResultRecord] = []
         last_flush = time.monotonic()
+        cpu0 = time.thread_time()
 
         writer = Checkpointer(store)  # shards are made durable on its thread while the engine steps
 
@@ -352,7 +353,9 @@ class JobRunner:
         finally:
             settings.close()
             stats.collector_s += collector.seconds
+            stats.run_thread_cpu_s += time.thread_time() - cpu0
             feed.close()
+            stats.feed_cpu_s += feed.cpu_s
             bar.show(stats, executor.in_flight, executor, force=True)
             bar.close()
             stats.engine = executor.stats()  # the executor's whole life: every pass
