@@ -271,10 +271,15 @@ class JobRunner:
         if workers:
             log.info("feed: %d worker process(es) render, tokenize and plan the rows (%s=0: none)", workers,
                      WORKERS_ENV)
+        # the interpreter's settings for rows (restored below: the process may be a notebook's), from the warm-up on:
+        # it runs beside the feed's thread, and gets the GIL back sooner after each evaluation with a short interval
+        settings = ExitStack()
+        collector = settings.enter_context(generating())
         feed.start()  # the first window is prepared while the engine warms up (a GPU compiles its kernels)
         try:
             executor.warm_up()
         except BaseException:
+            settings.close()
             feed.close()
             raise
         if redo_of is None:  # (the run's clock starts here: after the warm-up, as it did when loading ended with it)
@@ -305,8 +310,6 @@ class JobRunner:
             errors.finished(index, record.error is not None)
             bar.finished()
 
-        settings = ExitStack()  # the interpreter's settings for rows (restored below: the process may be a notebook's)
-        collector = settings.enter_context(generating())
         try:
             while True:
                 if not feed.finished and self._stop.signum is None:
