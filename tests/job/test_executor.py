@@ -227,31 +227,36 @@ def test_a_job_without_an_engine_section_runs_and_reports_the_batch_its_device_c
 
 def test_a_run_warms_its_engine_up_once_while_its_feed_prepares_the_first_window(tmp_path, tiny_model_path,
                                                                                  monkeypatch):
-    """The feed starts before the engine's warm-up, so the first window is prepared meanwhile (on a GPU the warm-up
-    compiles kernels for seconds; the engine used to wait for the window after it); the run's clock starts after it,
-    and the engine is warmed up once, before its first step."""
-    import threading
-
+    """The feed starts reading before the engine's warm-up, so the first window is prepared meanwhile (on a GPU the
+    warm-up compiles kernels for seconds; the engine used to wait for the window after it); the engine is warmed up
+    once, before its first step."""
     from mlxbatch.engine import EngineCore
     from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.rows.feed import RowFeed
     from mlxbatch.job.run.runner import JobRunner
 
-    seen: list[tuple[bool, bool]] = []  # per warm-up: the feed's thread was running; the engine had stepped
-    real_warm_up, real_step = EngineCore.warm_up, EngineCore.step
-    stepped = []
+    events: list[str] = []
+    real_start, real_warm_up, real_step = RowFeed.start, EngineCore.warm_up, EngineCore.step
+
+    def start(self):
+        if self._thread is None:
+            events.append("feed started")
+        return real_start(self)
 
     def warm_up(self):
-        seen.append((any(t.name == "mlxbatch-feed" for t in threading.enumerate()), bool(stepped)))
+        events.append("warm-up")
         return real_warm_up(self)
 
     def step(self):
-        stepped.append(1)
+        if not events or events[-1] != "step":
+            events.append("step")
         return real_step(self)
 
+    monkeypatch.setattr(RowFeed, "start", start)
     monkeypatch.setattr(EngineCore, "warm_up", warm_up)
     monkeypatch.setattr(EngineCore, "step", step)
     data = write_jsonl(tmp_path / "in.jsonl", texts(12))
     spec = validate_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out"))
     JobRunner(spec, progress=False).run()
-    assert seen == [(True, False)]
+    assert events == ["feed started", "warm-up", "step"]
     assert (tmp_path / "out" / "_SUCCESS").exists()
