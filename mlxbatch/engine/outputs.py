@@ -165,7 +165,8 @@ class Traffic:
             mx.synchronize(self.launcher.stream)
         else:
             mx.synchronize()
-        complete(self._reads)
+        if self.launcher is not None:  # (one thread alone reads what it launched: nothing to guard)
+            complete(self._reads)
         self.syncs += 1
         self.waited[self._in_flight] = self.waited.get(self._in_flight, 0.0) + time.perf_counter() - t0
         self._in_flight, self._settled, self._reads = None, self.launches, []

@@ -106,8 +106,9 @@ class RunStats:
     rows_wait_s: float = 0.0
     rows_done_s: float | None = None  # seconds from the start when every row was finished and checkpointed
     collector_s: float = 0.0  # seconds Python's cyclic garbage collector ran while rows were generated (any thread)
-    # CPU seconds while rows were generated of the run's thread (the engine's steps and the job layer) and of the
-    # feed's thread (reading, rendering, tokenizing, planning): both mostly hold the one GIL
+    # CPU seconds of the run's thread while rows were generated (the engine's steps and the job layer) and of the
+    # feed's thread over the pass (reading, rendering, tokenizing, planning; its first window is prepared during the
+    # engine's warm-up): both mostly hold the one GIL
     run_thread_cpu_s: float = 0.0
     feed_cpu_s: float = 0.0
     errors_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
