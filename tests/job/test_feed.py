@@ -5,6 +5,8 @@ the rows as they were read)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -69,6 +71,32 @@ def test_a_reader_failure_is_raised_where_rows_are_taken(tmp_path, tiny_model_pa
     with pytest.raises(InputError, match="the disk went away"):
         while not feed.finished:
             feed.take(100)
+    feed.close()
+
+
+def test_an_engine_with_rows_in_hand_is_never_held_by_a_window_in_preparation(tmp_path, tiny_model_path,
+                                                                             tiny_loaded):
+    """``take(wait=False)`` (the engine has rows to run) hands out what is ready and returns at once, also at the end
+    of a window; ``take(wait=True)`` (an idle engine) waits only while nothing at all is in hand."""
+    path = write_jsonl(tmp_path / "in.jsonl", texts(9))
+    spec = validate_job(write_job(tmp_path, tiny_model_path, path, tmp_path / "out"))
+    more = threading.Event()  # the input's second window is read only once this is set (a slow disk)
+
+    def rows():
+        for i, row in enumerate(open_reader(input_spec(spec))):
+            if i == 4:
+                more.wait(10)
+            yield row
+
+    feed = RowFeed(rows(), RowPreparer(spec, "identity"), tiny_loaded.tokenizer, set(), window=4, background=True)
+    assert len(feed.take(3)) == 3  # waits for the first window (nothing in hand)
+    assert len(feed.take(100)) == 1  # the window's last row: not held back for the next window
+    t0 = time.monotonic()
+    assert feed.take(100, wait=False) == []  # the next window is being read: nothing ready, no wait
+    assert time.monotonic() - t0 < 1.0
+    more.set()
+    got = feed.take(100)  # an idle engine waits for it
+    assert len(got) == 4 and not feed.finished
     feed.close()
 
 

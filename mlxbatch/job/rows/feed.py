@@ -218,12 +218,13 @@ class RowFeed:
 
     def take(self, max_submits: int, wait: bool = True) -> list[Submit | Failed | Resumed]:
         """The next items in plan order, with at most ``max_submits`` rows to submit (errors come along).
-        ``wait`` False: only what is ready now (the next window may still be in preparation)."""
+        ``wait``: for the next window when none is in hand yet (else what is ready now: an engine with rows to run
+        keeps stepping while the next window is still in preparation)."""
         out: list[Submit | Failed | Resumed] = []
         n = 0
         while n < max_submits:
             if not self._queue:
-                if self.exhausted or not self._next_window(wait or not out):
+                if self.exhausted or not self._next_window(wait and not out):
                     break
                 continue
             item = self._queue.popleft()
