@@ -10,6 +10,7 @@ Layer rule: ``engine`` never imports ``mlxbatch.io`` or ``mlxbatch.job``. Inside
 from mlxbatch.config import EngineConfig
 from mlxbatch.engine.api import Engine
 from mlxbatch.engine.async_core import AsyncEngineCore
+from mlxbatch.engine.backend import Backend
 from mlxbatch.engine.core import EngineCore
 from mlxbatch.engine.decoding.structured import GrammarCompiler, grammar_text
 from mlxbatch.engine.dry_run import DryModel, DryRun
@@ -22,7 +23,7 @@ from mlxbatch.engine.model.worker import DeviceInfo, device_info
 from mlxbatch.engine.sched.planner import common_prefix_len, plan, submission_order
 from mlxbatch.engine.vision.adapter import is_vlm_folder
 
-__all__ = ["REGISTRY", "AsyncEngineCore", "DeviceInfo", "DryModel", "DryRun", "Engine", "EngineConfig", "EngineCore",
+__all__ = ["REGISTRY", "AsyncEngineCore", "Backend", "DeviceInfo", "DryModel", "DryRun", "Engine", "EngineConfig", "EngineCore",
            "GrammarCompiler", "LayoutOptions", "LoadedModel", "ModelSpec", "PromptEncoder", "common_prefix_len",
            "device_info", "grammar_text", "is_vlm_folder", "load_model", "measure_device_speed", "plan", "resolve_path",
            "submission_order"]

@@ -21,14 +21,14 @@ from mlxbatch.io.expected import ExpectedSpool
 from mlxbatch.job.check.validate import input_spec, validate_job
 from mlxbatch.job.rows.feed import RowFeed
 from mlxbatch.job.rows.prepare import RowPreparer
-from mlxbatch.job.rows.workers import WORKERS_ENV, FeedWorkerError, feed_workers
+from mlxbatch.job.rows.workers import DEFAULT_WORKERS, WORKERS_ENV, FeedWorkerError, default_workers, feed_workers
 
 CHAT = {"template": None, "messages": [{"role": "system", "content": "Label this."}, {"role": "user", "content": "{{ text }}"}]}
 
 
 def children(pid: int) -> list[int]:
     """The feed workers ``pid`` started (and has not reaped)."""
-    ps = subprocess.run(["ps", "-A", "-o", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout
+    ps = subprocess.run(["ps", "-ww", "-A", "-o", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout
     return [int(p) for p, pp, args in (line.split(None, 2) for line in ps.splitlines())
             if int(pp) == pid and "mlxbatch.job.rows.workers" in args]
 
@@ -70,6 +70,34 @@ def test_workers_hand_out_what_the_run_thread_does(tmp_path, tiny_model_path, ti
     assert children(os.getpid()) == []  # close() stopped them
 
 
+def test_a_worker_never_imports_torch_and_prepares_the_same_rows(tmp_path, tiny_model_path, tiny_loaded, monkeypatch):
+    """transformers imports torch wherever it is installed (15-21 s a worker on an H100 host, which the first window
+    waited for): a worker marks it absent. Here a stand-in ``torch`` package, installed as far as transformers can
+    tell, records each process that imports it."""
+    fake = tmp_path / "site"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text(
+        "import os\nopen(os.environ['FAKE_TORCH_MARK'], 'a').write(f'{os.getpid()}\\n')\n__version__ = '2.9.0'\n")
+    (fake / "torch-2.9.0.dist-info").mkdir()
+    (fake / "torch-2.9.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.9.0\n")
+    mark = tmp_path / "imported"
+    monkeypatch.setenv("FAKE_TORCH_MARK", str(mark))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]))
+    # the stand-in is found: a process importing mlx-lm's tokenizer module without the mark imports it
+    subprocess.run([sys.executable, "-c", "import mlx_lm.tokenizer_utils"], check=True)
+    assert mark.exists()
+    mark.unlink()
+    path = write_jsonl(tmp_path / "in.jsonl", texts(12))
+    spec = validate_job(write_job(tmp_path, tiny_model_path, path, tmp_path / "out", prompt=CHAT, plan={"window": 5}))
+
+    def feed(workers: int) -> RowFeed:
+        return RowFeed(open_reader(input_spec(spec)), RowPreparer(spec, "identity"), tiny_loaded.tokenizer, set(),
+                       window=5, workers=workers)
+
+    assert _items(feed(2)) == _items(feed(0))
+    assert not mark.exists()
+
+
 def test_a_dead_worker_is_raised_where_rows_are_taken(tmp_path, tiny_model_path, tiny_loaded, monkeypatch):
     monkeypatch.setattr(workers_mod, "CHUNK_ROWS", 2)
     path = write_jsonl(tmp_path / "in.jsonl", texts(30))
@@ -88,7 +116,10 @@ def test_a_dead_worker_is_raised_where_rows_are_taken(tmp_path, tiny_model_path,
 
 def test_how_many_workers(monkeypatch):
     monkeypatch.delenv(WORKERS_ENV, raising=False)
-    assert feed_workers() == 0  # off unless asked for (the GPU job measured slower with them)
+    assert feed_workers() == 0  # this machine runs MLX on its CPU: the feed stays on the run's thread
+    assert default_workers(gpu=True, cores=16) == DEFAULT_WORKERS > 0  # a GPU's host-bound step loop: off its GIL
+    assert default_workers(gpu=True, cores=4) == 0  # too few cores for the engine's threads and the workers
+    assert default_workers(gpu=False, cores=64) == 0  # the CPU's cores compute the model
     monkeypatch.setenv(WORKERS_ENV, "0")
     assert feed_workers() == 0
     monkeypatch.setenv(WORKERS_ENV, "3")

@@ -30,13 +30,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from mlxbatch.engine import PromptEncoder, plan, submission_order
+from mlxbatch.engine import Backend, PromptEncoder, plan, submission_order
 from mlxbatch.errors import MlxbatchError
 from mlxbatch.io import InputRow
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 
 WORKERS_ENV = "MLXBATCH_FEED_WORKERS"  # worker processes of the feed: a number (unset or 0: none)
 CHUNK_ROWS = 512  # rows one worker call prepares: small enough to spread a window and to stop within a second
+DEFAULT_WORKERS = 2  # on a GPU: 2 and 4 fed an H100's job equally (docs/benchmarks.md)
+MIN_CORES = 8  # the engine's threads, MLX's and the workers' each have a core
 CLOSE_WAIT_S = 5.0  # a worker closed at the end of input finishes its chunk (there is none) and exits
 
 
@@ -53,15 +55,21 @@ class FeedWorkerError(MlxbatchError):
 
 
 def feed_workers() -> int:
-    """Worker processes of a run's feed: ``MLXBATCH_FEED_WORKERS``, else none. Off by default: on an H100 host (16
-    cores, 4 workers) the engine waited 9.8 s for rows of a 30,000-row job fed by workers and 2.3 s fed by the run's
-    feed thread alone (1,092 against 872 rows/s, the same steps; docs/benchmarks.md)."""
+    """Worker processes of a run's feed: ``MLXBATCH_FEED_WORKERS``, else sized by this machine (``default_workers``)."""
     given = os.environ.get(WORKERS_ENV, "").strip()
     if not given:
-        return 0
+        return default_workers(Backend.detect().gpu, os.cpu_count() or 1)
     if not given.isdigit():
         raise MlxbatchError(f"{WORKERS_ENV}={given!r}: expected a number of worker processes (0: none)")
     return int(given)
+
+
+def default_workers(gpu: bool, cores: int) -> int:
+    """``DEFAULT_WORKERS`` where the engine runs on a GPU and the machine has ``MIN_CORES`` cores or more, else none.
+    On a GPU the engine's step loop is bound by the host and needs the GIL the feed's thread would hold (~130 us a
+    row: rendering, the chat template, keys, planning); on an H100 host the steps ran 25% faster with the feed in
+    workers (docs/benchmarks.md). On the CPU the device's work is the CPU's own: workers would take its cores."""
+    return DEFAULT_WORKERS if gpu and cores >= MIN_CORES else 0
 
 
 def encode_prepared(preps: list[PreparedRow], encoder: PromptEncoder) -> list[Encoded]:
@@ -214,7 +222,11 @@ def preparation(preparer: RowPreparer, tokenizer: Any, workers: int,
     return LocalPreparation(preparer, tokenizer)
 
 
-_SERVE = "from mlxbatch.job.rows.workers import serve; serve()"
+# torch marked absent first: a worker renders and tokenizes, and never needs it, but transformers (through mlx-lm's
+# tokenizer module, which unpickling the run's tokenizer imports) imports torch wherever it is installed: on an H100
+# host that made a worker's start 15-21 s, which the run's first window waited for, and costs each worker hundreds of
+# MB. Marked absent, transformers takes its tokenizer-only path (as on a machine without torch): the same token ids.
+_SERVE = "import sys; sys.modules['torch'] = None; from mlxbatch.job.rows.workers import serve; serve()"
 _LEN = struct.Struct("<Q")
 
 
