@@ -3,6 +3,7 @@ where rows are taken, and no worker left behind after a run, a SIGKILL or a Ctrl
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -195,3 +196,4 @@ def test_no_worker_survives_a_killed_or_stopped_run_and_the_resume_completes(tmp
     assert again.returncode == 0, err.decode()
     assert _ids(tmp_path / "out") == [r["id"] for r in rows]  # every row once, in input order
     assert children(again.pid) == []
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["this_run"]["feed_workers"] == 1

@@ -286,6 +286,7 @@ class JobRunner:
             stats = RunStats(total=self._total, resumed_shards=len(store.shards))
         else:
             stats = redo_of
+        stats.feed_workers = workers
         errors = ErrorRate(spec.error_limit(is_openai))
         bar = Progress(self.progress and redo_of is None, stats.total)
         bar.start()
