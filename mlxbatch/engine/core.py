@@ -138,13 +138,14 @@ class EngineCore:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = False, cache_tokens: int | None = None,
-                    images: Sequence[ImageInput] = ()) -> str:
+                    images: Sequence[ImageInput] = (), block_hashes: Sequence[int] | None = None) -> str:
         """Validate and queue one request (``RequestIntake.request``: ``cache_tokens`` is the plan's retention,
-        ``images`` go with a text or chat prompt); raises InvalidRequestError (the engine goes on) if it cannot run."""
+        ``images`` go with a text or chat prompt, ``block_hashes`` are the prompt's ``prompt_block_hashes`` computed
+        off the step loop); raises InvalidRequestError (the engine goes on) if it cannot run."""
         if self._closed:
             raise EngineClosedError("the engine has shut down")
         return self._queue(self.intake.request(prompt, params, request_id, stream, cache_tokens, images,
-                                               self._groups))
+                                               self._groups, block_hashes))
 
     def add_score_request(self, context: Prompt, continuations: Sequence[str | Sequence[int]],
                           request_id: str | None = None, cache_tokens: int | None = None) -> str:

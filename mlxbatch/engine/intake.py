@@ -23,7 +23,7 @@ from mlxbatch.engine.decoding.structured import GrammarCompiler, short_value
 from mlxbatch.engine.inputs import Prompt, encode_prompt
 from mlxbatch.engine.model.loader import LoadedModel
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.sched.blocks import stable_hash
+from mlxbatch.engine.sched.blocks import BLOCK_SIZE, stable_hash
 from mlxbatch.engine.vision.adapter import MultimodalPrompt
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.types import ImageInput, RequestOutput, RequestTimings, SamplingParams
@@ -99,9 +99,15 @@ class RequestIntake:
         return self.loaded.vlm.encode(prompt, images)
 
     def request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, stream: bool,
-                cache_tokens: int | None, images: Sequence[ImageInput], taken: Container[str]) -> RequestGroup:
+                cache_tokens: int | None, images: Sequence[ImageInput], taken: Container[str],
+                block_hashes: Sequence[int] | None = None) -> RequestGroup:
         """Validate one request and make its sequences; raises InvalidRequestError (the engine goes on) if it cannot
         run. ``taken``: the request ids in flight (a given id must not be one).
+
+        ``block_hashes``: the prompt's ``prompt_block_hashes`` (a text prompt's), computed by a caller off the step
+        loop (a job's feed); the prefix index takes them instead of hashing the prompt on the step loop. They must be
+        that function's of these token ids: other values make the prefix cache reuse another prompt's KV (only their
+        count is checked).
 
         ``cache_tokens`` is the plan's retention for this prompt: how many of its leading tokens later requests
         share (their KV is kept in the prefix cache, longer cached prefixes of it are dropped once it is
@@ -124,6 +130,10 @@ class RequestIntake:
             ids = self.encode(prompt)
         ctx = self.loaded.context_length
         self._check_ids(ids, "prompt", prompt)
+        if block_hashes is not None and (mm is not None or len(block_hashes) != len(ids) // BLOCK_SIZE):
+            raise InvalidRequestError("block_hashes", f"<{len(block_hashes)} hashes>",
+                                      f"expected {len(ids) // BLOCK_SIZE} (prompt_block_hashes of the prompt's "
+                                      f"{len(ids)} token ids){'; a prompt with images has none' if mm else ''}")
         if params.constraint is not None and (reason := self.compiler.check(params.constraint)) is not None:
             raise InvalidRequestError("constraint", short_value(params.constraint), reason)
         seed = params.seed
@@ -133,7 +143,7 @@ class RequestIntake:
         incremental = stream or bool(params.stop)
         seqs = sample_sequences(request_id, ids, params, seed, self.eos, ctx, cache_tokens, mm,
                                 lambda: TextTracker(self.loaded.tokenizer, params.stop, params.include_stop_str_in_output,
-                                                    incremental, self._hidden_ids, self._vocab_size))
+                                                    incremental, self._hidden_ids, self._vocab_size), block_hashes)
         return RequestGroup(request_id, seqs, stream)
 
     def _check_ids(self, ids: list[int], what: str, shown: Any, room: int = 1) -> None:
@@ -190,14 +200,14 @@ def continuation_ids(tokenizer: Any, continuation: str | Sequence[int]) -> list[
 
 def sample_sequences(request_id: str, ids: list[int], params: SamplingParams, seed: int, eos: frozenset[int],
                      max_context: int, cache_tokens: int | None, mm: Any,
-                     text: Callable[[], TextTracker]) -> list[Request]:
+                     text: Callable[[], TextTracker], block_hashes: Sequence[int] | None = None) -> list[Request]:
     """A validated request's ``n`` sequences (``text`` makes each one's text tracker): sample 0 prefills the prompt;
     samples 1..n-1 fork its KV when that prefill ends (prefill once; an image row's samples prefill on their own)."""
     return [
         Request(
             request_id=request_id if params.n == 1 else f"{request_id}#{i}", group_id=request_id, index=i,
             prompt_token_ids=ids, params=params, seed=derive_seed(seed, i), eos_token_ids=eos,
-            max_context=max_context, cache_tokens=cache_tokens, mm=mm,
+            max_context=max_context, cache_tokens=cache_tokens, mm=mm, prompt_hashes=block_hashes,
             fork_parent=f"{request_id}#0" if i and mm is None else None, text=text())
         for i in range(params.n)
     ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,9 @@ class Request:
     first_token: float | None = None
     finished_at: float | None = None
     mm: Any = None  # vision-language inputs (engine.vlm_model.MultimodalInputs), read only; None for text
+    # the prompt's full blocks' chained hashes (``sched.blocks.prompt_block_hashes``), where the caller computed them
+    # off the step loop (a job's feed); None: the prefix index hashes the prompt when it first needs to
+    prompt_hashes: Sequence[int] | None = None
     plain_greedy: bool = field(init=False, default=False)  # set from ``params`` (see ``__post_init__``)
     # its draw reads its own earlier tokens on the host (penalties, min_tokens bans): a step that draws it must know
     # the token drawn before (it cannot be launched while that token is still on the device)

@@ -85,3 +85,38 @@ def test_different_prefixes_never_share_and_a_tiny_cache_degrades_to_recomputing
     assert eng.stats()["prefix_cache"]["tokens_reused"] == 0
     alone = run(tiny_loaded, [prompts[1]], cache=False)[0]
     assert second[0].token_ids == alone[0].token_ids and len(first[0].token_ids) == 12
+
+
+def test_a_prompts_block_hashes_given_with_it_are_its_prefix_keys(tiny_loaded, monkeypatch):
+    """A caller that hashed its prompts off the step loop (a job's feed) hands in their ``prompt_block_hashes``: the
+    prefix index takes them instead of hashing the prompts, and the run computes and reuses exactly what it does
+    when it hashes them itself. A count that does not fit the prompt is refused."""
+    import mlxbatch.engine.sched.prefix_books as books
+    from mlxbatch import InvalidRequestError
+    from mlxbatch.engine import prompt_block_hashes
+
+    prompts = [p[: len(p) - (len(p) % 16) + 3] for p in label_like(12)]  # 3 tokens past a block: 12 new stay in it
+    hashed = []
+    real = books.block_hashes
+    monkeypatch.setattr(books, "block_hashes", lambda tokens, *a, **k: hashed.append(len(tokens)) or real(tokens, *a, **k))
+
+    def run_given(given: bool):
+        eng = Engine(tiny_loaded, EngineConfig(warm_up=False, max_num_seqs=4, prefix_cache_bytes=16 << 20))
+        for i, ids in enumerate(prompts):
+            eng.core.add_request(ids, GREEDY, request_id=f"r{i}",
+                                 block_hashes=prompt_block_hashes(ids) if given else None)
+        outs = sorted(eng.core.run_until_done(), key=lambda o: int(o.request_id[1:]))
+        stats = eng.stats()
+        with pytest.raises(InvalidRequestError, match="block_hashes"):
+            eng.core.add_request(prompts[0], GREEDY, block_hashes=prompt_block_hashes(prompts[0])[1:])
+        eng.close()
+        return [o.completions[0].token_ids for o in outs], stats["profile"]["prefill_tokens"], \
+            stats["prefix_cache"]["tokens_reused"]
+
+    hashed.clear()
+    own = run_given(False)
+    assert len(hashed) >= len(prompts)  # the prefix index hashed every prompt
+    hashed.clear()
+    given = run_given(True)
+    assert hashed == []  # none: every prompt's blocks came with it
+    assert given == own and own[2] > 0

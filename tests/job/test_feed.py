@@ -11,6 +11,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
+from mlxbatch.engine import prompt_block_hashes
 from mlxbatch.io import InputError, open_reader
 from mlxbatch.io.expected import ExpectedSpool
 from mlxbatch.job.check.validate import input_spec, validate_job
@@ -25,6 +26,8 @@ def _items(feed: RowFeed) -> list[tuple]:
     while not feed.finished:
         for item in feed.take(7):
             if isinstance(item, Submit):
+                # a text row comes with its prompt's block hashes, the prefix index's keys, made off the step loop
+                assert item.block_hashes == (prompt_block_hashes(item.token_ids) if item.token_ids else None)
                 out.append(("submit", item.index, tuple(item.token_ids or ()), item.cache_tokens))
             elif isinstance(item, Failed):
                 out.append(("failed", item.index, item.kind))

@@ -82,6 +82,12 @@ def block_hashes(tokens: Sequence[int], block_size: int = BLOCK_SIZE,
     return out
 
 
+def prompt_block_hashes(token_ids: Sequence[int]) -> list[int]:
+    """A text prompt's full blocks' chained hashes at the engine's block size, as its prefix index computes them: what
+    a caller that prepares prompts off the engine's step loop hands in with them (``add_request(block_hashes=)``)."""
+    return block_hashes(token_ids, BLOCK_SIZE)
+
+
 def partial_hash(prev: int | None, tokens: Sequence[int]) -> int:
     """The key of a partial block: the ``len(tokens) < block_size`` tokens that follow the full block ``prev`` (None:
     the prompt's start). A separate namespace from full blocks, so a partial block never stands for a full one."""

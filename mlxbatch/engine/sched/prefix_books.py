@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
 from mlxbatch.engine.request import Request
-from mlxbatch.engine.sched.blocks import block_hashes
+from mlxbatch.engine.sched.blocks import BLOCK_SIZE, block_hashes
 
 
 class BlockChains:
@@ -27,6 +27,8 @@ class BlockChains:
         few-shot job's rows share hundreds of tokens and differ in their last few blocks)."""
         B = self.block_size
         chain = self._chains.get(request.request_id)
+        if chain is None and request.prompt_hashes is not None and B == BLOCK_SIZE:  # hashed by the caller
+            chain = self._chains[request.request_id] = list(request.prompt_hashes)
         if chain is None or len(chain) < request.num_tokens // B:  # a preempted sequence also has output tokens
             n = request.num_tokens // B * B
             tokens = request.tokens(0, n)

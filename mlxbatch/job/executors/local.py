@@ -113,7 +113,7 @@ class LocalExecutor:
                 other.append(item)
                 continue
             self._pending[item.prep.key] = item
-            self.engine.submit(RowTask.of(item.prep, item.token_ids, item.cache_tokens))
+            self.engine.submit(RowTask.of(item.prep, item.token_ids, item.cache_tokens, item.block_hashes))
         return other
 
     @property

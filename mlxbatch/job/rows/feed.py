@@ -40,6 +40,7 @@ class Submit:
     token_ids: list[int] | None  # None for a row with images: it is encoded when submitted
     cache_tokens: int | None  # the plan's retention (None when planning is off)
     index: int = -1  # the row's input position
+    block_hashes: list[int] | None = None  # the prompt's ``engine.prompt_block_hashes`` (a text row's), made here
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,9 @@ class WindowReader:
         runnable: list[tuple[int, PreparedRow, list[int] | str]] = []
         imaged: list[tuple[int, PreparedRow]] = []  # decoded only when submitted (pictures are big): not planned
         done: list[list[int] | str | None] = []  # token ids of text rows done by an earlier run: planned, not run
-        for row, (prep, ids) in zip(read, ((e.prep, e.ids) for e in self._preparation.run(read))):
+        hashes: dict[int, list[int] | None] = {}  # a runnable text row's block hashes, by its input position
+        for row, encoded in zip(read, self._preparation.run(read)):
+            prep, ids = encoded.prep, encoded.ids
             index, self._read = self._read, self._read + 1
             if self._spool is not None:
                 self._spool.add(prep.row_id, prep.key, prep.inputs,
@@ -147,6 +150,7 @@ class WindowReader:
                 imaged.append((index, prep))
             else:
                 runnable.append((index, prep, ids))  # type: ignore[arg-type]  # a text row: encoded
+                hashes[index] = encoded.hashes
         if w.last and self._spool is not None:
             self._spool.close()
         rows: list[tuple[PreparedRow, list[int], int]] = []
@@ -159,7 +163,7 @@ class WindowReader:
             else:
                 rows.append((prep, ids, index))
         if rows:
-            self._plan(w, rows, done)
+            self._plan(w, rows, done, hashes)
         w.items.extend(Submit(prep, None, None, index) for index, prep in imaged)
         return w
 
@@ -170,16 +174,17 @@ class WindowReader:
         self._preparation.close()
 
     def _plan(self, w: Window, rows: list[tuple[PreparedRow, list[int], int]],
-              done: list[list[int] | str | None]) -> None:
+              done: list[list[int] | str | None], hashes: dict[int, list[int] | None]) -> None:
         # the first run planned these rows with the ones done since: the order of a trie's rows depends on every
         # row (larger subtrees first), so the done rows are planned too, then skipped
         done_ids = [ids for ids in done if ids and not isinstance(ids, str)]
         p = self._preparation.plan([ids for _, ids, _ in rows] + done_ids, len(rows), self.min_step_tokens)
         w.planned_rows, w.prompt_tokens, w.distinct_tokens = len(rows), p.total_tokens, p.distinct_tokens
         if self.planned:
-            w.items.extend(Submit(rows[i][0], rows[i][1], cache_tokens, rows[i][2]) for i, cache_tokens in p.order)
+            w.items.extend(Submit(rows[i][0], rows[i][1], cache_tokens, rows[i][2], hashes.get(rows[i][2]))
+                           for i, cache_tokens in p.order)
         else:  # planning off: longest first, every full block offered to the cache (LRU)
-            w.items.extend(Submit(prep, ids, None, index)
+            w.items.extend(Submit(prep, ids, None, index, hashes.get(index))
                            for prep, ids, index in sorted(rows, key=lambda r: -len(r[1])))
 
 

@@ -49,11 +49,13 @@ class RowTask:
     candidates: tuple[str, ...] | None = None  # task score
     prompt: Any = None  # rows with images only: the rendered prompt the images go with
     images: tuple[Any, ...] = ()  # io.images.ImageRef
+    block_hashes: list[int] | None = None  # the prompt's ``engine.prompt_block_hashes`` (text rows), made by the feed
 
     @classmethod
-    def of(cls, prep: PreparedRow, token_ids: list[int] | None, cache_tokens: int | None) -> RowTask:
+    def of(cls, prep: PreparedRow, token_ids: list[int] | None, cache_tokens: int | None,
+           block_hashes: list[int] | None = None) -> RowTask:
         return cls(prep.key, prep.row_id, token_ids, prep.params, cache_tokens, prep.candidates,
-                   prep.prompt if prep.images else None, prep.images)
+                   prep.prompt if prep.images else None, prep.images, block_hashes)
 
 
 def submit(core: EngineCore, task: RowTask) -> None:
@@ -69,7 +71,8 @@ def submit(core: EngineCore, task: RowTask) -> None:
     if task.candidates is not None:
         core.add_score_request(task.token_ids, task.candidates, request_id=task.key, cache_tokens=task.cache_tokens)
     else:
-        core.add_request(task.token_ids, task.params, request_id=task.key, cache_tokens=task.cache_tokens)
+        core.add_request(task.token_ids, task.params, request_id=task.key, cache_tokens=task.cache_tokens,
+                         block_hashes=task.block_hashes)
 
 
 def _check(text: str, constraint: OutputConstraint, finish: FinishReason | None,

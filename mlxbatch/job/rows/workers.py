@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from mlxbatch.engine import Backend, PromptEncoder, plan, submission_order
+from mlxbatch.engine import Backend, PromptEncoder, plan, prompt_block_hashes, submission_order
 from mlxbatch.errors import MlxbatchError
 from mlxbatch.io import InputRow
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
@@ -48,6 +48,8 @@ class Encoded:
     # token ids of a text row that can run (or that an earlier run finished: the plan needs it), the reason it
     # cannot be tokenized, or None (an error row, or a row with images: encoded when submitted)
     ids: list[int] | str | None
+    # the token ids' ``engine.prompt_block_hashes``: the prefix index's keys, hashed here, off the engine's step loop
+    hashes: list[int] | None = None
 
 
 class FeedWorkerError(MlxbatchError):
@@ -79,7 +81,7 @@ def encode_prepared(preps: list[PreparedRow], encoder: PromptEncoder) -> list[En
     ids: list[list[int] | str | None] = [None] * len(preps)
     for i, seq in zip(texts, encoder.encode_many([preps[i].prompt for i in texts])):  # type: ignore[misc]
         ids[i] = seq
-    return [Encoded(p, s) for p, s in zip(preps, ids)]
+    return [Encoded(p, s, prompt_block_hashes(s) if isinstance(s, list) else None) for p, s in zip(preps, ids)]
 
 
 @dataclass(frozen=True)

@@ -188,7 +188,7 @@ class RayExecutor:
                 ids = r.token_ids or []
                 slot.floor_tokens += len(ids) - common_prefix_len(slot.last_ids, ids)
                 slot.last_ids = ids
-                tasks.append(RowTask.of(r.prep, r.token_ids, r.cache_tokens))
+                tasks.append(RowTask.of(r.prep, r.token_ids, r.cache_tokens, r.block_hashes))
             if not tasks and not slot.in_flight:
                 return
             slot.calls.append(slot.handle.advance.remote(tasks, ADVANCE_BUDGET_S, max(1, self.limit // 4)))
