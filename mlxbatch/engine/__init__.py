@@ -24,7 +24,7 @@ from mlxbatch.engine.sched.blocks import prompt_block_hashes
 from mlxbatch.engine.sched.planner import common_prefix_len, plan, submission_order
 from mlxbatch.engine.vision.adapter import is_vlm_folder
 
-__all__ = ["REGISTRY", "AsyncEngineCore", "Backend", "DeviceInfo", "DryModel", "DryRun", "Engine", "EngineConfig", "EngineCore",
-           "GrammarCompiler", "LayoutOptions", "LoadedModel", "ModelSpec", "PromptEncoder", "common_prefix_len",
-           "device_info", "grammar_text", "is_vlm_folder", "load_model", "measure_device_speed", "plan", "prompt_block_hashes", "resolve_path",
-           "submission_order"]
+__all__ = ["REGISTRY", "AsyncEngineCore", "Backend", "DeviceInfo", "DryModel", "DryRun", "Engine", "EngineConfig",
+           "EngineCore", "GrammarCompiler", "LayoutOptions", "LoadedModel", "ModelSpec", "PromptEncoder",
+           "common_prefix_len", "device_info", "grammar_text", "is_vlm_folder", "load_model", "measure_device_speed",
+           "plan", "prompt_block_hashes", "resolve_path", "submission_order"]
