@@ -129,10 +129,9 @@ class WindowReader:
                 w.last = True
                 break
             read.append(row)
-        runnable: list[tuple[int, PreparedRow, list[int] | str]] = []
+        runnable: list[tuple[int, PreparedRow, list[int] | str, list[int] | None]] = []  # with the ids' block hashes
         imaged: list[tuple[int, PreparedRow]] = []  # decoded only when submitted (pictures are big): not planned
         done: list[list[int] | str | None] = []  # token ids of text rows done by an earlier run: planned, not run
-        hashes: dict[int, list[int] | None] = {}  # a runnable text row's block hashes, by its input position
         for row, encoded in zip(read, self._preparation.run(read)):
             prep, ids = encoded.prep, encoded.ids
             index, self._read = self._read, self._read + 1
@@ -149,21 +148,20 @@ class WindowReader:
             elif prep.images:
                 imaged.append((index, prep))
             else:
-                runnable.append((index, prep, ids))  # type: ignore[arg-type]  # a text row: encoded
-                hashes[index] = encoded.hashes
+                runnable.append((index, prep, ids, encoded.hashes))  # type: ignore[arg-type]  # a text row: encoded
         if w.last and self._spool is not None:
             self._spool.close()
-        rows: list[tuple[PreparedRow, list[int], int]] = []
-        for index, prep, ids in runnable:
+        rows: list[tuple[PreparedRow, list[int], int, list[int] | None]] = []
+        for index, prep, ids, hashes in runnable:
             if isinstance(ids, str):
                 w.items.append(Failed(prep, f"{prep.row_id}: {ids}", "request", index))
             elif not ids:
                 w.items.append(Failed(prep, f"{prep.row_id}: the prompt is empty (it renders to no tokens)",
                                       "request", index))
             else:
-                rows.append((prep, ids, index))
+                rows.append((prep, ids, index, hashes))
         if rows:
-            self._plan(w, rows, done, hashes)
+            self._plan(w, rows, done)
         w.items.extend(Submit(prep, None, None, index) for index, prep in imaged)
         return w
 
@@ -173,19 +171,19 @@ class WindowReader:
     def close(self) -> None:
         self._preparation.close()
 
-    def _plan(self, w: Window, rows: list[tuple[PreparedRow, list[int], int]],
-              done: list[list[int] | str | None], hashes: dict[int, list[int] | None]) -> None:
+    def _plan(self, w: Window, rows: list[tuple[PreparedRow, list[int], int, list[int] | None]],
+              done: list[list[int] | str | None]) -> None:
         # the first run planned these rows with the ones done since: the order of a trie's rows depends on every
         # row (larger subtrees first), so the done rows are planned too, then skipped
         done_ids = [ids for ids in done if ids and not isinstance(ids, str)]
-        p = self._preparation.plan([ids for _, ids, _ in rows] + done_ids, len(rows), self.min_step_tokens)
+        p = self._preparation.plan([r[1] for r in rows] + done_ids, len(rows), self.min_step_tokens)
         w.planned_rows, w.prompt_tokens, w.distinct_tokens = len(rows), p.total_tokens, p.distinct_tokens
         if self.planned:
-            w.items.extend(Submit(rows[i][0], rows[i][1], cache_tokens, rows[i][2], hashes.get(rows[i][2]))
+            w.items.extend(Submit(rows[i][0], rows[i][1], cache_tokens, rows[i][2], rows[i][3])
                            for i, cache_tokens in p.order)
         else:  # planning off: longest first, every full block offered to the cache (LRU)
-            w.items.extend(Submit(prep, ids, None, index, hashes.get(index))
-                           for prep, ids, index in sorted(rows, key=lambda r: -len(r[1])))
+            w.items.extend(Submit(prep, ids, None, index, hashes)
+                           for prep, ids, index, hashes in sorted(rows, key=lambda r: -len(r[1])))
 
 
 class _ReaderFailed:
