@@ -17,7 +17,9 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxbatch.engine.decoding.detok import TextTracker
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+from mlxbatch.engine.decoding.detok import TextTracker, TokenText
 from mlxbatch.engine.decoding.sampling import derive_seed, uniform_for
 from mlxbatch.engine.decoding.structured import GrammarCompiler, short_value
 from mlxbatch.engine.inputs import Prompt, encode_prompt
@@ -68,7 +70,11 @@ class RequestIntake:
         tok = loaded.tokenizer
         self.eos = frozenset(int(t) for t in (tok.eos_token_ids or ()))
         self._vocab_size = len(tok._tokenizer)
-        self._hidden_ids = frozenset(int(t) for t in (getattr(tok, "all_special_ids", None) or ()))
+        hidden = frozenset(int(t) for t in (getattr(tok, "all_special_ids", None) or ()))
+        stream = tok.detokenizer
+        byte_level = stream.tokenmap if isinstance(stream, BPEStreamingDetokenizer) else None
+        # generated tokens' text rules, shared by every sequence
+        self._text = TokenText(tok, hidden, self._vocab_size, byte_level)
         self._compiler: GrammarCompiler | None = None
 
     @property
@@ -142,8 +148,8 @@ class RequestIntake:
                     if self._seed is not None else secrets.randbits(63))
         incremental = stream or bool(params.stop)
         seqs = sample_sequences(request_id, ids, params, seed, self.eos, ctx, cache_tokens, mm,
-                                lambda: TextTracker(self.loaded.tokenizer, params.stop, params.include_stop_str_in_output,
-                                                    incremental, self._hidden_ids, self._vocab_size), block_hashes)
+                                lambda: TextTracker(self._text, params.stop, params.include_stop_str_in_output,
+                                                    incremental), block_hashes)
         return RequestGroup(request_id, seqs, stream)
 
     def _check_ids(self, ids: list[int], what: str, shown: Any, room: int = 1) -> None:
@@ -186,7 +192,7 @@ class RequestIntake:
             self._check_ids(ctx_ids + ids, f"context + candidates[{i}]", cont, room=0)
             cands.append(ids)
         seqs = score_sequences(request_id, ctx_ids, cands, self.eos, self.loaded.context_length, cache_tokens,
-                               lambda: TextTracker(tok, (), False, False, self._hidden_ids, self._vocab_size))
+                               lambda: TextTracker(self._text, (), False, False))
         return RequestGroup(request_id, seqs, False)
 
 
