@@ -106,8 +106,9 @@ class StepCommit:
         the store's buffers to evaluate with the step), forked samples get their parent's KV, and finished prefills
         join the decode rows when the next step starts (a row move waits for the device: not while this one runs).
         Called once every pass of the step is built; the pass reads lengths as they were."""
-        for r in out.decodes:
-            self.batch.advance(r.request_id, 1)
+        if out.decodes:  # (the decode rows are the layout's first rows: every one runs every step)
+            assert len(out.decodes) == self.batch.n_decode
+            self.batch.advance_decodes()
         for c in out.prefills:
             self.batch.advance(c.request.request_id, c.end - c.start)
         pending: list[mx.array] = []

@@ -343,15 +343,17 @@ def _pad_groups(chunks: tuple[PrefillChunk, ...], admitted: list[str] | None = N
     prefix are neighbours there, and stay neighbours in the slots, where one write puts the prefix into all)."""
     ordered = sorted(chunks, key=lambda c: c.end - c.start, reverse=True)
     groups: list[list[PrefillChunk]] = []
+    real = 0  # the last group's tokens
     for c in ordered:
+        n = c.end - c.start
         if groups:
             g = groups[-1]
-            width = g[0].end - g[0].start
-            real = sum(x.end - x.start for x in g) + (c.end - c.start)
-            if width * (len(g) + 1) <= (1 + max_waste) * real:
+            if (g[0].end - g[0].start) * (len(g) + 1) <= (1 + max_waste) * (real + n):
                 g.append(c)
+                real += n
                 continue
         groups.append([c])
+        real = n
     if admitted:
         rank = {rid: i for i, rid in enumerate(admitted)}
         for g in groups:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -44,8 +45,9 @@ class SampleRow:
     banned_ids: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
 
 
-@dataclass(frozen=True)
-class SampledToken:
+class SampledToken(NamedTuple):
+    """One drawn token (a named tuple: a step reads one for every row it drew)."""
+
     token_id: int
     logprob: TokenLogprob | None
 
@@ -134,7 +136,7 @@ class Drawn:
         return [a for a in (self.chosen, self.chosen_lp, self.top_ids, self.top_vals) if a is not None]
 
     def read(self) -> list[SampledToken]:
-        tokens = [int(t) for t in self.chosen.tolist()]
+        tokens = self.chosen.tolist()  # (int32: Python ints)
         out = [SampledToken(t, None) for t in tokens]
         if not self.lp_rows:
             return out

@@ -124,6 +124,10 @@ class KVLayout(Protocol):
         """Commit ``count`` new positions of a row (the step that wrote them succeeded)."""
         ...
 
+    def advance_decodes(self) -> None:
+        """Commit one new position of every decode row (rows ``0 .. n_decode``: a step feeds each one token)."""
+        ...
+
     def promote(self, request_id: str) -> None:
         """A prefilling row finished its prefill: it joins the decode rows."""
         ...

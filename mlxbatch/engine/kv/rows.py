@@ -100,6 +100,11 @@ class SlotRows:
         """Commit ``count`` new positions of one row (after the step that wrote them succeeded)."""
         self.lengths[self.row_of(request_id)] += count
 
+    def advance_decodes(self) -> None:
+        """Commit one new position of every decode row (the first ``n_decode`` rows)."""
+        n = self.n_decode
+        self.lengths[:n] = [length + 1 for length in self.lengths[:n]]
+
     # -- moves -----------------------------------------------------------------------------------
     def _copy_row(self, src: int, dst: int) -> None:
         if src == dst:

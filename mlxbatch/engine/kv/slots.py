@@ -163,6 +163,9 @@ class SlotBatch:
     def advance(self, request_id: str, count: int) -> None:
         self.rows.advance(request_id, count)
 
+    def advance_decodes(self) -> None:
+        self.rows.advance_decodes()
+
     def promote(self, request_id: str) -> None:
         self.rows.promote(request_id)
 
