@@ -116,7 +116,8 @@ def model_size(b: Bench) -> tuple[int, int]:
 def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float, rows: int) -> list[Table]:
     main = Table(f"the user's job: {rows:,} rows through `mlxbatch run`",
                  ["engine section", "rows/s", "wall s", "process s", "engine steps s", "prefill / decode / host s",
-                  "wall outside the steps", "of it: waiting for rows / writing results / garbage collector",
+                  "wall outside the steps", "of it: in the engine / waiting for rows / writing results / garbage "
+                  "collector",
                   "CPU s: the run's thread / the feed's", "wall / steps",
                   "of the floor", "prefill / window floor", "KV in use MB", "MLX peak MB", "steps"])
     split = Table("where a step's time goes (seconds; ms a step)",
@@ -128,7 +129,7 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
         outside = wall - p["total_s"]
         main.rows.append([tag, r["rows_per_s"], wall, process_s, p["total_s"],
                           f"{p['prefill_s']:.1f} / {p['decode_s']:.1f} / {p['host_s']:.1f}",
-                          f"{outside:.1f} s ({outside / wall:.0%})", _outside(r.get("this_run") or {}),
+                          f"{outside:.1f} s ({outside / wall:.0%})", _outside(r.get("this_run") or {}, p),
                           _cpu((r.get("this_run") or {}).get("cpu_s")), ratio(wall, p["total_s"]),
                           f"{floor_s / wall:.1%}", r["prefix_reuse"]["window_floor_ratio"],
                           r["engine"]["kv_bytes"] / MB, r["engine"].get("peak_memory_bytes", 0) / MB, p["steps"]])
@@ -149,14 +150,17 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
     return [main, split]
 
 
-def _outside(run: dict[str, Any]) -> str | None:
-    """The parts of the wall outside the steps that the run times: the engine idle while the feed prepared the next
-    window (the start, mostly), the end after the last row (results.parquet written, the report's summary), and
-    Python's garbage collector (in any thread, so partly inside the steps)."""
+def _outside(run: dict[str, Any], profile: dict[str, Any]) -> str | None:
+    """The parts of the wall outside the steps that the run times: in the engine's step calls but not in its profiled
+    steps (finished rows' outputs, steps with nothing to launch: ``stepping_s``), the engine idle while the feed
+    prepared the next window (the start, mostly), the end after the last row (results.parquet written, the report's
+    summary), and Python's garbage collector (in any thread, so partly inside the steps)."""
     wait, end, gc_s = run.get("waiting_for_rows_s"), run.get("writing_results_s"), run.get("garbage_collector_s")
     if wait is None or end is None:
         return None
-    return f"{wait:.1f} / {end:.1f}" + (f" / {gc_s:.1f} s" if gc_s is not None else " s")
+    stepping = profile.get("stepping_s")
+    engine = f"{stepping - profile['total_s']:.1f} / " if stepping is not None else ""
+    return engine + f"{wait:.1f} / {end:.1f}" + (f" / {gc_s:.1f} s" if gc_s is not None else " s")
 
 
 def _cpu(cpu: dict[str, float] | None) -> str | None:

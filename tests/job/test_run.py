@@ -51,6 +51,8 @@ def test_bad_rows_become_error_rows_and_the_job_completes(tmp_path, tiny_model_p
     t, steps = report["this_run"], report["engine"]["profile"]["total_s"]
     assert t["waiting_for_rows_s"] > 0 and t["writing_results_s"] > 0
     assert t["waiting_for_rows_s"] + t["writing_results_s"] + steps <= t["wall_s"]
+    # the engine's step calls as the run made them: the profiled steps and what the profile leaves out (outputs)
+    assert steps < report["engine"]["profile"]["stepping_s"] < t["wall_s"]
     # MLX's peak memory holds at least the KV buffers the run allocated
     assert report["engine"]["peak_memory_bytes"] >= report["engine"]["kv_bytes"] > 0
 

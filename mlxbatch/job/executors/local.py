@@ -78,7 +78,11 @@ class RowEngine:
         self.core.abort(key)
 
     def stats(self) -> dict[str, Any]:
-        return self.core.stats()
+        """The core's, its profile with ``stepping_s``: the wall of this engine's steps as the caller sees them, the
+        profiled steps' plus what the profile leaves out (finished rows' outputs, steps with nothing to launch)."""
+        stats = self.core.stats()
+        stats["profile"] = {**stats["profile"], "stepping_s": round(self.busy_s, 4)}
+        return stats
 
     def shutdown(self) -> None:
         self.core.shutdown()
