@@ -83,19 +83,22 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.begin_step()
         decodes: list[Request] = []
+        others: list[Request] = []  # the running sequences not decoding, in running order
         prefilling: set[str] = set()  # sequences whose KV a sibling sample can still fork (prompt-only prefill in progress)
         for r in self.running:
             if r.status is DECODING:
                 decodes.append(r)
-            elif r.status is PREFILLING and not r.output_token_ids:
+                continue
+            others.append(r)
+            if r.status is PREFILLING and not r.output_token_ids:
                 prefilling.add(r.request_id)
         budget = cfg.max_num_batched_tokens - len(decodes)
         prefills: list[PrefillChunk] = []
-        for r in self.running:
+        for r in others:
             if r.fork_parent is not None and r.fork_parent not in prefilling:
                 r.fork_parent = None  # its parent was preempted or finished: it prefills on its own
         admissions: list[Admission] = []
-        for r in self.running:
+        for r in others:
             if budget <= 0:
                 break
             if r.status is PREFILLING and r.fork_parent is None:
