@@ -48,15 +48,22 @@ class RequestGroup:
 
     def output(self) -> RequestOutput:
         first = self.sequences[0]
-        sched = [s.first_scheduled for s in self.sequences if s.first_scheduled is not None]
-        toks = [s.first_token for s in self.sequences if s.first_token is not None]
-        ends = [s.finished_at for s in self.sequences if s.finished_at is not None]
-        timings = RequestTimings(self.arrival, min(sched, default=None), min(toks, default=None),
-                                 max(ends) if self.finished and ends else None)
+        finished = self.finished
+        if len(self.sequences) == 1:  # (most requests: the same figures without the scans)
+            timings = RequestTimings(self.arrival, first.first_scheduled, first.first_token,
+                                     first.finished_at if finished else None)
+            completions = tuple(first.completions())
+        else:
+            sched = [s.first_scheduled for s in self.sequences if s.first_scheduled is not None]
+            toks = [s.first_token for s in self.sequences if s.first_token is not None]
+            ends = [s.finished_at for s in self.sequences if s.finished_at is not None]
+            timings = RequestTimings(self.arrival, min(sched, default=None), min(toks, default=None),
+                                     max(ends) if finished and ends else None)
+            completions = tuple(c for s in self.sequences for c in s.completions())
         # a score request's prompt is its context (each candidate sequence runs context + candidate)
         prompt = first.score_from if first.score_from is not None else first.num_prompt_tokens
-        return RequestOutput(self.request_id, prompt, tuple(c for s in self.sequences for c in s.completions()),
-                             timings, self.finished, cached_tokens=first.num_cached_tokens)
+        return RequestOutput(self.request_id, prompt, completions, timings, finished,
+                             cached_tokens=first.num_cached_tokens)
 
 
 class RequestIntake:

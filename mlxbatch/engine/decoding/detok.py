@@ -70,6 +70,13 @@ class TokenText:
         """A fresh streaming detokenizer (mlx-lm's: a copy per sequence)."""
         return self._tok.detokenizer
 
+    def shown_ids(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` without those that never become text (``shown``)."""
+        hidden, size = self._hidden, self._vocab_size
+        if size is None:
+            return [t for t in ids if t not in hidden]
+        return [t for t in ids if t < size and t not in hidden]
+
     def whole_text(self, ids: Sequence[int]) -> str:
         """The text of ``ids`` (shown tokens) as the streaming detokenizer ends it."""
         if self._tokenmap is not None:
@@ -177,5 +184,4 @@ class TextTracker:
             return self.text
         if self._text is None:
             return ""
-        shown = self._text.shown
-        return self._text.whole_text([t for t in self._ids if shown(t)])
+        return self._text.whole_text(self._text.shown_ids(self._ids))
