@@ -64,14 +64,15 @@ class TokenText:
         self._bytes: dict[int, bytes | None] = {}  # token -> its bytes (None: not in the alphabet's plain part)
 
     def shown(self, token_id: int) -> bool:
-        return token_id not in self._hidden and (self._vocab_size is None or token_id < self._vocab_size)
+        """Whether a token becomes text (``shown_ids``' rule)."""
+        return bool(self.shown_ids((token_id,)))
 
     def stream(self) -> Any:
         """A fresh streaming detokenizer (mlx-lm's: a copy per sequence)."""
         return self._tok.detokenizer
 
     def shown_ids(self, ids: Sequence[int]) -> list[int]:
-        """``ids`` without those that never become text (``shown``)."""
+        """``ids`` without those that never become text: special tokens and ids past the tokenizer's vocabulary."""
         hidden, size = self._hidden, self._vocab_size
         if size is None:
             return [t for t in ids if t not in hidden]
