@@ -14,6 +14,8 @@ import os
 import re
 from pathlib import Path
 
+from mlxbatch.engine import byte_of_char
+
 CACHE = Path(os.environ.get("MLXBATCH_TEST_CACHE", Path.home() / ".cache" / "mlxbatch" / "test-models"))
 LABELS = ["positive", "negative", "neutral", "mixed", "unknown"]
 REGEX = r"\d{3}-\d{4}"
@@ -145,7 +147,7 @@ class Outlines:
         import outlines_core as oc
 
         self.oc, self.np = oc, np
-        decode = {c: b for b, c in _bytes_to_unicode().items()}
+        decode = byte_of_char()
         special = set(hf.all_special_ids) | {i for i in hf.added_tokens_decoder}
         tokens: dict[bytes, list[int]] = {}
         for text, i in hf.get_vocab().items():
@@ -186,16 +188,3 @@ class Outlines:
 
     def reset(self, row):
         row.reset()
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (byte-level BPE token text)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))

@@ -12,6 +12,7 @@ from mlxbatch.engine.api import Engine
 from mlxbatch.engine.async_core import AsyncEngineCore
 from mlxbatch.engine.backend import Backend
 from mlxbatch.engine.core import EngineCore
+from mlxbatch.engine.decoding.detok import byte_of_char
 from mlxbatch.engine.decoding.structured import GrammarCompiler, grammar_text
 from mlxbatch.engine.dry_run import DryModel, DryRun
 from mlxbatch.engine.inputs import PromptEncoder
@@ -26,5 +27,5 @@ from mlxbatch.engine.vision.adapter import is_vlm_folder
 
 __all__ = ["REGISTRY", "AsyncEngineCore", "Backend", "DeviceInfo", "DryModel", "DryRun", "Engine", "EngineConfig",
            "EngineCore", "GrammarCompiler", "LayoutOptions", "LoadedModel", "ModelSpec", "PromptEncoder",
-           "common_prefix_len", "device_info", "grammar_text", "is_vlm_folder", "load_model", "measure_device_speed",
+           "byte_of_char", "common_prefix_len", "device_info", "grammar_text", "is_vlm_folder", "load_model", "measure_device_speed",
            "plan", "prompt_block_hashes", "resolve_path", "submission_order"]

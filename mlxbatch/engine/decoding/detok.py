@@ -23,13 +23,13 @@ class StopHit:
     text: str  # the final text (truncated at the stop string, or including it if asked)
 
 
-_UNSEEN = b"unseen"  # (a token not looked at yet: its bytes are built on first use)
+_UNSEEN: Any = object()  # (a token not looked at yet: its bytes are built on first use)
 
 
 @functools.cache
-def _byte_of_char() -> dict[str, int]:
+def byte_of_char() -> dict[str, int]:
     """Byte-level BPE's alphabet (GPT-2's ``bytes_to_unicode``) read backwards: each of the 256 characters a token's
-    string is made of, to the byte it stands for."""
+    string is made of, to the byte it stands for (the one definition: the bench's constraint libraries use it too)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, n = {}, 0
     for b in range(256):
@@ -103,7 +103,7 @@ class TokenText:
         chars = self._tokenmap[token_id] if token_id < len(self._tokenmap) else None
         out = None
         if isinstance(chars, str):
-            byte_of = _byte_of_char()
+            byte_of = byte_of_char()
             values = [byte_of.get(c, 0) for c in chars]
             out = bytes(values) if all(values) else None
         self._bytes[token_id] = out
