@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -135,17 +135,7 @@ def iter_hub(name: str, *, id_column: str | None, columns: tuple[str, ...] | Non
     read = _projection(names, name, id_column, columns)
     if read is not None:
         ds = ds.select_columns(read)
-    stem, position = name.rstrip("/").rsplit("/", 1)[-1], 0
-    try:
-        for obj in ds:
-            yield input_row_from_object(obj, source=name, stem=stem, position=position, id_column=id_column,
-                                        columns=columns, label="row ")
-            position += 1
-    except InputError:
-        raise
-    except Exception as exc:
-        _release_abandoned_readers()
-        raise InputError(f"dataset {name!r}: reading failed after {position} rows ({exc})") from exc
+    yield from _rows(ds, name, name.rstrip("/").rsplit("/", 1)[-1], f"dataset {name!r}", id_column, columns)
 
 
 def _release_abandoned_readers() -> None:
@@ -224,9 +214,16 @@ def iter_hf(path: Path, *, id_column: str | None, columns: tuple[str, ...] | Non
                                           for obj in table.to_pylist())
     else:
         rows = iter(ds)
-    source, stem, position = str(path), (path.name if path.is_dir() else path.stem), 0
+    yield from _rows(rows, str(path), path.name if path.is_dir() else path.stem, str(path), id_column, columns)
+
+
+def _rows(objs: Iterable[dict[str, Any]], source: str, stem: str, what: str, id_column: str | None,
+          columns: tuple[str, ...] | None) -> Iterator[InputRow]:
+    """A dataset's row objects as input rows, in order; a failure of the dataset's reader becomes an InputError
+    (``what`` names the dataset) that says how many rows were read."""
+    position = 0
     try:
-        for obj in rows:
+        for obj in objs:
             yield input_row_from_object(obj, source=source, stem=stem, position=position, id_column=id_column,
                                         columns=columns, label="row ")
             position += 1
@@ -234,7 +231,7 @@ def iter_hf(path: Path, *, id_column: str | None, columns: tuple[str, ...] | Non
         raise
     except Exception as exc:
         _release_abandoned_readers()
-        raise InputError(f"{path}: reading failed after {position} rows ({exc})") from exc
+        raise InputError(f"{what}: reading failed after {position} rows ({exc})") from exc
 
 
 def arrow_schema(path: Path, fmt: str, split: str | None) -> pa.Schema | None:
