@@ -40,6 +40,14 @@ from mlxbatch.engine.scoring import score_chunk, score_positions
 from mlxbatch.engine.vision.rows import RowInput, VisionLanguageRows
 from mlxbatch.errors import InvalidRequestError, OutOfMemoryError
 
+# Prefill passes apart (the CPU, Metal) pad their rows to the pass's longest, and padding costs what real tokens cost
+# (the matmuls, attention over it), while a new pass costs a launch of every layer and a read of the weights: a pass
+# pads at most this share of its real tokens (at 0.25 label's and chat's steps computed 18% padding; at 0.10, 7-8%,
+# for 1.3-1.8x the passes and 7-10% less time on a CPU: docs/benchmarks.md)
+PASS_WASTE = 0.10
+# where one packed pass (CUDA: no padding) takes every group, the groups only order its rows (similar lengths together)
+PACKED_ORDER_WASTE = 0.25
+
 log = logging.getLogger(__name__)
 
 _OOM_MARKERS = ("out of memory", "outofmemory", "bad_alloc", "malloc", "failed to allocate")
@@ -174,14 +182,15 @@ class ModelRunner:
         logits: list[mx.array] = []
         if out.prefills:
             t0, w0 = time.perf_counter(), traffic.wait_s
-            groups = _pad_groups(out.prefills, [a.request.request_id for a in out.admissions])
+            # the passes: each group its own, or every group in one packed pass (``kv.packed``: no score rows)
+            packed = self.layout.packed_prefill and self._mm is None \
+                and all(c.request.score_from is None for c in out.prefills)
+            groups = _pad_groups(out.prefills, [a.request.request_id for a in out.admissions],
+                                 PACKED_ORDER_WASTE if packed else PASS_WASTE)
             # new rows join in pass order, then get the KV they reuse; arranged once, before any forward: rows move
             # by committed length, and this step's writes are not committed yet
             reuse.admit(batch, self._store, out.admissions, [c.request.request_id for g in groups for c in g])
             start = batch.n_decode
-            # the passes: each group its own, or every group in one packed pass (``kv.packed``: no score rows)
-            packed = self.layout.packed_prefill and self._mm is None \
-                and all(c.request.score_from is None for c in out.prefills)
             if packed and out.decodes and self.layout.attention.packed is not None:
                 due, step_logits = self._one_pass(out, [c for g in groups for c in g])
                 prof.prefill_build_s += time.perf_counter() - t0 - (traffic.wait_s - w0)
@@ -336,11 +345,13 @@ def _out_of_memory() -> Iterator[None]:
         raise
 
 
-def _pad_groups(chunks: tuple[PrefillChunk, ...], admitted: list[str] | None = None, max_waste: float = 0.25
+
+def _pad_groups(chunks: tuple[PrefillChunk, ...], admitted: list[str] | None, max_waste: float
                 ) -> list[list[PrefillChunk]]:
-    """Split prefill chunks into forward passes whose right-padding stays under ``max_waste``. Inside a pass, rows
-    already running come first, then the rows ``admitted`` this step in their order (the plan's: rows that share a
-    prefix are neighbours there, and stay neighbours in the slots, where one write puts the prefix into all)."""
+    """Split prefill chunks into forward passes whose right-padding stays under ``max_waste`` of their real tokens.
+    Inside a pass, rows already running come first, then the rows ``admitted`` this step in their order (the plan's:
+    rows that share a prefix are neighbours there, and stay neighbours in the slots, where one write puts the prefix
+    into all)."""
     ordered = sorted(chunks, key=lambda c: c.end - c.start, reverse=True)
     groups: list[list[PrefillChunk]] = []
     real = 0  # the last group's tokens

@@ -10,7 +10,7 @@ from mlxbatch import SamplingParams
 from mlxbatch.engine.decoding.detok import TextTracker
 from mlxbatch.engine.model.worker import Worker
 from mlxbatch.engine.request import Request, RequestStatus
-from mlxbatch.engine.runner import ModelRunner
+from mlxbatch.engine.runner import PASS_WASTE, ModelRunner, _pad_groups
 from mlxbatch.engine.sched.prefix import BlockStore, CachedBlocks, RunningRow
 from mlxbatch.engine.sched.scheduler import Admission, PrefillChunk, SchedulerOutput
 
@@ -63,3 +63,31 @@ def test_a_prefill_chunk_that_does_not_end_the_prompt_samples_nothing(tiny_loade
     assert out.sampled == {} and runner.batch.committed("a") == 20
     out = runner.execute(SchedulerOutput((), (PrefillChunk(a, 20, 40, True),)))
     assert list(out.sampled) == ["a"] and runner.batch.committed("a") == 40
+
+
+def test_prefill_passes_apart_pad_at_most_pass_waste(tiny_loaded):
+    """A step's prefill rows of different lengths (the CPU: passes apart) go in passes that pad at most
+    ``PASS_WASTE`` of their real tokens, each row in one pass: lengths 60, 56, 44 and 42 (one pass at 25%: 19% padding)
+    make two passes here, and every row gets the KV it gets computed alone."""
+    w = Worker(tiny_loaded)
+    runner = ModelRunner(tiny_loaded.model, w.geometry, w.backend)
+    lengths = {"a": 60, "b": 56, "c": 44, "d": 42}
+    rs = {rid: req(rid, [(11 * i + len(rid) * n) % 500 + 3 for i in range(n)]) for rid, n in lengths.items()}
+    groups = _pad_groups(tuple(PrefillChunk(r, 0, lengths[rid], True) for rid, r in rs.items()), None, PASS_WASTE)
+    assert sorted(c.request.request_id for g in groups for c in g) == sorted(lengths)
+    for g in groups:
+        real = sum(c.end for c in g)
+        assert max(c.end for c in g) * len(g) <= (1 + PASS_WASTE) * real
+    assert [[c.request.request_id for c in g] for g in groups] == [["a", "b"], ["c", "d"]]
+    assert len(_pad_groups(groups[0] + groups[1], None, 0.25)) == 1  # (the rule before: one pass)
+
+    before = runner.traffic.launches
+    out = runner.execute(SchedulerOutput((), tuple(PrefillChunk(r, 0, lengths[rid], True) for rid, r in rs.items()),
+                                         admissions=tuple(Admission(r) for r in rs.values())))
+    assert set(out.sampled) == set(lengths) and runner.traffic.launches - before >= 2
+    for rid, r in rs.items():
+        ref = ModelRunner(tiny_loaded.model, runner.geometry, w.backend)
+        alone = req(rid, r.prompt_token_ids)
+        ref.execute(SchedulerOutput((), (PrefillChunk(alone, 0, lengths[rid], True),), admissions=(Admission(alone),)))
+        for got, want in zip(kv_of(runner, rid, lengths[rid]), kv_of(ref, rid, lengths[rid])):
+            assert mx.allclose(got, want, atol=1e-5).item(), rid
