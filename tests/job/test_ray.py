@@ -243,7 +243,10 @@ def test_a_replacement_the_cluster_cannot_place_is_logged_and_given_up(cluster, 
     # the whole cluster; start_timeout_s is waited out by the replacement (the test's length), and the first actor
     # must load the model within it on a busy machine too, so it starts once the earlier tests' actors have given
     # their CPUs back (under load that took over 20 s: the first actor got no room)
+    # 24 tokens a row, 2 rows at a time: seconds of rows, so the actor is seen working before the job ends (at the
+    # job's 8 tokens at most, 120 rows took 1.2 s on a quiet CPU, shorter than the driver's progress interval)
     job = _job(root, "no-room-left", tiny_model_path, path, engine=SLOW,
+               sampling={"max_tokens": 24, "min_tokens": 24},
                executor={**RAY, "actors": 1, "num_cpus": 2, "start_timeout_s": 30})
     out = job.parent / "out"
     deadline = time.monotonic() + 120
