@@ -43,7 +43,8 @@ from mlxbatch.errors import InvalidRequestError, OutOfMemoryError
 # Prefill passes apart (the CPU, Metal) pad their rows to the pass's longest, and padding costs what real tokens cost
 # (the matmuls, attention over it), while a new pass costs a launch of every layer and a read of the weights: a pass
 # pads at most this share of its real tokens (at 0.25 label's and chat's steps computed 18% padding; at 0.10, 7-8%,
-# for 1.3-1.8x the passes and 7-10% less time on a CPU: docs/benchmarks.md)
+# for 1.3-1.8x the passes: 7-9% less time with a Mac's decisions on a CPU, the CPU's own job unchanged:
+# docs/benchmarks.md)
 PASS_WASTE = 0.10
 # where one packed pass (CUDA: no padding) takes every group, the groups only order its rows (similar lengths together)
 PACKED_ORDER_WASTE = 0.25
@@ -343,7 +344,6 @@ def _out_of_memory() -> Iterator[None]:
         if is_out_of_memory(exc):
             raise OutOfMemoryError(str(exc)) from exc
         raise
-
 
 
 def _pad_groups(chunks: tuple[PrefillChunk, ...], admitted: list[str] | None, max_waste: float
