@@ -239,11 +239,11 @@ class Bench:
         return Run(name, wall, w.rows, w.prompt_tokens, sum(map(len, tokens)), tokens, extra)
 
     def run_engine(self, w: wl.Workload, name: str = "engine", layout: LayoutOptions | None = None,
-                   **config: Any) -> Run:
-        """mlxbatch Engine.generate (greedy, ignore_eos) on a fresh engine; construction is not timed. ``layout``:
-        another device's layout decisions (None: this device's)."""
+                   launch_thread: bool | None = None, **config: Any) -> Run:
+        """mlxbatch Engine.generate (greedy, ignore_eos) on a fresh engine; construction is not timed. ``layout``,
+        ``launch_thread``: another device's decisions (None: this device's)."""
         params = SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True)
-        engine = Engine(self.loaded, EngineConfig(seed=0, **config), layout=layout)
+        engine = Engine(self.loaded, EngineConfig(seed=0, **config), layout=layout, launch_thread=launch_thread)
         try:
             t0 = time.perf_counter()
             outs = engine.generate(w.prompts, params)

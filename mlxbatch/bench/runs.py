@@ -4,6 +4,7 @@
     mlxbatch bench runs --model 0.5b --runs chat:1024 --configs 'on:overlap_steps=true;off:overlap_steps=false'
     mlxbatch bench runs --model 0.5b --runs fewshot:2048 --b1 --configs 'none:;2g:step_memory_bytes=2147483648'
     mlxbatch bench runs --model tiny --concurrency 256 --cuda-decisions --runs label:1024,chat:512   # no GPU needed
+    python3 -m mlxbatch.bench runs --model 0.5b --mac-decisions --configs 'off:overlap_steps=false;on:overlap_steps=true'
     PYTHONPATH=<another tree> python3 -m mlxbatch.bench runs ...     # the same for another commit: an A/B
 
 What an A/B of engine changes needs on one machine: each workload (``name:rows``, ``:nocache`` for the prefix cache
@@ -20,6 +21,10 @@ ops as kernels. The planner, the scheduler and the copies' books are the same co
 what a GPU run computes, copies and syncs, and the greedy tokens' hash must not move: engine work checked without a
 GPU. The engine takes them at construction (``Engine(..., layout=CUDA_DECISIONS)``); its reuse step and filled
 passes follow the packed prefill.
+
+``--mac-decisions``: the engine on this GPU takes a Mac's decisions (``suite.GENERIC``: a GPU's batched row moves,
+MLX's attention, nothing of the CUDA text path) and launches its steps from the engine's own thread, as Metal does:
+what a Mac runs, on an NVIDIA GPU (overlapped steps follow the configuration; unset, this device's).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from mlxbatch.bench import workloads as wl
 from mlxbatch.bench.harness import MB, Bench, MemoryProbe, Run, Table, log, ratio
 from mlxbatch.bench.meta import emit
 from mlxbatch.bench.options import parse_script_args
+from mlxbatch.bench.suite import GENERIC
 from mlxbatch.engine import LayoutOptions
 
 CUDA_STEP_TOKENS = 4096  # prefill tokens a step on NVIDIA GPUs under 70 GB (the engine's default there)
@@ -106,14 +112,17 @@ def token_hash(tokens: list[list[int]]) -> str:
 
 
 def engine_runs(b: Bench, runs: list[RunSpec], configs: dict[str, dict[str, Any]], rounds: int, b1: bool,
-                decisions: bool) -> Table:
+                decisions: bool, mac: bool = False) -> Table:
     C = b.concurrency
     base: dict[str, Any] = {"max_num_seqs": C}
     if decisions:
         base.update(max_num_batched_tokens=CUDA_STEP_TOKENS, warm_up=False)
-    layout = CUDA_DECISIONS if decisions else None
-    b.run_engine(b.workload("label", min(64, max(8, C))), max_num_seqs=C)  # warm-up: kernels, first shapes
+    layout = CUDA_DECISIONS if decisions else GENERIC if mac else None
+    thread = False if mac else None
+    b.run_engine(b.workload("label", min(64, max(8, C))), max_num_seqs=C, layout=layout,
+                 launch_thread=thread)  # warm-up: kernels, first shapes
     tab = Table(f"engine runs: concurrency {C}" + (", CUDA's decisions" if decisions else "")
+                + (", a Mac's decisions" if mac else "")
                 + f", {rounds} round(s) interleaved",
                 ["workload", "config", "round", "wall s", "prefill s", "prefill tok", "prefill / floor", "decode s",
                  "host s", "steps", "moved MB", "of it row moves MB", "stored MB", "syncs", "peak GiB over start",
@@ -132,7 +141,7 @@ def engine_runs(b: Bench, runs: list[RunSpec], configs: dict[str, dict[str, Any]
         for rnd in range(1, rounds + 1):
             for name, cfg in configs.items():
                 with MemoryProbe() as probe:
-                    run: Run = b.run_engine(w, name=name, layout=layout,
+                    run: Run = b.run_engine(w, name=name, layout=layout, launch_thread=thread,
                                             **{**base, **cfg, **({} if spec.cache else {"prefix_cache": False})})
                 p = run.extra["profile"]
                 peak = probe.mlx_peak - probe.mlx_base
@@ -160,9 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         configs=("", "name:field=value,...;... EngineConfig fields per configuration (default: one, the defaults)"),
         rounds=(2, "runs of each workload x configuration, interleaved (default 2: first, again)"),
         b1=(False, "also run mlx-lm's batch_generate once per workload (memory x B1)"),
-        cuda_decisions=(False, "take the CUDA text path's decisions on this machine (a CPU check of a GPU run)"))
+        cuda_decisions=(False, "take the CUDA text path's decisions on this machine (a CPU check of a GPU run)"),
+        mac_decisions=(False, "take a Mac's decisions on this GPU (MLX's attention, row moves, no launch thread)"))
+    if mine.cuda_decisions and mine.mac_decisions:
+        raise SystemExit("--cuda-decisions and --mac-decisions: one device's decisions at a time")
     runs, configs = parse_runs(mine.runs), parse_configs(mine.configs)
     b = Bench(args)
-    tab = engine_runs(b, runs, configs, mine.rounds, mine.b1, mine.cuda_decisions)
+    tab = engine_runs(b, runs, configs, mine.rounds, mine.b1, mine.cuda_decisions, mine.mac_decisions)
     emit(b, [tab])
     return 0

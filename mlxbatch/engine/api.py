@@ -32,9 +32,10 @@ class Engine:
 
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, *, dtype: str = "auto",
                  adapter_path: str | None = None, trust_remote_code: bool = False,
-                 layout: LayoutOptions | None = None) -> None:
+                 layout: LayoutOptions | None = None, launch_thread: bool | None = None) -> None:
         """``layout``: the KV layout's options (None: what this device runs, ``paths.layout_for``); tests and
-        diagnostics take another device's decisions with it."""
+        diagnostics take another device's decisions with it, and with ``launch_thread`` (None: this device's,
+        ``paths.uses_launch_thread``) whether steps are launched from a thread of their own."""
         self._user = f"engine-{next(_engine_ids)}"
         if isinstance(model, LoadedModel):
             self._spec = None
@@ -42,7 +43,7 @@ class Engine:
         else:
             self._spec = ModelSpec(model, dtype, adapter_path, trust_remote_code)
             loaded = REGISTRY.acquire(self._spec, self._user)
-        self.core = EngineCore(loaded, config, layout=layout)
+        self.core = EngineCore(loaded, config, layout=layout, launch_thread=launch_thread)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
 

@@ -54,10 +54,18 @@ def test_runs_compares_configurations_and_cuda_decisions(tmp_path, tiny_model_pa
         assert got[w]["of it row moves MB"] == 0 < by[(w, "plain")]["of it row moves MB"]  # CUDA's rows stay put
     assert "CUDA's decisions" in json.loads(cuda.read_text())["tables"][0]["title"]
 
+    mac = tmp_path / "mac.json"  # a Mac's decisions (a GPU's batched row moves): the same greedy tokens again
+    assert runs.main([*common, "--mac-decisions", "--json", str(mac)]) == 0
+    got = {r["workload"]: r for r in _table(mac)}
+    for w in ("label 6", "chat 8 nocache"):
+        assert got[w]["tokens"] == by[(w, "plain")]["tokens"]
+    assert "a Mac's decisions" in json.loads(mac.read_text())["tables"][0]["title"]
+
 
 def test_runs_refuses_bad_items():
     for argv, says in ((["--runs", "label"], "expected workload:rows"), (["--runs", "nope:4"], "expected"),
-                       (["--configs", "a:max_num_seqs"], "expected field=value")):
+                       (["--configs", "a:max_num_seqs"], "expected field=value"),
+                       (["--cuda-decisions", "--mac-decisions"], "one device's decisions")):
         with pytest.raises(SystemExit, match=says):
             runs.main(["--model", "/nonexistent", *argv])  # refused before any model is loaded
 
