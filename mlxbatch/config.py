@@ -39,10 +39,10 @@ class EngineConfig:
     # max_num_seqs: fixed forward shapes (engine.invariant); costs speed, so off by default
     batch_invariant: bool = False
     # launch each step before reading the last one's tokens, so that the host's work (reading results, scheduling,
-    # building the next passes) runs while the device computes (a job's ``engine.overlap_steps``). None: by device: on
-    # the CUDA text path, whose steps are launched from a thread of their own too (``engine.launcher``), off elsewhere
-    # (on its own, without that thread, it measured no faster on an H200 and ~6% faster on an H100:
-    # docs/benchmarks.md); off, every step is read before the next is built
+    # building the next passes) runs while the device computes (a job's ``engine.overlap_steps``). None: by device
+    # (``engine.paths.overlaps_steps``): on a GPU's text rows (on the CUDA text path its steps are launched from a
+    # thread of their own too, ``engine.launcher``), not on a CPU, not for vision rows or batch-invariant runs; off,
+    # every step is read before the next is built
     overlap_steps: bool | None = None
 
     def __post_init__(self) -> None:

@@ -22,9 +22,9 @@ what a GPU run computes, copies and syncs, and the greedy tokens' hash must not 
 GPU. The engine takes them at construction (``Engine(..., layout=CUDA_DECISIONS)``); its reuse step and filled
 passes follow the packed prefill.
 
-``--mac-decisions``: the engine on this GPU takes a Mac's decisions (``suite.GENERIC``: a GPU's batched row moves,
-MLX's attention, nothing of the CUDA text path) and launches its steps from the engine's own thread, as Metal does:
-what a Mac runs, on an NVIDIA GPU (overlapped steps follow the configuration; unset, this device's).
+``--mac-decisions``: the engine on this GPU takes a Mac's decisions (``suite.MAC``: a GPU's batched row moves, MLX's
+attention, nothing of the CUDA text path, steps launched from the engine's own thread, as Metal does): what a Mac
+runs, on an NVIDIA GPU (overlapped steps follow the configuration; unset, on, as on a Mac).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from mlxbatch.bench import workloads as wl
 from mlxbatch.bench.harness import MB, Bench, MemoryProbe, Run, Table, log, ratio
 from mlxbatch.bench.meta import emit
 from mlxbatch.bench.options import parse_script_args
-from mlxbatch.bench.suite import GENERIC
+from mlxbatch.bench.suite import MAC
 from mlxbatch.engine import LayoutOptions
 
 CUDA_STEP_TOKENS = 4096  # prefill tokens a step on NVIDIA GPUs under 70 GB (the engine's default there)
@@ -117,10 +117,8 @@ def engine_runs(b: Bench, runs: list[RunSpec], configs: dict[str, dict[str, Any]
     base: dict[str, Any] = {"max_num_seqs": C}
     if decisions:
         base.update(max_num_batched_tokens=CUDA_STEP_TOKENS, warm_up=False)
-    layout = CUDA_DECISIONS if decisions else GENERIC if mac else None
-    thread = False if mac else None
-    b.run_engine(b.workload("label", min(64, max(8, C))), max_num_seqs=C, layout=layout,
-                 launch_thread=thread)  # warm-up: kernels, first shapes
+    device: dict[str, Any] = {"layout": CUDA_DECISIONS} if decisions else MAC if mac else {}
+    b.run_engine(b.workload("label", min(64, max(8, C))), max_num_seqs=C, **device)  # warm-up: kernels, first shapes
     tab = Table(f"engine runs: concurrency {C}" + (", CUDA's decisions" if decisions else "")
                 + (", a Mac's decisions" if mac else "")
                 + f", {rounds} round(s) interleaved",
@@ -141,7 +139,7 @@ def engine_runs(b: Bench, runs: list[RunSpec], configs: dict[str, dict[str, Any]
         for rnd in range(1, rounds + 1):
             for name, cfg in configs.items():
                 with MemoryProbe() as probe:
-                    run: Run = b.run_engine(w, name=name, layout=layout, launch_thread=thread,
+                    run: Run = b.run_engine(w, name=name, **device,
                                             **{**base, **cfg, **({} if spec.cache else {"prefix_cache": False})})
                 p = run.extra["profile"]
                 peak = probe.mlx_peak - probe.mlx_base

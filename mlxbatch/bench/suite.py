@@ -38,6 +38,9 @@ from mlxbatch.engine import LayoutOptions
 # hence reuse to the token, unfilled passes). The engine suite's second column: how much of the speed is the CUDA
 # kernels', and what a Mac user gets from the rest
 GENERIC = LayoutOptions(batched_moves=True)
+# a Mac's decisions for ``Bench.run_engine``: that layout, and steps launched from the engine's own thread (Metal has
+# no launch thread); overlapped steps follow the configuration (unset: on, as on a Mac's GPU)
+MAC: dict[str, Any] = {"layout": GENERIC, "launch_thread": False}
 
 SIZES = {"label": 2048, "fewshot": 2048, "chat": 1024, "unique": 1024}
 
@@ -66,8 +69,8 @@ def suite_workload(b: Bench, name: str, rows: int) -> tuple[Table, dict]:
              "engine": lambda: b.run_engine(w, max_num_seqs=C),
              "engine-nocache": lambda: b.run_engine(w, name="engine-nocache", max_num_seqs=C, prefix_cache=False)}
     if b.args.generic:
-        b.run_engine(warm, max_num_seqs=C, layout=GENERIC)
-        paths["engine-generic"] = lambda: b.run_engine(w, name="engine-generic", max_num_seqs=C, layout=GENERIC)
+        b.run_engine(warm, max_num_seqs=C, **MAC)
+        paths["engine-generic"] = lambda: b.run_engine(w, name="engine-generic", max_num_seqs=C, **MAC)
     res = {k: m.median for k, m in b.measure(paths, 1).items()}
     # the engine again, its attention shapes met before in this process: on CUDA, without cuDNN's graph builds for
     # new shapes (~50 ms each), which a short run pays at most steps and a long job once per recurring shape
@@ -178,7 +181,7 @@ def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: 
         b.run_engine(warm, **cfg)
         names = ["mlx-lm", "engine", "bare"]
         if generic:
-            b.run_engine(warm, layout=GENERIC, **cfg)
+            b.run_engine(warm, **MAC, **cfg)
             names.append("generic")
         got: dict[str, list] = {name: [] for name in names}
         for r in range(repeats):
@@ -189,7 +192,7 @@ def suite_decode(b: Bench, levels: list[int], prompt_len: int = 32, new_tokens: 
                 elif name == "engine":
                     got[name].append(_decode_engine(b, w, cfg))
                 elif name == "generic":
-                    got[name].append(_decode_engine(b, w, {**cfg, "layout": GENERIC}))
+                    got[name].append(_decode_engine(b, w, {**cfg, **MAC}))
                 else:
                     got[name].append(bare_decode(b, L, prompt_len, new_tokens))
         eng = _median(got["engine"], lambda e: e["engine_step"])
@@ -252,8 +255,9 @@ def gpu_suite(b: Bench) -> list[Table]:
                          "attends through one kernel a layer (engine.attention.packed) whatever its shapes; where "
                          "that kernel is not used, a prefill shape runs MLX's unfused attention until it has run 16 "
                          "times in the process (engine.attention.prefill)")
-    summary.notes.append("generic path: the engine as a Mac's GPU runs it (suite.GENERIC: MLX's attention, no packed "
-                         "prefill, reuse to the token), first run")
+    summary.notes.append("generic path: the engine as a Mac's GPU runs it (suite.MAC: MLX's attention, no packed "
+                         "prefill, reuse to the token, overlapped steps launched from the engine's own thread), "
+                         "first run")
     summary.notes.append(f"suite wall time {time.perf_counter() - t0:.0f} s (model build/load not included)")
     tables.insert(0, summary)
     if a.out:

@@ -24,16 +24,22 @@ def cuda_text_path(backend: Backend, vision: bool, batch_invariant: bool) -> boo
 
 
 def overlaps_steps(backend: Backend, config: EngineConfig, vision: bool) -> bool:
-    """Whether an engine overlaps its steps (``EngineConfig.overlap_steps``; None: by device, on the CUDA text path)."""
+    """Whether an engine overlaps its steps (``EngineConfig.overlap_steps``; None: by device). On a GPU's text rows:
+    the host schedules and builds step N+1 while the device runs step N (as mlx-lm's own generation loop does with
+    ``mx.async_eval``). A Mac's path run on an H100 (``mlxbatch bench runs --mac-decisions``: MLX's attention, row
+    moves, no launch thread) took 17-18% less time on label and unique with it, 3% on decode alone
+    (docs/benchmarks.md). Not on a CPU, whose MLX computes inside the evaluation call: nothing runs beside the
+    host's work (a CPU user job measured no faster)."""
     if config.overlap_steps is not None:
         return config.overlap_steps
-    return cuda_text_path(backend, vision, config.batch_invariant)
+    return backend.gpu and not vision and not config.batch_invariant
 
 
 def uses_launch_thread(backend: Backend, config: EngineConfig, vision: bool) -> bool:
     """Whether an engine launches its steps from a thread of its own (``engine.launcher``): where steps overlap (a
     step's books run while the device computes the step before) on the CUDA text path, whose encoding of a step's
-    kernels is ~40% of its host time (docs/benchmarks.md). Metal encodes on the host too, but no Mac has measured it."""
+    kernels is ~40% of its host time (docs/benchmarks.md). Metal encodes on the host too, but no Mac has measured it
+    (nor MLX's Metal streams used from two threads): a Mac overlaps its steps from the engine's thread."""
     return overlaps_steps(backend, config, vision) and cuda_text_path(backend, vision, config.batch_invariant)
 
 

@@ -89,8 +89,10 @@ def test_the_warm_up_core_stops_its_launch_thread(tiny_loaded, monkeypatch):
     ("cuda", False, False, False, (False, False)),  # steps one at a time: nothing to run beside the encoding
     ("cuda", None, True, False, (False, False)),  # vision rows: fed embeddings made on the engine's thread
     ("cuda", None, False, True, (False, False)),  # fixed-shape forwards
-    ("metal", None, False, False, (False, False)),  # not measured on a Mac yet
-    ("metal", True, False, False, (True, False)),
+    ("metal", None, False, False, (True, False)),  # overlapped from the engine's thread (a Mac's path on an H100)
+    ("metal", None, True, False, (False, False)),  # vision rows: their tokens are read before the next step
+    ("metal", None, False, True, (False, False)),
+    ("metal", False, False, False, (False, False)),
     ("cpu", None, False, False, (False, False)),  # the CPU's encoding is cheap: the thread would only add a hand-over
     ("cpu", True, False, False, (True, False)),
 ])
