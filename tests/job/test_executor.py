@@ -260,3 +260,33 @@ def test_a_run_warms_its_engine_up_once_while_its_feed_prepares_the_first_window
     JobRunner(spec, progress=False).run()
     assert events == ["feed started", "warm-up", "step"]
     assert (tmp_path / "out" / "_SUCCESS").exists()
+
+
+def test_rows_reach_the_engine_a_step_s_worth_at_a_time(tmp_path, tiny_model_path, monkeypatch):
+    """The local executor tops its rows in flight up to 4 x max_num_seqs after every step, taking what finished:
+    never a burst of half its rows at once (2,048 rows between two steps at an H100's defaults, while the GPU's launch
+    thread waited for the next step), so no take submits more rows than one step can finish (max_num_seqs)."""
+    from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.executors.local import LocalExecutor
+    from mlxbatch.job.run.runner import JobRunner
+
+    taken: list[tuple[int, int]] = []  # (rows submitted by a take, rows in flight after it)
+    real_take = LocalExecutor.take
+
+    def take(self, feed):
+        before = len(self._pending)
+        out = real_take(self, feed)
+        taken.append((len(self._pending) - before, len(self._pending)))
+        return out
+
+    monkeypatch.setattr(LocalExecutor, "take", take)
+    rows, seqs = 80, 4
+    data = write_jsonl(tmp_path / "in.jsonl", texts(rows))
+    spec = validate_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out", engine={"max_num_seqs": seqs},
+                                  sampling={"temperature": 0, "max_tokens": 3, "ignore_eos": True}))
+    JobRunner(spec, progress=False).run()
+    submits = [n for n, _ in taken if n]
+    assert sum(submits) == rows and submits[0] == 4 * seqs  # the first take fills the rows in flight
+    assert max(submits[1:]) <= seqs  # then a step's worth (or less) at a time
+    full = [after for n, after in taken if n][: (rows - 4 * seqs) // seqs]
+    assert all(after == 4 * seqs for after in full)  # topped up to 4 x max_num_seqs while rows remain
