@@ -125,7 +125,7 @@ class FakeMx:
         old, self.wired = self.wired, n
         return old
 
-    limit, active, cached = 500 * GiB, 3 * GiB, GiB
+    limit, active = 500 * GiB, 3 * GiB
 
     def set_memory_limit(self, n: int) -> int:
         self.calls.append(("set_memory_limit", n))
@@ -134,9 +134,6 @@ class FakeMx:
 
     def get_active_memory(self) -> int:
         return self.active
-
-    def get_cache_memory(self) -> int:
-        return self.cached
 
 
 def test_metal_wires_weights_and_kv_and_restores_the_limits():
@@ -165,11 +162,9 @@ def test_a_step_is_bounded_to_what_mlx_holds_at_its_start_plus_the_step_bytes_an
     limits = MemoryLimits("cuda", fake)
     limits.apply(141 * GiB, 10 * GiB, step_bytes=2 * GiB)
     with limits.step_bound():
-        # arrays and cache at the step's start + the bound: a limit under the cache makes MLX free cached buffers
-        # (cudaFree, which waits for the device) at every allocation the cache cannot serve
-        assert fake.limit == 3 * GiB + GiB + 2 * GiB
+        assert fake.limit == 3 * GiB + 2 * GiB  # active at the step's start + the bound
     assert fake.limit == 500 * GiB
-    fake.active, fake.cached = 7 * GiB, 0  # the next step starts from what MLX holds then (the KV grew)
+    fake.active = 7 * GiB  # the next step starts from what MLX holds then (the KV grew)
     try:
         with limits.step_bound():
             assert fake.limit == 9 * GiB
@@ -211,16 +206,13 @@ def test_every_step_of_a_real_engine_runs_inside_the_bound(tiny_loaded):
     seen: list[tuple[int, int]] = []
 
     class Recording(FakeMx):
-        set_at = 0  # MLX's arrays and cache when the limit was last set (a launched step may free some after)
+        set_at = 0  # MLX's active memory when the limit was last set (a launched step may free some after)
 
         def get_active_memory(self) -> int:
             return mx.get_active_memory()
 
-        def get_cache_memory(self) -> int:
-            return mx.get_cache_memory()
-
         def set_memory_limit(self, n: int) -> int:
-            self.set_at = mx.get_active_memory() + mx.get_cache_memory()
+            self.set_at = mx.get_active_memory()
             return super().set_memory_limit(n)
 
     fake = Recording()

@@ -125,18 +125,16 @@ class MemoryLimits:
 
     @contextmanager
     def step_bound(self) -> Iterator[None]:
-        """Bound a step's transient memory: inside, MLX may allocate ``step_bytes`` beyond what it holds on entry
-        (its arrays and its buffer cache), then waits for dispatched kernels to finish (and free their buffers) before
-        it dispatches more. MLX otherwise runs a whole forward ahead of the device and keeps every layer's activations
-        until the device catches up (~0.4 MB a prefill token on CUDA). The cache counts as held: MLX frees cached
-        buffers whenever its arrays plus its cache pass the limit, and on CUDA each such free is a ``cudaFree``, which
-        waits for the device (18-22% of the launch thread's busy time on an H100 when the limit left the cache out:
-        docs/benchmarks.md). The limit is put back on exit, so work outside the engine is unbound."""
+        """Bound a step's transient memory: inside, MLX may allocate ``step_bytes`` beyond the arrays it holds on
+        entry, then waits for dispatched kernels to finish (and free their buffers) before it dispatches more. MLX
+        otherwise runs a whole forward ahead of the device and keeps every layer's activations until the device
+        catches up (~0.4 MB a prefill token on CUDA). The limit is put back on exit, so work outside the engine is
+        unbound. (Counting MLX's buffer cache as held too, `f6491af`, let a step run ahead by the cache's size for no
+        speed: the launch thread's ``cudaFree`` calls did not come from this limit; docs/benchmarks.md.)"""
         if not self._step_bytes:
             yield
             return
-        held = self._mx.get_active_memory() + self._mx.get_cache_memory()
-        old = self._mx.set_memory_limit(held + self._step_bytes)
+        old = self._mx.set_memory_limit(self._mx.get_active_memory() + self._step_bytes)
         try:
             yield
         finally:
