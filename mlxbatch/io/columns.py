@@ -43,7 +43,9 @@ class InputColumn:
 
 
 def decode_inputs(values: Iterable[str | None]) -> list[dict[str, Any]]:
-    return [json.loads(v) if v else {} for v in values]
+    """JSON objects (the shards' and the spool's ``inputs``/``extra`` text; none or empty: ``{}``), parsed as one JSON
+    array: one call into the parser instead of one a row (0.2-0.5 against 1.1-1.3 us a value here)."""
+    return json.loads("[" + ",".join(v or "{}" for v in values) + "]")
 
 
 def _infer(values: list[Any]) -> pa.DataType | None:
