@@ -129,8 +129,9 @@ class MemoryLimits:
         entry, then waits for dispatched kernels to finish (and free their buffers) before it dispatches more. MLX
         otherwise runs a whole forward ahead of the device and keeps every layer's activations until the device
         catches up (~0.4 MB a prefill token on CUDA). The limit is put back on exit, so work outside the engine is
-        unbound. (Counting MLX's buffer cache as held too, `f6491af`, let a step run ahead by the cache's size for no
-        speed: the launch thread's ``cudaFree`` calls did not come from this limit; docs/benchmarks.md.)"""
+        unbound. (Counting MLX's buffer cache as held too, `f6491af`, let a step run ahead by the cache's size and
+        left the launch thread's ``cudaFree`` share as it was on an H100: they do not come from this limit;
+        docs/benchmarks.md.)"""
         if not self._step_bytes:
             yield
             return
