@@ -250,14 +250,14 @@ def gpu_suite(b: Bench) -> list[Table]:
         keep(tab)
         figures["decode"] = dec
     summary = Table(f"GPU suite summary at commit {commit}", ["workload", "x B1", "generic path x B1",
-                                                              "generic path again", "x B1 (no cache)", "x B1 (engine again)",
-                                                              "prefill / floor", "cost/token cache vs off",
-                                                              "memory x B1"])
+                                                              "generic path again", "x B1 (no cache)",
+                                                              "x B1 (engine again)", "prefill / floor",
+                                                              "cost/token cache vs off", "memory x B1"])
     for name in workloads:
         f = figures[name]
         summary.rows.append([name, f["x_b1"], f["x_b1_generic"], f["x_b1_generic_again"], f["x_b1_nocache"],
-                             f["x_b1_again"],
-                             f["prefill_over_floor"], f["prefill_cost_cache_vs_nocache"], f["memory_x_b1"]])
+                             f["x_b1_again"], f["prefill_over_floor"], f["prefill_cost_cache_vs_nocache"],
+                             f["memory_x_b1"]])
     summary.notes.append("engine again: the same engine run once more in the process. On CUDA a packed prefill pass "
                          "attends through one kernel a layer (engine.attention.packed) whatever its shapes; where "
                          "that kernel is not used, a prefill shape runs MLX's unfused attention until it has run 16 "
