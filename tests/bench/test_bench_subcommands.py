@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -79,7 +80,8 @@ def test_invariance_rows_agree_with_their_solo_runs(tmp_path, tiny_model_path):
     assert row["default tok/s"] > 0 and row["invariant tok/s"] > 0
 
 
-def test_ray_bench_local_run_and_simulation(tmp_path, tiny_model_path, capsys):
+def test_ray_bench_local_run_and_simulation(tmp_path, tiny_model_path, capsys, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its job folder (kept for a user to read) goes there
     out = tmp_path / "ray.json"
     assert ray_runs.main(["--model", str(tiny_model_path), "--configs", "local", "--rows", "12", "--max-tokens", "2",
                           "--data", "reviews", "--sim-rows", "20000", "--json", str(out)]) == 0
@@ -95,10 +97,12 @@ def test_ray_bench_local_run_and_simulation(tmp_path, tiny_model_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").exists(), reason="stops the Ray cluster it started by its pids (/proc)")
-def test_ray_bench_userjob_runs_the_job_on_one_engine_and_on_a_ray_start_cluster(tmp_path, tiny_model_path):
+def test_ray_bench_userjob_runs_the_job_on_one_engine_and_on_a_ray_start_cluster(tmp_path, tiny_model_path,
+                                                                                   monkeypatch):
     """The issue-51 device command on a CPU: the user's job through ``mlxbatch run``, then with ``--ray`` on a cluster
     ``ray start --head`` declares two (fake) GPUs on: one actor on each, every id once with the same text."""
     pytest.importorskip("ray")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its job folder (kept for a user to read) goes there
     out = tmp_path / "ray.json"
     assert ray_runs.main(["--userjob", "--model", "tiny", "--cache-dir", _cache(tmp_path, tiny_model_path), "--rows",
                           "24", "--gpus", "2", "--skip-sim", "--json", str(out)]) == 0
