@@ -53,7 +53,7 @@ class EngineCore:
         dev, geo = self.worker.device, self.worker.geometry
         block_bytes = geo.bytes_per_token * BLOCK_SIZE
         mem = plan_memory(config, dev.kind, dev.host_memory, self.worker.kv_budget_bytes, block_bytes,
-                          loaded.vlm is not None)
+                          loaded.vlm is not None, self.worker.free_bytes())
         self.memory = mem
         self._limits = MemoryLimits(dev.kind)
         self._limits.apply(dev.total_memory, self.worker.weights_bytes + mem.total, mem.step_bytes)

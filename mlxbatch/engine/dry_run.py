@@ -73,7 +73,7 @@ class DryRun:
             return kv_budget(max(1, free), fraction, dev.kind, dev.host_memory, bpt)
 
         self.memory = plan_memory(config, dev.kind, dev.host_memory, auto_budget, bpt * BLOCK_SIZE,
-                                  model.takes_images)
+                                  model.takes_images, free)
         if packed_prefill is None:
             packed_prefill = cuda_text_path(Backend.detect(), model.takes_images, config.batch_invariant)
 

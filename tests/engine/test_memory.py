@@ -185,9 +185,15 @@ def test_step_bytes_by_device_and_by_config():
     def budget(fraction):
         return 8 * GiB
 
-    assert default_step_bytes("cuda", 2048 * GiB) == 2 * GiB and default_step_bytes("cpu", 24 * GiB) == 0
-    assert default_step_bytes("metal", 16 * GiB) == 1 * GiB and default_step_bytes("metal", 64 * GiB) == 2 * GiB
-    assert plan_memory(EngineConfig(), "cuda", 1024 * GiB, budget, 1 << 20, False).step_bytes == 2 * GiB
+    assert default_step_bytes("cuda", 2048 * GiB) == 2 * GiB and default_step_bytes("cpu", 24 * GiB, 9 * GiB) == 0
+    assert default_step_bytes("metal", 16 * GiB) == 1 * GiB and default_step_bytes("metal", 64 * GiB, 40 * GiB) == 2 * GiB
+    # CUDA: half of what is free beside the weights and the KV budget, at least 2 GiB
+    assert default_step_bytes("cuda", 64 * GiB, 40 * GiB) == 20 * GiB and default_step_bytes("cuda", 64 * GiB, GiB) == 2 * GiB
+    assert plan_memory(EngineConfig(), "cuda", 1024 * GiB, budget, 1 << 20, False).step_bytes == 2 * GiB  # free unknown
+    # an 80 GB GPU: 78 GiB free after the weights, 8 GiB of it the KV budget (slots and prefix cache): 35 GiB a step
+    assert plan_memory(EngineConfig(), "cuda", 1024 * GiB, budget, 1 << 20, False, 78 * GiB).step_bytes == 35 * GiB
+    assert plan_memory(EngineConfig(kv_budget_bytes=75 * GiB), "cuda", 1024 * GiB, budget, 1 << 20, False,
+                       78 * GiB).step_bytes == 2 * GiB  # a budget that leaves little: the floor
     assert plan_memory(EngineConfig(step_memory_bytes=0), "cuda", 1024 * GiB, budget, 1 << 20, False).step_bytes == 0
     assert plan_memory(EngineConfig(step_memory_bytes=GiB // 2), "cpu", 8 * GiB, budget, 1 << 20,
                        False).step_bytes == GiB // 2

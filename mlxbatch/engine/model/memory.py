@@ -129,9 +129,8 @@ class MemoryLimits:
         entry, then waits for dispatched kernels to finish (and free their buffers) before it dispatches more. MLX
         otherwise runs a whole forward ahead of the device and keeps every layer's activations until the device
         catches up (~0.4 MB a prefill token on CUDA). The limit is put back on exit, so work outside the engine is
-        unbound. (Counting MLX's buffer cache as held too, `f6491af`, let a step run ahead by the cache's size and
-        left the launch thread's ``cudaFree`` share as it was on an H100: they do not come from this limit;
-        docs/benchmarks.md.)"""
+        unbound. A step that reaches the bound costs a CUDA launch thread dearly (``default_step_bytes``), so there
+        the bound is sized for a step not to reach it."""
         if not self._step_bytes:
             yield
             return
@@ -150,12 +149,20 @@ class MemoryLimits:
             self._mx.clear_cache()
 
 
-def default_step_bytes(kind: str, host_total: int) -> int:
-    """A step's transient memory bound on GPUs: 2 GiB (1 GiB on small Macs). On the H200 it cut the engine's peak
-    over its start from 10.9-15.1 GiB to 5.2-6.3 at the same speed (docs/benchmarks.md); 1 GiB and 0.5 GiB took
-    little more off and cost prefill time. None on the CPU, where the engine's passes are small (2,048 tokens)."""
+def default_step_bytes(kind: str, host_total: int, spare: int = 0) -> int:
+    """A step's transient memory bound on GPUs. CUDA: half of ``spare`` (what the device has free beside the weights
+    and the KV budget), at least 2 GiB. A bound that a step reaches costs a CUDA launch thread dearly: MLX waits for
+    the device in the middle of encoding and trims its buffer cache inside allocations, freeing unified-memory
+    buffers with a synchronous ``cudaFree``; on an H200 the 100k-row job's 16384-token steps of the 0.5B model
+    (~17 GB of transients) spent 6.0 s of a 30k-row run encoding with a 2 GiB bound (5.5 s with 8 GiB) against 2.3 s
+    unbound, for a peak of 10 against 21.5 GB (docs/benchmarks.md). Metal: 2 GiB (1 GiB on small Macs): a Mac's
+    GPU shares the host's memory with everything else, and the bound keeps a step's transients small (on an H200,
+    before the launch thread, 2 GiB cut the engine's peak over its start from 10.9-15.1 GiB to 5.2-6.3 at the same
+    speed; not measured on a Mac). None on the CPU, where the engine's passes are small (2,048 tokens)."""
     if kind == "cpu":
         return 0
+    if kind == "cuda":
+        return max(2 * GiB, spare // 2)
     return GiB if kind == "metal" and host_total <= SMALL_MAC else 2 * GiB
 
 
@@ -172,16 +179,21 @@ class MemoryPlan:
 
 
 def plan_memory(config: Any, kind: str, host_total: int, auto_budget: Callable[[float | None], int],
-                block_bytes: int, takes_images: bool) -> MemoryPlan:
-    """``config`` is an ``EngineConfig``; ``auto_budget(fraction)`` what the worker finds free for KV.
+                block_bytes: int, takes_images: bool, free: int = 0) -> MemoryPlan:
+    """``config`` is an ``EngineConfig``; ``auto_budget(fraction)`` what the worker finds free for KV; ``free`` what
+    the device has free after the weights (0: unknown).
 
     The budget is ``kv_budget_bytes`` when set, else the automatic one; either way the caches are carved out of it
     (the prefix cache a quarter of it, at most 2 GiB, unless ``prefix_cache_bytes`` says; the vision cache as
-    configured, at most a quarter) and the running rows' slots get the rest, at least a quarter."""
+    configured, at most a quarter) and the running rows' slots get the rest, at least a quarter. A step's transient
+    bound is ``step_memory_bytes`` when set, else the device's (``default_step_bytes``, of what is free beside the
+    budget)."""
     total = config.kv_budget_bytes or auto_budget(config.kv_memory_fraction)
     prefix = min(config.prefix_cache_bytes or min(total // 4, 2 * GiB), total // 2) if config.prefix_cache else 0
     vision = min(config.vision_cache_bytes if takes_images else 0, total // 4)
     slots = max(total // 4, total - prefix - vision)
     blocks = max(1, prefix // block_bytes) if config.prefix_cache else 0
-    step_bytes = default_step_bytes(kind, host_total) if config.step_memory_bytes is None else config.step_memory_bytes
-    return MemoryPlan(slots, blocks, vision, slots + blocks * block_bytes + vision, step_bytes)
+    held = slots + blocks * block_bytes + vision
+    step_bytes = (default_step_bytes(kind, host_total, max(0, free - held)) if config.step_memory_bytes is None
+                  else config.step_memory_bytes)
+    return MemoryPlan(slots, blocks, vision, held, step_bytes)

@@ -107,11 +107,15 @@ class Worker:
         mx.eval(k)
         return KVGeometry(len(cache), k.shape[1], k.shape[3], k.dtype.size, str(k.dtype).rsplit(".", 1)[-1])
 
+    def free_bytes(self) -> int:
+        """What the device has free now (the weights loaded): 0 if it does not say."""
+        return device_info(self.backend).available_memory
+
     def kv_budget_bytes(self, fraction: float | None = None) -> int:
         """Memory the engine may fill with KV (slots and caches): a fraction of what is free after the weights
         (None: the device's default share, smaller on small Macs)."""
-        free = device_info(self.backend).available_memory
-        return kv_budget(free, fraction, self.device.kind, self.device.host_memory, self.geometry.bytes_per_token)
+        return kv_budget(self.free_bytes(), fraction, self.device.kind, self.device.host_memory,
+                         self.geometry.bytes_per_token)
 
     def warm_up(self) -> float:
         """Run one prefill and one decode shape so the first real step does not pay JIT compilation."""
