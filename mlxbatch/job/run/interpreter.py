@@ -15,8 +15,12 @@ found it.
   Next to nothing a run makes is cyclic (reference counts free it), so the objects alive when the pass starts (the
   model, the imported modules) are frozen out of every collection (``gc.freeze``, as vLLM does after its start-up)
   and young collections wait for ``YOUNG_THRESHOLD`` allocations. A 30,000-row job on an H100's host: 3.6-3.8 s in
-  2,690 collections (13 full) at the defaults, 0.2 s while rows ran with these (docs/benchmarks.md, ``84a1614``). A
-  process that had frozen objects of its own keeps what this froze frozen (its freeze cannot be told from ours).
+  2,690 collections (13 full) at the defaults, 0.2 s while rows ran with a threshold of 50,000 (docs/benchmarks.md,
+  ``84a1614``). At 50,000 the 100k-row job still spent 1.1-1.5 s collecting (an H100's and an H200's host; 1.46 s in
+  22 young collections and one of the middle generation on a CPU): each window of 10,000 prepared rows (their token
+  lists, walked item by item) outgrew it while it ran. At 500,000 that job on a CPU ran no collection at all; the
+  cyclic garbage a run could leave waiting is bounded by it (tens of MB). A process that had frozen objects of its
+  own keeps what this froze frozen (its freeze cannot be told from ours).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval while rows run
-YOUNG_THRESHOLD = 50_000  # allocations (net of deallocations) between young collections while rows run
+YOUNG_THRESHOLD = 500_000  # allocations (net of deallocations) between young collections while rows run
 
 
 @dataclass
