@@ -52,8 +52,9 @@ class EngineCore:
                                                                          loaded.vlm is not None))
         dev, geo = self.worker.device, self.worker.geometry
         block_bytes = geo.bytes_per_token * BLOCK_SIZE
-        mem = plan_memory(config, dev.kind, dev.host_memory, self.worker.kv_budget_bytes, block_bytes,
-                          loaded.vlm is not None, self.worker.free_bytes())
+        free = self.worker.free_bytes()  # one reading for the KV budget and the step bound beside it
+        mem = plan_memory(config, dev.kind, dev.host_memory, lambda f: self.worker.kv_budget_bytes(f, free),
+                          block_bytes, loaded.vlm is not None, free)
         self.memory = mem
         self._limits = MemoryLimits(dev.kind)
         self._limits.apply(dev.total_memory, self.worker.weights_bytes + mem.total, mem.step_bytes)

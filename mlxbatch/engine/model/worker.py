@@ -111,11 +111,11 @@ class Worker:
         """What the device has free now (the weights loaded): 0 if it does not say."""
         return device_info(self.backend).available_memory
 
-    def kv_budget_bytes(self, fraction: float | None = None) -> int:
+    def kv_budget_bytes(self, fraction: float | None = None, free: int | None = None) -> int:
         """Memory the engine may fill with KV (slots and caches): a fraction of what is free after the weights
-        (None: the device's default share, smaller on small Macs)."""
-        return kv_budget(self.free_bytes(), fraction, self.device.kind, self.device.host_memory,
-                         self.geometry.bytes_per_token)
+        (None: the device's default share, smaller on small Macs); ``free``: that figure if already read."""
+        return kv_budget(self.free_bytes() if free is None else free, fraction, self.device.kind,
+                         self.device.host_memory, self.geometry.bytes_per_token)
 
     def warm_up(self) -> float:
         """Run one prefill and one decode shape so the first real step does not pay JIT compilation."""
