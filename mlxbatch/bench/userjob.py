@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -281,8 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"userjob: {args.rows:,} rows, engine section {tag}")
         job = job_file(folder, config.name, model, dtype, data, args.max_tokens, config.section)
         env = None if config.workers is None else {**os.environ, WORKERS_ENV: str(config.workers)}
-        runs[tag] = run_cli(job, mine.timeout, env=env)
         outs[tag] = Path(yaml.safe_load(job.read_text())["output"])
+        if outs[tag].exists():  # a kept ``--workdir``: every run runs every row, never resumes an earlier call's
+            shutil.rmtree(outs[tag])
+        runs[tag] = run_cli(job, mine.timeout, env=env)
         log(f"  {runs[tag][1]['rows_per_s']:.1f} rows/s")
     args.dtype = dtype
     b = Bench(args)  # after the jobs: this process holds no model while they run

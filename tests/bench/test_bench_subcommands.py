@@ -176,6 +176,12 @@ def test_userjob_runs_the_job_through_the_cli_with_and_without_an_engine_section
     ref = res["mlx_lm"]
     assert ref["same_prompt_length"] == 24  # mlx-lm ran the job's prompts
     assert ref["same_text"] == 24  # greedy float32 on one CPU: the same outputs
+    # the same workdir again: the run runs every row (its output folder is made anew), it does not resume
+    assert userjob.main(["--model", "tiny", "--cache-dir", str(tmp_path / "cache"), "--rows", "120",
+                         "--configs", "defaults", "--mlx-lm-rows", "0", "--matmul-n", "256", "--stream-mib", "16",
+                         "--workdir", str(work), "--json", str(out)]) == 0
+    again = json.loads(out.read_text())["reports"]["none (defaults)"]["report"]["rows"]
+    assert (again["finished_this_run"], again["resumed"]) == (120, 0)
 
 
 def test_userjob_refuses_bad_configs_before_any_work():
