@@ -33,7 +33,7 @@ from mlxbatch.engine.sched.setup import build_scheduler
 from mlxbatch.engine.sched.step import SchedulerOutput
 from mlxbatch.engine.vision.adapter import MultimodalPrompt
 from mlxbatch.engine.warmup import WarmUpReport, exercise
-from mlxbatch.errors import EngineClosedError, InvalidRequestError, OutOfMemoryError
+from mlxbatch.errors import EngineClosedError, OutOfMemoryError
 from mlxbatch.types import ImageInput, RequestOutput, SamplingParams, StreamDelta
 
 __all__ = ["EngineCore", "Prompt"]  # Prompt: api and async_core import it from here
@@ -143,34 +143,20 @@ class EngineCore:
         """Validate and queue one request (``RequestIntake.request``: ``cache_tokens`` is the plan's retention,
         ``images`` go with a text or chat prompt, ``block_hashes`` are the prompt's ``prompt_block_hashes`` computed
         off the step loop); raises InvalidRequestError (the engine goes on) if it cannot run."""
-        return self.queue(self.prepare(prompt, params, request_id, stream, cache_tokens, images, block_hashes))
+        if self._closed:
+            raise EngineClosedError("the engine has shut down")
+        return self._queue(self.intake.request(prompt, params, request_id, stream, cache_tokens, images,
+                                               self._groups, block_hashes))
 
     def add_score_request(self, context: Prompt, continuations: Sequence[str | Sequence[int]],
                           request_id: str | None = None, cache_tokens: int | None = None) -> str:
         """Queue the scoring of each continuation after ``context`` (``RequestIntake.score_request``)."""
-        return self.queue(self.prepare_score(context, continuations, request_id, cache_tokens))
-
-    def prepare(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                stream: bool = False, cache_tokens: int | None = None, images: Sequence[ImageInput] = (),
-                block_hashes: Sequence[int] | None = None) -> RequestGroup:
-        """``add_request``'s validation and sequences, not queued (``queue`` does that). It changes nothing in the
-        engine, so another thread may call it while this one steps (a job's feed prepares its next rows so, beside
-        the step loop); raises InvalidRequestError as ``add_request`` does."""
-        return self.intake.request(prompt, params, request_id, stream, cache_tokens, images, block_hashes)
-
-    def prepare_score(self, context: Prompt, continuations: Sequence[str | Sequence[int]],
-                      request_id: str | None = None, cache_tokens: int | None = None) -> RequestGroup:
-        """``add_score_request``'s validation and sequences, not queued (as ``prepare``)."""
-        return self.intake.score_request(context, continuations, request_id, cache_tokens)
-
-    def queue(self, group: RequestGroup) -> str:
-        """Queue a prepared request (``prepare``, ``prepare_score``): its sequences in flight, its constraints (a
-        matcher each), the scheduler's queue. Raises InvalidRequestError if its id is in flight already."""
         if self._closed:
             raise EngineClosedError("the engine has shut down")
-        if group.request_id in self._groups:
-            raise InvalidRequestError("request_id", group.request_id, "already in flight")
-        group.arrival = time.perf_counter()  # (prepared earlier, maybe: it arrives now)
+        return self._queue(self.intake.score_request(context, continuations, request_id, cache_tokens, self._groups))
+
+    def _queue(self, group: RequestGroup) -> str:
+        """A validated request's sequences in flight: books, constraints (a matcher each), the scheduler's queue."""
         self._groups[group.request_id] = group
         for s in group.sequences:
             self._seqs[s.request_id] = s

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import itertools
 import secrets
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,20 +83,18 @@ class RequestIntake:
         # generated tokens' text rules, shared by every sequence
         self._text = TokenText(tok, hidden, self._vocab_size, byte_level)
         self._compiler: GrammarCompiler | None = None
-        self._compiler_lock = threading.Lock()  # (requests may be prepared on another thread than the step loop's)
 
     @property
     def compiler(self) -> GrammarCompiler:
         """Compiles output constraints for this model's tokenizer (built on first use, then cached)."""
-        with self._compiler_lock:
-            if self._compiler is None:
-                width = self.loaded.config.get("vocab_size") or self._vocab_size
-                try:
-                    self._compiler = GrammarCompiler(self.loaded.tokenizer, width, self.eos)
-                except (ValueError, TypeError) as exc:  # e.g. a slow (non-Rust) tokenizer
-                    msg = f"this model's tokenizer does not support constrained decoding: {exc}"
-                    raise InvalidRequestError("constraint", "<any>", msg) from exc
-            return self._compiler
+        if self._compiler is None:
+            width = self.loaded.config.get("vocab_size") or self._vocab_size
+            try:
+                self._compiler = GrammarCompiler(self.loaded.tokenizer, width, self.eos)
+            except (ValueError, TypeError) as exc:  # e.g. a slow (non-Rust) tokenizer
+                msg = f"this model's tokenizer does not support constrained decoding: {exc}"
+                raise InvalidRequestError("constraint", "<any>", msg) from exc
+        return self._compiler
 
     # -- submission ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -115,11 +112,10 @@ class RequestIntake:
         return self.loaded.vlm.encode(prompt, images)
 
     def request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, stream: bool,
-                cache_tokens: int | None, images: Sequence[ImageInput],
+                cache_tokens: int | None, images: Sequence[ImageInput], taken: Container[str],
                 block_hashes: Sequence[int] | None = None) -> RequestGroup:
         """Validate one request and make its sequences; raises InvalidRequestError (the engine goes on) if it cannot
-        run. Changes nothing but the ids it hands out: any thread may call it (whether the id is in flight is the
-        engine core's check, when it queues the request).
+        run. ``taken``: the request ids in flight (a given id must not be one).
 
         ``block_hashes``: the prompt's ``prompt_block_hashes`` (a text prompt's), computed by a caller off the step
         loop (a job's feed); the prefix index takes them instead of hashing the prompt on the step loop. They must be
@@ -136,6 +132,8 @@ class RequestIntake:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params", type(params).__name__, "expected SamplingParams")
         request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in taken:
+            raise InvalidRequestError("request_id", request_id, "already in flight")
         mm = None
         if images:
             prompt = self.encode_images(prompt, images)
@@ -173,7 +171,7 @@ class RequestIntake:
             raise InvalidRequestError(what, f"token id {max(ids)}", f"outside the vocabulary (size {vocab})")
 
     def score_request(self, context: Prompt, continuations: Sequence[str | Sequence[int]], request_id: str | None,
-                      cache_tokens: int | None) -> RequestGroup:
+                      cache_tokens: int | None, taken: Container[str]) -> RequestGroup:
         """The scoring of each continuation after ``context``: log-probability per token, their sum and
         whether each token is the greedy choice (the output's completions, in order; nothing is generated).
 
@@ -185,6 +183,8 @@ class RequestIntake:
         plan's retention of the context (what the next row's context shares with it), as for ``add_request``.
         """
         request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in taken:
+            raise InvalidRequestError("request_id", request_id, "already in flight")
         ctx_ids = self.encode(context)
         self._check_ids(ctx_ids, "context", context, room=0)
         if isinstance(continuations, str) or not continuations:

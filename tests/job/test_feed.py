@@ -1,6 +1,6 @@
 """The feed reads the input once, beside the engine: the same items in the background as inline, a reader's failure
-raised where rows are taken, each text row's engine request made on the feed's thread (the engine's only queues it),
-and a run that reads and prepares every row exactly once (its results written from the rows as they were read)."""
+raised where rows are taken, and a run that reads and prepares every row exactly once (its results written from
+the rows as they were read)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,12 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from mlxbatch.config import EngineConfig
-from mlxbatch.engine import EngineCore, prompt_block_hashes
-from mlxbatch.errors import InvalidRequestError
+from mlxbatch.engine import prompt_block_hashes
 from mlxbatch.io import InputError, open_reader
 from mlxbatch.io.expected import ExpectedSpool
 from mlxbatch.job.check.validate import input_spec, validate_job
 from mlxbatch.job.rows.feed import Failed, RowFeed, Submit
 from mlxbatch.job.rows.prepare import RowPreparer
-from mlxbatch.job.rows.tasks import prepared_task, submit
 from mlxbatch.job.run.runner import JobRunner
 from tests.job.jobkit import texts, write_job, write_jsonl
 
@@ -63,50 +60,6 @@ def test_background_feed_hands_out_what_the_inline_feed_does(tmp_path, tiny_mode
         (p.row_id, p.key) for p in map(again.prepare, open_reader(input_spec(spec)))]
     spool.remove()
     assert not spool.path.exists()
-
-
-def test_the_feed_thread_makes_each_text_rows_engine_request(tmp_path, tiny_model_path, tiny_loaded):
-    """With ``make_task`` the feed's thread validates each text row and makes its sequences (``EngineCore.prepare``),
-    touching nothing of the engine; the engine's thread only queues them, and a row the engine refuses is refused
-    where it is submitted, as before."""
-    rows = texts(12)
-    rows[5]["text"] = "alpha beta " * 3000  # ~6,000 tokens: past the tiny model's 4,096, within the preparer's bound
-    path = write_jsonl(tmp_path / "in.jsonl", rows)
-    spec = validate_job(write_job(tmp_path, tiny_model_path, path, tmp_path / "out", plan={"window": 5},
-                                  sampling={"temperature": 0, "max_tokens": 4}))
-    core = EngineCore(tiny_loaded, EngineConfig(warm_up=False, seed=0))
-    threads = set()
-
-    def make_task(*args):
-        threads.add(threading.current_thread().name)
-        return prepared_task(core, *args)
-
-    feed = RowFeed(open_reader(input_spec(spec)), RowPreparer(spec, "identity"), tiny_loaded.tokenizer, set(),
-                   window=5, background=True, make_task=make_task)
-    items = [i for i in feed.take(100) if isinstance(i, Submit)]
-    while not feed.finished:
-        items += [i for i in feed.take(100) if isinstance(i, Submit)]
-    feed.close()
-    assert threads == {"mlxbatch-feed"} and len(items) == 12
-    assert not core.has_unfinished and not core.scheduler.has_work  # made, not queued
-    refused = [i for i in items if isinstance(i.task.prepared, InvalidRequestError)]
-    assert [i.prep.row_id for i in refused] == ["row-0005"]
-    with pytest.raises(InvalidRequestError, match="longer than the model's context"):
-        submit(core, refused[0].task)
-    for item in items:
-        if item is not refused[0]:
-            submit(core, item.task)
-    with pytest.raises(InvalidRequestError, match="already in flight"):
-        core.queue(items[0].task.prepared)
-    got = {o.request_id: o.completions[0].token_ids for o in core.run_until_done()}
-    assert sorted(got) == sorted(i.prep.key for i in items if i is not refused[0])
-    # the same rows through ``add_request`` on the engine's thread: the same tokens
-    again = EngineCore(tiny_loaded, EngineConfig(warm_up=False, seed=0))
-    for item in items:
-        if item is not refused[0]:
-            again.add_request(item.token_ids, item.prep.params, item.prep.key, cache_tokens=item.cache_tokens,
-                              block_hashes=item.block_hashes)
-    assert {o.request_id: o.completions[0].token_ids for o in again.run_until_done()} == got
 
 
 def test_a_reader_failure_is_raised_where_rows_are_taken(tmp_path, tiny_model_path, tiny_loaded):

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from mlxbatch.config import EngineConfig
 from mlxbatch.engine import LoadedModel, ModelSpec, PromptEncoder
 from mlxbatch.errors import MlxbatchError
-from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed, TaskMaker
+from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed
 from mlxbatch.job.rows.prepare import PreparedRow
 from mlxbatch.job.spec import EngineSection, JobSpec, ModelSection
 from mlxbatch.types import RequestOutput
@@ -71,8 +71,6 @@ class ModelInfo:
 
 class Executor(Protocol):
     model: ModelInfo
-    # where the feed makes each text row's engine task beside the step loop (the engine is in this process), or None
-    make_task: TaskMaker | None
 
     def warm_up(self) -> None: ...
     def take(self, feed: RowFeed) -> list[Failed | Resumed]: ...

@@ -19,8 +19,7 @@ from mlxbatch.job.executors.base import Finished, ModelInfo, RowDone, engine_con
 from mlxbatch.job.executors.ray.progress import clear_progress
 from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed, Submit
 from mlxbatch.job.rows.media import ImageError
-from mlxbatch.job.rows.prepare import PreparedRow
-from mlxbatch.job.rows.tasks import RowTask, prepared_task, submit
+from mlxbatch.job.rows.tasks import RowTask, submit
 from mlxbatch.job.spec import JobSpec
 
 
@@ -104,12 +103,6 @@ class LocalExecutor:
         self.max_inflight = max_inflight(core.config.max_num_seqs)
         self._pending: dict[str, Submit] = {}
 
-    def make_task(self, prep: PreparedRow, token_ids: list[int], cache_tokens: int | None,
-                  block_hashes: list[int] | None) -> RowTask:
-        """A text row's task with its engine request made (``prepared_task``): the feed's thread calls this, so the
-        engine's thread only queues the request."""
-        return prepared_task(self.engine.core, prep, token_ids, cache_tokens, block_hashes)
-
     def warm_up(self) -> None:
         """The engine's warm-up (GPU kernels compiled, first evaluations): the run calls it once its feed has started
         preparing the first window, which a fast start would otherwise wait for with the engine idle."""
@@ -127,7 +120,7 @@ class LocalExecutor:
                 other.append(item)
                 continue
             self._pending[item.prep.key] = item
-            self.engine.submit(item.task or RowTask.of(item.prep, item.token_ids, item.cache_tokens, item.block_hashes))
+            self.engine.submit(RowTask.of(item.prep, item.token_ids, item.cache_tokens, item.block_hashes))
         return other
 
     @property

@@ -10,8 +10,7 @@ columns): the final Parquet is written from it, without reading the input again.
 
 ``RowFeed`` hands the windows out. With ``background`` (the run's default) a thread reads, prepares, tokenizes and
 plans the next window while the engine runs the current one (tokenizers release the GIL; so does MLX while the
-device works), at most ``ahead`` windows ahead, and with ``make_task`` makes each text row's engine request there too
-(validated, its sequences made: the engine's thread only queues it); a failure there (an unreadable input) is raised where the rows are
+device works), at most ``ahead`` windows ahead; a failure there (an unreadable input) is raised where the rows are
 taken. Windows are cut by input position, counting every row. A resumed run plans a window's rows done by an earlier
 run with the others and then skips them (``plan(skip=)``): the trie order puts larger subtrees first, so it depends
 on every row, and the rows left follow the first run's plan. Every item carries its row's input position
@@ -26,17 +25,13 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence, Set
+from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from mlxbatch.io import InputRow
 from mlxbatch.io.expected import ExpectedSpool
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.rows.workers import preparation  # the window's per-row work and its plan run there
-
-if TYPE_CHECKING:
-    from mlxbatch.job.rows.tasks import RowTask
 
 
 @dataclass(frozen=True)
@@ -46,11 +41,6 @@ class Submit:
     cache_tokens: int | None  # the plan's retention (None when planning is off)
     index: int = -1  # the row's input position
     block_hashes: list[int] | None = None  # the prompt's ``engine.prompt_block_hashes`` (a text row's), made here
-    task: RowTask | None = None  # its engine task, made here where the feed is given ``make_task`` (a text row's)
-
-
-# (prep, token ids, the plan's retention, block hashes) -> the row's engine task, its request made (``prepared_task``)
-TaskMaker = Callable[[PreparedRow, list[int], "int | None", "list[int] | None"], "RowTask"]
 
 
 @dataclass(frozen=True)
@@ -116,10 +106,8 @@ class WindowReader:
     def __init__(self, rows: Iterator[InputRow], preparer: RowPreparer, tokenizer: object, done: Set[str],
                  window: int, planned: bool = True, done_errors: Set[str] = frozenset(),
                  min_step_tokens: int = 1, spool: ExpectedSpool | None = None, keep_urls: bool = False,
-                 workers: int = 0, spawned: Sequence[subprocess.Popen[bytes]] = (),
-                 make_task: TaskMaker | None = None) -> None:
+                 workers: int = 0, spawned: Sequence[subprocess.Popen[bytes]] = ()) -> None:
         self._rows = rows
-        self._make_task = make_task
         self._preparation = preparation(preparer, tokenizer, workers, spawned)  # stopped by ``close``
         self._done = done
         self._done_errors = done_errors  # keys in ``done`` whose result is an error row
@@ -191,17 +179,11 @@ class WindowReader:
         p = self._preparation.plan([r[1] for r in rows] + done_ids, len(rows), self.min_step_tokens)
         w.planned_rows, w.prompt_tokens, w.distinct_tokens = len(rows), p.total_tokens, p.distinct_tokens
         if self.planned:
-            w.items.extend(self._submit(rows[i][0], rows[i][1], cache_tokens, rows[i][2], rows[i][3])
+            w.items.extend(Submit(rows[i][0], rows[i][1], cache_tokens, rows[i][2], rows[i][3])
                            for i, cache_tokens in p.order)
         else:  # planning off: longest first, every full block offered to the cache (LRU)
-            w.items.extend(self._submit(prep, ids, None, index, hashes)
+            w.items.extend(Submit(prep, ids, None, index, hashes)
                            for prep, ids, index, hashes in sorted(rows, key=lambda r: -len(r[1])))
-
-    def _submit(self, prep: PreparedRow, ids: list[int], cache_tokens: int | None, index: int,
-                hashes: list[int] | None) -> Submit:
-        """A text row to run, with its engine task made here, off the engine's thread, where ``make_task`` is given."""
-        task = self._make_task(prep, ids, cache_tokens, hashes) if self._make_task is not None else None
-        return Submit(prep, ids, cache_tokens, index, hashes, task)
 
 
 class _ReaderFailed:
@@ -216,9 +198,9 @@ class RowFeed:
                  window: int, planned: bool = True, done_errors: Set[str] = frozenset(),
                  min_step_tokens: int = 1, spool: ExpectedSpool | None = None, keep_urls: bool = False,
                  background: bool = False, ahead: int = 1, workers: int = 0,
-                 spawned: Sequence[subprocess.Popen[bytes]] = (), make_task: TaskMaker | None = None) -> None:
+                 spawned: Sequence[subprocess.Popen[bytes]] = ()) -> None:
         self._reader = WindowReader(rows, preparer, tokenizer, done, window, planned, done_errors, min_step_tokens,
-                                    spool, keep_urls, workers, spawned, make_task)
+                                    spool, keep_urls, workers, spawned)
         self.window = window
         self.planned = planned
         self._queue: deque[Submit | Failed | Resumed] = deque()

@@ -50,45 +50,18 @@ class RowTask:
     prompt: Any = None  # rows with images only: the rendered prompt the images go with
     images: tuple[Any, ...] = ()  # io.images.ImageRef
     block_hashes: list[int] | None = None  # the prompt's ``engine.prompt_block_hashes`` (text rows), made by the feed
-    # the engine's request for it, made beside the step loop (``prepare``), or the InvalidRequestError that refused it;
-    # None: made when submitted (a row with images; a task sent to an engine in another process)
-    prepared: Any = None
 
     @classmethod
     def of(cls, prep: PreparedRow, token_ids: list[int] | None, cache_tokens: int | None,
-           block_hashes: list[int] | None = None, prepared: Any = None) -> RowTask:
+           block_hashes: list[int] | None = None) -> RowTask:
         return cls(prep.key, prep.row_id, token_ids, prep.params, cache_tokens, prep.candidates,
-                   prep.prompt if prep.images else None, prep.images, block_hashes, prepared)
-
-
-def prepared_task(core: EngineCore, prep: PreparedRow, token_ids: list[int] | None, cache_tokens: int | None,
-                  block_hashes: list[int] | None = None) -> RowTask:
-    """``RowTask.of`` with the engine's request made now (``EngineCore.prepare``: any thread, the engine's books
-    untouched), so that ``submit`` only queues it: a job's feed thread prepares its next rows so while the engine
-    steps, whose thread the GPU waits for (``add_request`` took ~40 us a row there, 13% of a 100k-row job's wall on an
-    H100: docs/benchmarks.md). A row with images is left to ``submit`` (its pictures are decoded as it goes in)."""
-    task = RowTask.of(prep, token_ids, cache_tokens, block_hashes)
-    if task.images or token_ids is None:
-        return task
-    try:
-        if task.candidates is not None:
-            made: Any = core.prepare_score(token_ids, task.candidates, task.key, cache_tokens)
-        else:
-            made = core.prepare(token_ids, task.params, task.key, cache_tokens=cache_tokens, block_hashes=block_hashes)
-    except InvalidRequestError as exc:  # raised where the row is submitted, as it would have been
-        made = exc
-    return RowTask.of(prep, token_ids, cache_tokens, block_hashes, made)
+                   prep.prompt if prep.images else None, prep.images, block_hashes)
 
 
 def submit(core: EngineCore, task: RowTask) -> None:
     """Queue one row. Raises InvalidRequestError when the engine rejects it, ImageError when an image does not
     decode (the caller records a row error). Rows with images are encoded here, as they are submitted, so only
     the rows in flight hold decoded pictures."""
-    if task.prepared is not None:
-        if isinstance(task.prepared, InvalidRequestError):
-            raise task.prepared
-        core.queue(task.prepared)
-        return
     if task.images:
         if task.candidates is not None:
             raise InvalidRequestError("images", len(task.images), "task score takes text rows only")

@@ -57,7 +57,6 @@ class RayExecutor:
     def __init__(self, spec: JobSpec, tokenizer: Any, address: str | None, plan: ActorPlan,
                  placement: dict[str, Any] | None = None) -> None:
         self.spec, self.tokenizer, self.address = spec, tokenizer, address
-        self.make_task = None  # (rows cross to engine actors as tasks: their requests are made there)
         x = spec.executor
         self.plan = plan  # cluster.plan_actors: executor.actors, one per GPU, one per Mac, or what resources fit
         self.n_actors = plan.count
