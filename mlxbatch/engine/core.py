@@ -79,6 +79,7 @@ class EngineCore:
             log.info("engine batch: %s", self.batch_size.describe())
         self.intake = RequestIntake(loaded, self.config.seed)  # submissions -> validated sequences
         self._groups: dict[str, RequestGroup] = {}
+        self._streamed: set[str] = set()  # the groups in flight that stream their text (most callers stream none)
         self._aborted: set[str] = set()  # groups aborted since the last step
         self._seqs: dict[str, Request] = {}
         self._closed = False
@@ -158,6 +159,8 @@ class EngineCore:
     def _queue(self, group: RequestGroup) -> str:
         """A validated request's sequences in flight: books, constraints (a matcher each), the scheduler's queue."""
         self._groups[group.request_id] = group
+        if group.stream:
+            self._streamed.add(group.request_id)
         for s in group.sequences:
             self._seqs[s.request_id] = s
             if s.params.constraint is not None:
@@ -287,7 +290,7 @@ class EngineCore:
 
     def _collect(self, touched: list[Request]) -> list[StreamDelta]:
         deltas: list[StreamDelta] = []
-        for req in touched:
+        for req in touched if self._streamed else ():
             group = self._groups[req.group_id]
             if group.stream:
                 text = req.text.delta(final=req.status.finished)
@@ -300,6 +303,7 @@ class EngineCore:
         self._aborted.clear()
         for gid in [g for g in candidates if g in self._groups and self._groups[g].finished]:
             group = self._groups.pop(gid)
+            self._streamed.discard(gid)
             for s in group.sequences:
                 self._seqs.pop(s.request_id, None)
                 self.runner.set_constraint(s.request_id, None)
@@ -317,6 +321,7 @@ class EngineCore:
             self.abort(gid)
         self._pending = None
         self._groups.clear()
+        self._streamed.clear()
         self._closed = True
         self.close_launch_thread()
         self.worker.shutdown()

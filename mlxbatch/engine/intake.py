@@ -33,7 +33,7 @@ from mlxbatch.types import ImageInput, RequestOutput, RequestTimings, SamplingPa
 _SCORE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # scoring generates nothing; greedy, no seed
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestGroup:
     """A submitted request: its ``n`` sequences and what the caller asked to see."""
 
@@ -150,7 +150,9 @@ class RequestIntake:
         if params.constraint is not None and (reason := self.compiler.check(params.constraint)) is not None:
             raise InvalidRequestError("constraint", short_value(params.constraint), reason)
         seed = params.seed
-        if seed is None:
+        if seed is None and params.greedy:
+            seed = 0  # (greedy draws read no seed)
+        elif seed is None:
             seed = (int(uniform_for(self._seed, stable_hash(request_id) & 0xFFFFFFFF) * (1 << 53))
                     if self._seed is not None else secrets.randbits(63))
         incremental = stream or bool(params.stop)

@@ -31,7 +31,7 @@ class RequestStatus(enum.Enum):
 _FINISHED = RequestStatus.FINISHED  # (a module name: on Python 3.11 an Enum's class attribute is a slow lookup)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str  # unique per sequence: "<group id>" or "<group id>#<index>"
     group_id: str
@@ -77,6 +77,11 @@ class Request:
     num_prompt_tokens: int = field(init=False, default=0)
     # (token position, content hash) of the prompt's images: keys for the prefix cache's block hashes (from ``mm``)
     media: tuple[tuple[int, str], ...] = field(init=False, default=())
+    # KV positions this sequence may need by the time it finishes (fixed once it is made: the scheduler reads it for
+    # every running row when it admits)
+    reserved_tokens: int = field(init=False, default=0)
+    # generated tokens at which it ends by length: ``max_tokens`` or the context
+    _length_limit: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if (self.params.logprobs is not None or self.score_from is not None) and self.logprobs is None:
@@ -85,8 +90,11 @@ class Request:
         # its next token is the argmax of its logits as they are: no penalty, no banned token, no logprobs
         self.plain_greedy = p.greedy and not p.has_penalties and p.min_tokens == 0 and p.logprobs is None
         self.needs_history = p.has_penalties or p.min_tokens > 0
-        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_prompt_tokens = n = len(self.prompt_token_ids)
         self.media = self.mm.media if self.mm is not None else ()
+        scoring = self.score_from is not None
+        self.reserved_tokens = n if scoring else min(n + p.max_tokens, self.max_context)
+        self._length_limit = min(p.max_tokens, self.max_context - n)
 
     @property
     def num_tokens(self) -> int:
@@ -122,19 +130,9 @@ class Request:
         return self.score_from is not None and not self.score_tokens
 
     @property
-    def reserved_tokens(self) -> int:
-        """KV positions this sequence may need by the time it finishes."""
-        if self.score_from is not None:
-            return self.num_prompt_tokens
-        return min(self.num_prompt_tokens + self.params.max_tokens, self.max_context)
-
-    @property
     def length_done(self) -> bool:
         """Its tokens, with the one pending, reach ``max_tokens`` or the context: it will not be fed again."""
-        if self.score_from is not None:
-            return False
-        n = len(self.output_token_ids) + self.pending
-        return n >= self.params.max_tokens or self.num_prompt_tokens + n >= self.max_context
+        return self.score_from is None and len(self.output_token_ids) + self.pending >= self._length_limit
 
     @property
     def banned_ids(self) -> tuple[int, ...]:
@@ -166,8 +164,7 @@ class Request:
         if force_stop:
             self.text.flush()
             return self._finish(FinishReason.STOP, None)
-        n = len(self.output_token_ids)
-        if n >= p.max_tokens or self.num_prompt_tokens + n >= self.max_context:
+        if len(self.output_token_ids) >= self._length_limit:
             self.text.flush()
             return self._finish(FinishReason.LENGTH, None)
         return None

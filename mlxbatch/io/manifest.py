@@ -14,7 +14,7 @@ import logging
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,11 @@ class ShardInfo:
     rows: int
     bytes: int
     sha256: str
+
+    def entry(self) -> dict[str, Any]:
+        """Its entry in the manifest (by hand: ``dataclasses.asdict`` copies deeply, and the manifest is rewritten with
+        every shard, on the checkpoint's thread, which shares the GIL with the engine's)."""
+        return {"name": self.name, "rows": self.rows, "bytes": self.bytes, "sha256": self.sha256}
 
     @property
     def seq(self) -> int:
@@ -77,7 +82,7 @@ def _rebuild(manifest_path: Path, corrupt_dir: Path, why: str) -> tuple[list[Sha
 
 def save_manifest(manifest_path: Path, shards: Sequence[ShardInfo], meta: dict[str, Any], save_count: int) -> None:
     """Write the manifest atomically; ``save_count`` is this process's count of saves (crash-test hook)."""
-    data = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "shards": [asdict(s) for s in shards],
+    data = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "shards": [s.entry() for s in shards],
             "meta": meta}
     if fault_due("mid-manifest", save_count):
         text = json.dumps(data).encode()

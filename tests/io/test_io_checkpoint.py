@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 from io_helpers import make_record
 
 from mlxbatch.io import CheckpointError, CheckpointStore
-from mlxbatch.io.manifest import MANIFEST_NAME
+from mlxbatch.io.manifest import MANIFEST_NAME, ShardInfo
 from mlxbatch.types import FinishReason, TokenLogprob
 
 
@@ -132,6 +133,16 @@ def test_verify_detects_corrupted_bytes(tmp_path: Path) -> None:
         path.write_bytes(bytes(data))  # same size, still opens: only the hash can tell
         assert store.verify() == (path.name,)
         assert store.done_keys() == set()
+
+
+def test_the_manifest_lists_every_field_of_each_shard(tmp_path: Path) -> None:
+    with CheckpointStore(tmp_path) as store:
+        store.append([make_record("a")])
+        store.append([make_record("b"), make_record("c")])
+    entries = json.loads((tmp_path / MANIFEST_NAME).read_text())["shards"]
+    shards = [ShardInfo(**e) for e in entries]  # (a field left out of ``entry`` fails here)
+    assert entries == [dataclasses.asdict(s) for s in shards] and [s.rows for s in shards] == [1, 2]
+    assert all(len(s.sha256) == 64 and s.bytes > 0 for s in shards)
 
 
 def test_meta_round_trips_and_survives_appends(tmp_path: Path) -> None:
