@@ -22,7 +22,14 @@ from mlxbatch.io.expected import ExpectedSpool
 from mlxbatch.job.check.validate import input_spec, validate_job
 from mlxbatch.job.rows.feed import RowFeed
 from mlxbatch.job.rows.prepare import RowPreparer
-from mlxbatch.job.rows.workers import DEFAULT_WORKERS, WORKERS_ENV, FeedWorkerError, default_workers, feed_workers
+from mlxbatch.job.rows.workers import (
+    DEFAULT_WORKERS,
+    MIN_ROWS,
+    WORKERS_ENV,
+    FeedWorkerError,
+    default_workers,
+    feed_workers,
+)
 
 CHAT = {"template": None, "messages": [{"role": "system", "content": "Label this."}, {"role": "user", "content": "{{ text }}"}]}
 
@@ -121,10 +128,14 @@ def test_how_many_workers(monkeypatch):
     assert default_workers(gpu=True, cores=16) == DEFAULT_WORKERS > 0  # a GPU's host-bound step loop: off its GIL
     assert default_workers(gpu=True, cores=4) == 0  # too few cores for the engine's threads and the workers
     assert default_workers(gpu=False, cores=64) == 0  # the CPU's cores compute the model
+    # a small job prepares its rows on the feed's thread: starting the workers would cost more than they save
+    assert default_workers(gpu=True, cores=16, rows=MIN_ROWS - 1) == 0
+    assert default_workers(gpu=True, cores=16, rows=MIN_ROWS) == DEFAULT_WORKERS
+    assert default_workers(gpu=True, cores=16, rows=None) == DEFAULT_WORKERS  # (a count not known: a big job's rule)
     monkeypatch.setenv(WORKERS_ENV, "0")
     assert feed_workers() == 0
     monkeypatch.setenv(WORKERS_ENV, "3")
-    assert feed_workers() == 3
+    assert feed_workers() == 3 and feed_workers(rows=10) == 3  # (asked for: a small job too)
     monkeypatch.setenv(WORKERS_ENV, "many")
     with pytest.raises(MlxbatchError, match=WORKERS_ENV):
         feed_workers()

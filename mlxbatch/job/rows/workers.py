@@ -39,6 +39,10 @@ WORKERS_ENV = "MLXBATCH_FEED_WORKERS"  # worker processes of the feed: a number 
 CHUNK_ROWS = 512  # rows one worker call prepares: small enough to spread a window and to stop within a second
 DEFAULT_WORKERS = 2  # on a GPU: 2 and 4 fed an H100's job equally (docs/benchmarks.md)
 MIN_CORES = 8  # the engine's threads, MLX's and the workers' each have a core
+# a job of fewer rows prepares them on the feed's thread: at ~130 us a row that costs less than two workers take to
+# start (new interpreters importing MLX and the tokenizer: ~1 s on a 2-core CPU, ~3.8 s on an H100's host), which a
+# run whose model is loaded already (``job.api``, a notebook's second job) cannot hide behind the load
+MIN_ROWS = 20_000
 CLOSE_WAIT_S = 5.0  # a worker closed at the end of input finishes its chunk (there is none) and exits
 
 
@@ -56,23 +60,26 @@ class FeedWorkerError(MlxbatchError):
     """A feed worker process died (killed, or out of memory): the run stops; what finished is checkpointed."""
 
 
-def feed_workers() -> int:
-    """Worker processes of a run's feed: ``MLXBATCH_FEED_WORKERS``, else sized by this machine (``default_workers``)."""
+def feed_workers(rows: int | None = None) -> int:
+    """Worker processes of a run's feed: ``MLXBATCH_FEED_WORKERS``, else sized by this machine and the job's ``rows``
+    (None: not known) (``default_workers``)."""
     given = os.environ.get(WORKERS_ENV, "").strip()
     if not given:
-        return default_workers(Backend.detect().gpu, os.cpu_count() or 1)
+        return default_workers(Backend.detect().gpu, os.cpu_count() or 1, rows)
     if not given.isdigit():
         raise MlxbatchError(f"{WORKERS_ENV}={given!r}: expected a number of worker processes (0: none)")
     return int(given)
 
 
-def default_workers(gpu: bool, cores: int) -> int:
-    """``DEFAULT_WORKERS`` where the engine runs on a GPU and the machine has ``MIN_CORES`` cores or more, else none.
-    On a GPU the engine's step loop is bound by the host and needs the GIL the feed's thread would hold (~130 us a
-    row: rendering, the chat template, keys, planning); on an H100 host a job ran 22% faster with the feed in
-    workers, its steps 18% (docs/benchmarks.md). On the CPU the device's work is the CPU's own: workers would take
-    its cores."""
-    return DEFAULT_WORKERS if gpu and cores >= MIN_CORES else 0
+def default_workers(gpu: bool, cores: int, rows: int | None = None) -> int:
+    """``DEFAULT_WORKERS`` where the engine runs on a GPU, the machine has ``MIN_CORES`` cores or more and the job
+    has ``MIN_ROWS`` rows or more (or an unknown count), else none. On a GPU the engine's step loop is bound by the
+    host and needs the GIL the feed's thread would hold (~130 us a row: rendering, the chat template, keys,
+    planning); on an H100 host a job ran 22% faster with the feed in workers, its steps 18% (docs/benchmarks.md). A
+    4096-row job run with its model loaded already took twice its engine's time on an H100, most of it waiting for
+    the workers to start (docs/benchmarks.md). On the CPU the device's work is the CPU's own: workers would take its
+    cores."""
+    return DEFAULT_WORKERS if gpu and cores >= MIN_CORES and (rows is None or rows >= MIN_ROWS) else 0
 
 
 def encode_prepared(preps: list[PreparedRow], encoder: PromptEncoder) -> list[Encoded]:

@@ -164,7 +164,7 @@ class JobRunner:
         self._total = count_rows(input_spec(spec))
         if spec.input.limit is not None:
             self._total = spec.input.limit if self._total is None else min(self._total, spec.input.limit)
-        self._spawned = spawn(feed_workers())
+        self._spawned = spawn(feed_workers(self._total))
         try:
             return self._load_and_run(store, spec, is_openai, earlier, progress)
         finally:
@@ -262,7 +262,7 @@ class JobRunner:
         model = executor.model
         self._tokenizer = model.tokenizer
         done = store.done_keys()
-        workers = feed_workers()  # processes that prepare rows off this one's GIL (MLXBATCH_FEED_WORKERS)
+        workers = feed_workers(self._total)  # processes that prepare rows off this one's GIL (MLXBATCH_FEED_WORKERS)
         spawned, self._spawned = self._spawned, []  # (the first pass's: started before the model loaded)
         feed = RowFeed(self._rows(spec), _preparer(spec, model, is_openai), model.tokenizer, done,
                        window=spec.plan.window, planned=spec.plan.enabled, done_errors=store.error_keys(),
