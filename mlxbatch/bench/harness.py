@@ -245,15 +245,15 @@ class Bench:
         params = SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True)
         engine = Engine(self.loaded, EngineConfig(seed=0, **config), layout=layout, launch_thread=launch_thread)
         try:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             outs = engine.generate(w.prompts, params)
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
             stats = engine.stats()
         finally:
             engine.close()
         tokens = [list(o.token_ids) for o in outs]
         extra = {"profile": stats["profile"], "preemptions": stats["preemptions"], "kv_bytes": stats["kv_bytes"],
-                 "kv_budget_bytes": stats["kv_budget_bytes"], "config": config}
+                 "kv_budget_bytes": stats["kv_budget_bytes"], "config": config, "thread_cpu_s": cpu}
         return Run(name, wall, w.rows, w.prompt_tokens, sum(map(len, tokens)), tokens, extra)
 
 

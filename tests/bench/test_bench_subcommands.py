@@ -45,6 +45,9 @@ def test_runs_compares_configurations_and_cuda_decisions(tmp_path, tiny_model_pa
         assert by[(w, "plain")]["prefill tok"] == by[(w, "overlap")]["prefill tok"]
     assert by[("label 6", "plain")]["prefill / floor"] == pytest.approx(1.0, abs=0.05)  # the cache reaches the floor
     assert by[("chat 8 nocache", "plain")]["stored MB"] == 0  # no prefix cache: nothing stored
+    # the host's work: CPU time of the thread that ran generate(), within its wall (MLX computes on its own threads)
+    assert 0 < by[("label 6", "plain")]["engine's thread CPU s"] <= by[("label 6", "plain")]["wall s"] + 0.05
+    assert by[("label 6", "B1 (mlx-lm)")]["engine's thread CPU s"] is None
     assert "### engine runs: concurrency 32" in capsys.readouterr().out
 
     cuda = tmp_path / "cuda.json"  # the CUDA text path's decisions on this CPU: the same greedy tokens
