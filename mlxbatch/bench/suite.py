@@ -34,11 +34,11 @@ from mlxbatch.bench.harness import MB, Bench, Run, Table, agreement, log, ratio,
 from mlxbatch.bench.meta import machine_meta, render_meta
 from mlxbatch.engine import LayoutOptions
 
-# the path a Mac's GPU takes, run on this GPU (``paths.layout_for`` of Metal, a test checks): a GPU's row moves
-# (``LayoutOptions.base`` of a GPU), decode passes from compiled graphs, and nothing of the CUDA text path (MLX's
-# attention, no packed prefill or shape buckets, no fused projections; hence reuse to the token, unfilled passes).
-# The engine suite's second column: how much of the speed is the CUDA kernels', and what a Mac user gets from the rest
-GENERIC = LayoutOptions(batched_moves=True, compiled_decode=True)
+# the path a Mac's GPU takes, run on this GPU: a GPU's row moves (``LayoutOptions.base`` of a GPU) and nothing of the
+# CUDA text path (MLX's attention, no packed prefill or shape buckets, no compiled decode, no fused projections;
+# hence reuse to the token, unfilled passes). The engine suite's second column: how much of the speed is the CUDA
+# kernels', and what a Mac user gets from the rest
+GENERIC = LayoutOptions(batched_moves=True)
 # a Mac's decisions for ``Bench.run_engine``: that layout, and steps launched from the engine's own thread (Metal has
 # no launch thread); overlapped steps follow the configuration (unset: on, as on a Mac's GPU)
 MAC: dict[str, Any] = {"layout": GENERIC, "launch_thread": False}

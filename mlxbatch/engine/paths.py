@@ -47,8 +47,7 @@ def layout_for(backend: Backend, split: SplitModel | None, geometry: KVGeometry,
                batch_invariant: bool) -> LayoutOptions:
     """The slot layout's options for a model on ``backend``: what follows from the device (``LayoutOptions.base``);
     on the CUDA text path prefill passes in recurring shapes (each new attention shape is a cuDNN graph build there),
-    and where the model's body is ours (``OwnBody``) the engine's kernels and passes; on another GPU (Metal) with
-    that body, compiled decode passes."""
+    and where the model's body is ours (``OwnBody``) the engine's kernels and passes."""
     cuda = cuda_text_path(backend, vision, batch_invariant)
     base = dataclasses.replace(LayoutOptions.base(backend), shape_buckets=cuda)
     if split is None or not isinstance(split.body, OwnBody) or vision or batch_invariant:
@@ -58,10 +57,8 @@ def layout_for(backend: Backend, split: SplitModel | None, geometry: KVGeometry,
     # a packed pass's attention in one launch a layer where that kernel runs and agrees with MLX's
     kernels = AttentionKernels.create(backend, split.body.heads, geometry.kv_heads, geometry.head_dim,
                                       getattr(mx, geometry.dtype), prefill=cuda)
-    if not cuda:  # a GPU without the CUDA text path (Metal): decode passes of a recurring shape from compiled
-        # graphs too (``kv.compiled``: a step of a small model at a few hundred rows is the host's graph building),
-        # reading the keys through MLX's attention to the buffers' capacity; not on a CPU (a CPU step is compute)
-        return dataclasses.replace(base, attention=kernels, compiled_decode=backend.gpu)
+    if not cuda:
+        return dataclasses.replace(base, attention=kernels)
     # one prefill pass a step (the host's work per pass binds there), whose rows are read and written by slot (rows
     # stay: promoting and retiring rows moves no KV), in recurring shapes; decode passes of a recurring shape from a
     # compiled graph (no graph build), and packed passes through the attention kernel too; q/k/v and gate/up as

@@ -1,4 +1,4 @@
-"""Decode passes replayed from compiled graphs (``kv.compiled``; the engine uses them on a GPU).
+"""Decode passes replayed from compiled graphs (``kv.compiled``; the engine uses them on CUDA).
 
 A compiled pass must give what a built pass gives, write each step's KV where that step's rows are (nothing per step
 baked into a trace), and write the buffers in place (no copy of a whole buffer). The CUDA kernel's call path runs here
@@ -182,20 +182,3 @@ def test_shapes_compile_on_their_second_sighting_and_only_the_last_are_kept(tiny
     # dropped when 4 came (two kept) and is traced again at its third sighting, which drops 4
     assert cd.traces == 4 and cd.passes == 6
     assert [key[0][0] for key in cd._fns] == [2, 3]
-
-
-def test_every_gpu_replays_decode_passes_a_cpu_builds_them(tiny_loaded):
-    """A Mac's GPU (no CUDA kernels) replays decode passes too: its steps are the host's graph building as much as
-    CUDA's; a CPU's are compute (and a compiled pass reads keys to the capacity). The suite's generic path is what
-    ``layout_for`` gives Metal."""
-    from mlxbatch.bench.suite import GENERIC
-    from mlxbatch.engine.backend import CPU, Backend
-    from mlxbatch.engine.paths import layout_for
-
-    with Engine(tiny_loaded, EngineConfig(warm_up=False)) as eng:
-        split, geometry = eng.core.runner._split, eng.core.runner.geometry
-    metal = layout_for(Backend("metal"), split, geometry, False, False)
-    assert metal == GENERIC and metal.compiled_decode and not metal.rows_stay
-    assert not layout_for(CPU, split, geometry, False, False).compiled_decode
-    assert not layout_for(Backend("metal"), split, geometry, True, False).compiled_decode  # vision rows
-    assert not layout_for(Backend("metal"), split, geometry, False, True).compiled_decode  # batch-invariant

@@ -38,7 +38,7 @@ class LayoutOptions:
     shape_buckets: bool = False
     # a step's prefill rows as one packed pass (``forward_packed``, CUDA, where the host's work per pass binds)
     packed_prefill: bool = False
-    # decode passes replayed from compiled graphs (``kv.compiled``: a GPU's, with the decode kernel on CUDA)
+    # decode passes replayed from compiled graphs (``kv.compiled``: CUDA, with the decode kernel)
     compiled_decode: bool = False
     # packed prefill passes through the packed attention kernel replayed from compiled graphs (``kv.compiled``, CUDA)
     compiled_prefill: bool = False

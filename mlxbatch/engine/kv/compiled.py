@@ -60,20 +60,6 @@ def decode_pass(args: list[mx.array], capacity: int) -> tuple[ForwardPass, list[
     return fp, [offsets + 1]
 
 
-def run_decode_pass(args: list[mx.array], capacity: int) -> tuple[ForwardPass, list[mx.array]]:
-    """``decode_pass`` where the rows are slots ``0 .. n`` (rows move: a GPU without the engine's kernels): ``args``
-    is each row's ``offsets``. The keys are read as a slice of the buffers (no gather), up to ``capacity`` through
-    an array mask (MLX's attention)."""
-    (offsets,) = args
-    n = offsets.shape[0]
-    rows = mx.arange(n, dtype=mx.int32)
-    q_pos = offsets[:, None]
-    mask = (mx.arange(capacity)[None, None, :] <= q_pos[:, :, None])[:, None, :, :]
-    fp = ForwardPass(0, n, (), 1, capacity, offsets, q_pos, mask, "scatter", (rows[:, None, None], q_pos[:, None, :]),
-                     n, rows, offsets + 1)
-    return fp, [offsets + 1]
-
-
 class CompiledPasses:
     """``run(slots, model, inputs, args, keys, values)``: a pass's outputs from a compiled graph: its last hidden
     states (``[n, dim]``, one a row of ``inputs``), then the extra arrays its plan returns; or None when this shape is

@@ -22,7 +22,7 @@ import numpy as np
 from mlxbatch.engine.attention import DecodeAttention
 from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.kv.buffers import POSITION_STEP, SlotBuffers
-from mlxbatch.engine.kv.compiled import CompiledPasses, decode_pass, run_decode_pass
+from mlxbatch.engine.kv.compiled import CompiledPasses, decode_pass
 from mlxbatch.engine.kv.packed import PackedPass, host_arrays, round_up
 from mlxbatch.engine.kv.rows import SlotRows
 from mlxbatch.engine.kv.slot_forward import ForwardPass, SlotLayerCache, bucketed_pass, plan_forward, write_kv
@@ -40,12 +40,11 @@ class SlotPasses:
         self.layers = [SlotLayerCache(self, i) for i in range(buffers.num_layers)]
         # decode passes, and packed prefill passes through the kernel, replayed from compiled graphs (their traces
         # and counts: this layout's own)
-        self.compiled_decode = CompiledPasses(decode_pass if options.rows_stay else run_decode_pass) \
-            if options.compiled_decode else None
+        self.compiled_decode = CompiledPasses(decode_pass) if options.compiled_decode else None
         packed = options.attention.packed
         self.compiled_prefill = CompiledPasses(lambda args, cap: PackedPass.from_arrays(args, cap, packed), keep=64) \
             if options.compiled_prefill and packed is not None else None
-        self._decode_key: tuple[int, ...] | None = None  # ``_decode_slots``' last rows, and their array
+        self._decode_key: tuple[int, ...] | int | None = None  # ``_decode_slots``' last rows, and their array
         self._decode_rows: mx.array | None = None
         # the last compiled decode pass's offsets + 1: as host ints, and the device array (``_compiled_decode``)
         self._next_offsets: tuple[list[int], mx.array] | None = None
@@ -184,19 +183,20 @@ class SlotPasses:
             ids, off = host_arrays([t for row in tokens for t in row], offsets)
             inputs = ids[:, None]
         self._next_offsets = None
-        args = [off, self._decode_slots(n)] if self.options.rows_stay else [off]  # (rows move: slots 0 .. n)
-        outs = compiled.run(self, model, inputs, args, buffers.keys, buffers.values)
+        outs = compiled.run(self, model, inputs, [off, self._decode_slots(n)], buffers.keys, buffers.values)
         if outs is None:
             return None
         self._next_offsets = ([o + 1 for o in offsets], outs[1])  # the device's offsets + 1, for the next pass if
         return outs[0]  # its rows all advanced by one
 
     def _decode_slots(self, n: int) -> mx.array:
-        """The slots of rows ``0 .. n`` (rows stay) as an array, made again only when they changed."""
-        key = tuple(self._rows.slots(0, n) or ())
+        """The slots of rows ``0 .. n`` as an array, made again only when they changed."""
+        slots = self._rows.slots(0, n)
+        key = tuple(slots) if slots is not None else n
         if self._decode_key != key:
             self._decode_key = key
-            self._decode_rows = mx.array(list(key), dtype=mx.int32)
+            self._decode_rows = mx.array(list(key), dtype=mx.int32) if slots is not None else \
+                mx.arange(n, dtype=mx.int32)
         assert self._decode_rows is not None
         return self._decode_rows
 
