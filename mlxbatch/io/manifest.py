@@ -9,6 +9,7 @@ Does not own the shard files or recovery (``checkpoint``).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxbatch.io.atomic import atomic_write_json, tmp_path_for
+from mlxbatch.io.atomic import atomic_write_bytes, tmp_path_for
 from mlxbatch.io.errors import CheckpointError
 from mlxbatch.io.faults import crash, fault_due
 
@@ -40,9 +41,15 @@ class ShardInfo:
     sha256: str
 
     def entry(self) -> dict[str, Any]:
-        """Its entry in the manifest (by hand: ``dataclasses.asdict`` copies deeply, and the manifest is rewritten with
-        every shard, on the checkpoint's thread, which shares the GIL with the engine's)."""
+        """Its entry in the manifest (by hand: ``dataclasses.asdict`` copies deeply)."""
         return {"name": self.name, "rows": self.rows, "bytes": self.bytes, "sha256": self.sha256}
+
+    @functools.cached_property
+    def entry_json(self) -> str:
+        """Its entry as JSON, encoded once: the manifest is rewritten with every shard (on the checkpoint's thread,
+        which shares the GIL with the engine's), and encoding every entry each time made a run's manifest writes
+        grow with the square of its shards (16 ms a write at 5,000 shards)."""
+        return json.dumps(self.entry(), ensure_ascii=False)
 
     @property
     def seq(self) -> int:
@@ -82,13 +89,17 @@ def _rebuild(manifest_path: Path, corrupt_dir: Path, why: str) -> tuple[list[Sha
 
 def save_manifest(manifest_path: Path, shards: Sequence[ShardInfo], meta: dict[str, Any], save_count: int) -> None:
     """Write the manifest atomically; ``save_count`` is this process's count of saves (crash-test hook)."""
-    data = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "shards": [s.entry() for s in shards],
-            "meta": meta}
+    text = manifest_text(shards, meta).encode()
     if fault_due("mid-manifest", save_count):
-        text = json.dumps(data).encode()
         tmp_path_for(manifest_path).write_bytes(text[: len(text) // 2])
         crash()
-    atomic_write_json(manifest_path, data)
+    atomic_write_bytes(manifest_path, text)
+
+
+def manifest_text(shards: Sequence[ShardInfo], meta: dict[str, Any]) -> str:
+    """The manifest as JSON: its header and metadata, then a shard a line (each entry encoded once: ``entry_json``)."""
+    head = json.dumps({"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "meta": meta}, ensure_ascii=False)
+    return head[:-1] + ',\n "shards": [' + ",".join("\n  " + s.entry_json for s in shards) + "\n]}\n"
 
 
 def peek_meta(out_dir: str | Path) -> dict[str, Any]:
