@@ -114,7 +114,7 @@ def feed_rate(job: Path, rows: int) -> dict[str, Any]:
 
     from mlxbatch.io import open_reader
     from mlxbatch.job.check.validate import input_spec, validate_job
-    from mlxbatch.job.executors.ray.cluster import driver_tokenizer
+    from mlxbatch.job.executors.base import driver_tokenizer
     from mlxbatch.job.rows.feed import RowFeed, Submit
     from mlxbatch.job.rows.prepare import RowPreparer
     from mlxbatch.job.rows.workers import feed_workers

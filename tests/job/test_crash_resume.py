@@ -202,3 +202,74 @@ def test_many_kills_at_random_moments_lose_and_duplicate_nothing(setup, greedy, 
     with CheckpointStore(out) as store:
         keys = [k for t in store.iter_tables() for k in t.column("key").to_pylist()]
     assert len(keys) == len(set(keys)) == ROWS  # every row checkpointed exactly once
+
+
+# -- the engine in a process of its own (``job.executors.process``) ------------------------------------------------
+
+ENGINE_PROCESS = {"MLXBATCH_ENGINE_PROCESS": "1"}
+
+
+def _engine_children(pid: int) -> list[int]:
+    """The engine processes a run started (its children running ``job.executors.process.serve``)."""
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "executors.process import serve"], capture_output=True,
+                         text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie (its parent gone, not reaped yet) is gone too
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_job_with_the_engine_in_its_own_process_gives_the_same_rows(setup, tiny_model_path):
+    root, data, expected = setup
+    job = _job(root, data, tiny_model_path, "engine-process")
+    out = job.parent / "out"
+    done = finish(job, ENGINE_PROCESS)
+    assert done.returncode == 0, done.stderr
+    assert outputs(out) == expected
+    report = json.loads((out / "report.json").read_text())
+    profile = report["engine"]["profile"]  # the child's engine counters reach the report
+    assert profile["steps"] > 0 and profile["stepping_s"] > 0
+    assert report["this_run"]["cpu_s"]["run_thread"] < profile["stepping_s"]  # the steps ran in the child
+
+
+def test_kill_9_with_the_engine_in_its_own_process_leaves_no_engine_and_resumes(setup, tiny_model_path):
+    """The run killed: its engine process sees its input end and exits (no orphan holding the model); the rows it
+    finished that were checkpointed stay, and a resume in the run's own process completes the rest."""
+    root, data, expected = setup
+    job = _job(root, data, tiny_model_path, "engine-process-kill")
+    out = job.parent / "out"
+    proc = start(job, ENGINE_PROCESS)
+    deadline = time.monotonic() + 120
+    while manifest_rows(out) < 30 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    engines = _engine_children(proc.pid)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(engines) == 1 and _gone(engines[0], 30), "the engine process outlived the run"
+    assert run_job(job).report["status"] == "complete"
+    assert outputs(out) == expected
+
+
+def test_a_model_that_does_not_load_in_the_engine_process_fails_the_start(setup, tmp_path):
+    root, data, _ = setup
+    broken = tmp_path / "model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    job = _job(root, data, broken, "engine-process-broken")
+    failed = finish(job, ENGINE_PROCESS)
+    assert failed.returncode != 0 and str(broken) in failed.stderr, failed.stderr
+    assert "Traceback" not in failed.stderr  # the loader's own error, as the run's process would give it
+    assert not (job.parent / "out" / "manifest.json").exists()  # the folder was not claimed

@@ -12,10 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from mlxbatch.config import EngineConfig
-from mlxbatch.engine import LoadedModel, ModelSpec, PromptEncoder
+from mlxbatch.engine import LoadedModel, ModelSpec, PromptEncoder, resolve_path
 from mlxbatch.errors import MlxbatchError
 from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed
 from mlxbatch.job.rows.prepare import PreparedRow
@@ -110,3 +111,13 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     """A digest of how ``tokenizer`` encodes a text and a chat prompt: the driver and every engine must agree."""
     probe = PromptEncoder(tokenizer).encode_many(["mlxbatch probe: Ünïcödé 123 <b>", [{"role": "user", "content": "x"}]])
     return hashlib.sha256(json.dumps([len(getattr(tokenizer, "_tokenizer", tokenizer)), probe]).encode()).hexdigest()[:16]
+
+
+def driver_tokenizer(spec: JobSpec) -> Any:
+    """The model's tokenizer without its weights: the driver tokenizes and plans, the actors run the model."""
+    from mlx_lm.utils import load_tokenizer
+
+    m = spec.model
+    source = resolve_path(m.path)  # a folder, or a hub id (mlx-lm then fetches the tokenizer files only)
+    return load_tokenizer(Path(source) if Path(source).exists() else source,
+                          {"trust_remote_code": m.trust_remote_code})  # always explicit: transformers never asks

@@ -21,18 +21,18 @@ import contextlib
 import os
 import pickle
 import signal
-import struct
 import subprocess
 import sys
 import threading
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 from mlxbatch.engine import Backend, PromptEncoder, plan, prompt_block_hashes, submission_order
 from mlxbatch.errors import MlxbatchError
 from mlxbatch.io import InputRow
+from mlxbatch.io.frames import frame, read_frame
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 
 WORKERS_ENV = "MLXBATCH_FEED_WORKERS"  # worker processes of the feed: a number (unset or 0: none)
@@ -141,7 +141,7 @@ class PooledPreparation:
     def __init__(self, preparer: RowPreparer, tokenizer: Any, workers: int, chunk: int | None = None,
                  spawned: Sequence[subprocess.Popen[bytes]] = ()) -> None:
         self._preparer = preparer
-        self._setup = pickle.dumps((preparer.args, tokenizer), pickle.HIGHEST_PROTOCOL)
+        self._setup = frame((preparer.args, tokenizer))
         self._workers = workers
         self._chunk = chunk or CHUNK_ROWS
         self._procs: list[subprocess.Popen[bytes]] = list(spawned)  # ``spawn``'s, adopted: they get their setup
@@ -166,7 +166,7 @@ class PooledPreparation:
 
     def plan(self, seqs: list[list[int]], runs: int, min_step_tokens: int) -> WindowPlan:
         w = self._started()[0]
-        _write_frame(w, pickle.dumps(("plan", (seqs, runs, min_step_tokens)), pickle.HIGHEST_PROTOCOL))
+        _write_frame(w, frame(("plan", (seqs, runs, min_step_tokens))))
         return _receive(w)  # type: ignore[return-value]
 
     def _started(self) -> list[subprocess.Popen[bytes]]:
@@ -237,12 +237,9 @@ def preparation(preparer: RowPreparer, tokenizer: Any, workers: int,
 # host that made a worker's start 15-21 s, which the run's first window waited for, and costs each worker hundreds of
 # MB. Marked absent, transformers takes its tokenizer-only path (as on a machine without torch): the same token ids.
 _SERVE = "import sys; sys.modules['torch'] = None; from mlxbatch.job.rows.workers import serve; serve()"
-_LEN = struct.Struct("<Q")
-
-
 def _write_frame(proc: subprocess.Popen[bytes], data: bytes) -> None:
     try:
-        proc.stdin.write(_LEN.pack(len(data)) + data)  # type: ignore[union-attr]
+        proc.stdin.write(data)  # type: ignore[union-attr]
         proc.stdin.flush()  # type: ignore[union-attr]
     except (BrokenPipeError, ValueError):  # ValueError: closed by ``cancel`` / ``close`` in the meantime
         raise FeedWorkerError(f"the feed worker process {proc.pid} is gone (exit code {proc.poll()}); rerun the "
@@ -252,13 +249,13 @@ def _write_frame(proc: subprocess.Popen[bytes], data: bytes) -> None:
 def _send_all(procs: list[subprocess.Popen[bytes]], chunks: list[list[InputRow]]) -> None:
     for k, rows in enumerate(chunks):
         try:
-            _write_frame(procs[k % len(procs)], pickle.dumps(("prepare", rows), pickle.HIGHEST_PROTOCOL))
+            _write_frame(procs[k % len(procs)], frame(("prepare", rows)))
         except FeedWorkerError:  # the reader sees the worker's end on its output and raises there
             return
 
 
 def _receive(proc: subprocess.Popen[bytes]) -> Any:
-    data = _read_frame(proc.stdout)  # type: ignore[arg-type]
+    data = read_frame(proc.stdout)  # type: ignore[arg-type]
     if data is None:
         raise FeedWorkerError(f"the feed worker process {proc.pid} died (exit code {proc.wait()}); rerun the job "
                               f"to resume, or set {WORKERS_ENV}=0 to prepare rows in the run's process")
@@ -266,19 +263,6 @@ def _receive(proc: subprocess.Popen[bytes]) -> Any:
     if status != "ok":
         raise MlxbatchError(f"the feed worker process {proc.pid} failed: {value}")
     return value
-
-
-def _read_frame(stream: BinaryIO) -> bytes | None:
-    """One frame, or None at the end of the stream (the other side is gone)."""
-    try:
-        head = stream.read(_LEN.size)
-        if len(head) < _LEN.size:
-            return None
-        (n,) = _LEN.unpack(head)
-        data = stream.read(n)
-    except (OSError, ValueError):
-        return None
-    return data if len(data) == n else None
 
 
 # -- in a worker process ------------------------------------------------------------------------------------------
@@ -290,19 +274,19 @@ def serve() -> None:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a stray print goes to stderr, never into the frames
     inp = sys.stdin.buffer
-    setup = _read_frame(inp)
+    setup = read_frame(inp)
     if setup is None:
         return
     args, tokenizer = pickle.loads(setup)
     worker = LocalPreparation(RowPreparer(*args), tokenizer)
-    while (data := _read_frame(inp)) is not None:
+    while (data := read_frame(inp)) is not None:
         try:
             what, arg = pickle.loads(data)
             reply: tuple[str, Any] = ("ok", worker.run_admitted(arg) if what == "prepare" else worker.plan(*arg))
         except Exception:  # noqa: BLE001 - the run raises it, as it would raise it from its own thread
             reply = ("error", traceback.format_exc())
         try:
-            out.write(_LEN.pack(len(body := pickle.dumps(reply, pickle.HIGHEST_PROTOCOL))) + body)
+            out.write(frame(reply))
             out.flush()
         except OSError:  # the run is gone
             return

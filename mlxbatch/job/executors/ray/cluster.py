@@ -32,15 +32,13 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import RayError
 
-from mlxbatch.engine import resolve_path
 from mlxbatch.job.executors.base import ExecutorError
-from mlxbatch.job.spec import ExecutorSection, JobSpec
+from mlxbatch.job.spec import ExecutorSection
 
 log = logging.getLogger(__name__)
 
@@ -180,16 +178,6 @@ def actor_plan(x: ExecutorSection) -> Iterator[tuple[ActorPlan, dict[str, Any]]]
         yield plan, {"scheduling_strategy": PlacementGroupSchedulingStrategy(group), "num_cpus": plan.bundles[0]["CPU"]}
     finally:
         remove_placement_group(group)
-
-
-def driver_tokenizer(spec: JobSpec) -> Any:
-    """The model's tokenizer without its weights: the driver tokenizes and plans, the actors run the model."""
-    from mlx_lm.utils import load_tokenizer
-
-    m = spec.model
-    source = resolve_path(m.path)  # a folder, or a hub id (mlx-lm then fetches the tokenizer files only)
-    return load_tokenizer(Path(source) if Path(source).exists() else source,
-                          {"trust_remote_code": m.trust_remote_code})  # always explicit: transformers never asks
 
 
 PROBE_TIMEOUT_S = 5.0

@@ -34,10 +34,17 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 
 from mlxbatch.engine import common_prefix_len
-from mlxbatch.job.executors.base import ExecutorError, Finished, ModelInfo, row_tokens_hint, tokenizer_fingerprint
+from mlxbatch.job.executors.base import (
+    ExecutorError,
+    Finished,
+    ModelInfo,
+    driver_tokenizer,
+    row_tokens_hint,
+    tokenizer_fingerprint,
+)
 from mlxbatch.job.executors.engine_stats import merge_engine_stats
 from mlxbatch.job.executors.ray.actor import ActorInfo, Advance, EngineActor, Placed
-from mlxbatch.job.executors.ray.cluster import ActorPlan, actor_plan, connected, driver_tokenizer, kill
+from mlxbatch.job.executors.ray.cluster import ActorPlan, actor_plan, connected, kill
 from mlxbatch.job.executors.ray.progress import clear_progress, write_progress
 from mlxbatch.job.executors.ray.slots import Slot, next_rows, units_of
 from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed, Submit

@@ -1,0 +1,316 @@
+"""The single-machine executor with the engine in a process of its own.
+
+A job's run loop shares its process with the engine's step loop, and so its GIL: reading, rendering and planning
+rows (the feed's thread), writing shards (the checkpoint's thread) and building result records took the GIL from the
+engine's thread between its waits for the device, and the steps waited (docs/benchmarks.md: on an H100 the 100k-row
+job's run thread spent ~6 s of its 30 s waiting for the GIL in pure-Python work, the wall 1.5x the engine's steps).
+Here the engine runs in a child process (a new interpreter, like the feed's workers): one thread steps it, and the
+run sends it rows (``RowTask``) and gets finished ones back (``RowDone``) in frames over its pipes, the protocol of
+the Ray executor's actors, which run the same ``RowEngine``. The run loads only the tokenizer; the child loads the
+model, reports what the run needs of it (``EngineInfo``), warms up while the feed prepares the first window, then
+steps while it holds rows. Rows reach it in the order they are taken (plan order), at most ``4 x max_num_seqs`` in
+flight, as in the engine of the run's own process.
+
+The child runs in a session of its own and ignores SIGINT and SIGTERM: the run decides what stops (it aborts what is
+in flight and closes the pipe). The child exits when its input ends: closed by the run, or by the kernel when the run
+is gone (killed too). A child that fails sends its error, which the run raises as the executor's failure.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from mlxbatch.errors import MlxbatchError, ModelLoadError
+from mlxbatch.io.frames import frame, read_frame
+from mlxbatch.job.executors.base import (
+    ExecutorError,
+    Finished,
+    ModelInfo,
+    driver_tokenizer,
+    engine_config,
+    model_spec,
+    row_tokens_hint,
+)
+from mlxbatch.job.executors.local import RowEngine, max_inflight, take_room
+from mlxbatch.job.executors.ray.progress import clear_progress
+from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed, Submit
+from mlxbatch.job.rows.tasks import RowTask
+from mlxbatch.job.spec import JobSpec
+
+STATS_EVERY_S = 0.5  # the child sends its engine's counters this often while it steps (the progress line reads them)
+WAIT_S = 0.1  # ``poll`` waits this long for finished rows before it returns none (the loop then takes rows again)
+CLOSE_WAIT_S = 10.0  # a child told to stop finishes its step and exits
+_SERVE = "import sys; sys.modules['torch'] = None; from mlxbatch.job.executors.process import serve; serve()"
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the run needs of the child's model and engine (``ModelInfo`` less the tokenizer, which the run loads)."""
+
+    identity: str
+    dtype: str
+    takes_images: bool
+    context_length: int
+    reuse_step: int
+    max_num_seqs: int
+    batch: str
+
+
+class ProcessExecutor:
+    """The single-machine path with the engine in a child process (``serve``)."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      start_new_session=True)
+        self._inbox: queue.Queue[bytes | None] = queue.Queue()  # frames from the child; None: its output ended
+        threading.Thread(target=self._read, name="mlxbatch-engine-reader", daemon=True).start()
+        self._stats: dict[str, Any] = {}
+        try:
+            self._send(("setup", spec.model, spec.engine, spec.seed, row_tokens_hint(spec)))
+            try:  # the tokenizer here while the child loads the model
+                tokenizer, failed = driver_tokenizer(spec), None
+            except Exception as exc:  # noqa: BLE001 - the child's error about the model comes first
+                tokenizer, failed = None, exc
+            info: EngineInfo = self._expect("info")
+            if failed is not None:
+                raise ModelLoadError(f"model={spec.model.path!r}: its tokenizer could not be loaded: "
+                                     f"{type(failed).__name__}: {failed}") from failed
+        except BaseException:  # the model did not load (its error raised here): no child left behind
+            self._proc.kill()
+            self._proc.wait()
+            raise
+        self.model = ModelInfo(info.identity, info.dtype, tokenizer, info.takes_images, info.context_length,
+                               info.reuse_step, info.batch)
+        self.max_inflight = max_inflight(info.max_num_seqs)
+        self._pending: dict[str, Submit] = {}
+        self._ready = False
+
+    # -- the executor's contract ---------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Wait for the child's warm-up (it began once the model loaded: the feed's first window is prepared
+        meanwhile)."""
+        if not self._ready:
+            self._stats = self._expect("ready")
+            self._ready = True
+
+    def take(self, feed: RowFeed) -> list[Failed | Resumed]:
+        self.warm_up()
+        room = take_room(len(self._pending), self.max_inflight)
+        if not room:
+            return []
+        other: list[Failed | Resumed] = []
+        tasks = []
+        for item in feed.take(room, wait=not self._pending):
+            if not isinstance(item, Submit):
+                other.append(item)
+                continue
+            self._pending[item.prep.key] = item
+            tasks.append(RowTask.of(item.prep, item.token_ids, item.cache_tokens, item.block_hashes))
+        if tasks:
+            self._send(("tasks", tasks))
+        return other
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def poll(self) -> list[Finished]:
+        """Rows the child finished since the last call (waiting up to ``WAIT_S`` for the first)."""
+        out: list[Finished] = []
+        block = True
+        while self._pending:
+            try:
+                data = self._inbox.get(timeout=WAIT_S) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            block = False
+            kind, value = self._message(data)
+            if kind == "stats":
+                self._stats = value
+                continue
+            if kind != "done":
+                raise ExecutorError(f"the engine process sent {kind!r} while rows ran")
+            for d in value:
+                row = self._pending.pop(d.key, None)
+                if row is not None:
+                    out.append(Finished(row.prep, d.output, row.index, d.error, d.error_kind))
+        return out
+
+    def abort(self) -> None:
+        """Drop what is in flight (the run stops)."""
+        if self._pending and self._proc.poll() is None:
+            self._send(("abort", list(self._pending)))
+        self._pending.clear()
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters: asked of the child when no row is in flight (the run's end), else its latest."""
+        if not self._pending and self._proc.poll() is None:
+            try:
+                self._send(("stats",))
+                self._stats = self._expect("stats")
+            except ExecutorError:
+                pass  # a child gone: its last counters
+        return self._stats
+
+    def shutdown(self) -> None:
+        """Close the child's input (it exits after its step) and wait for it; kill it if it does not."""
+        try:
+            self._proc.stdin.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    # -- frames ---------------------------------------------------------------------------------------------------
+    def _send(self, message: Any) -> None:
+        try:
+            self._proc.stdin.write(frame(message))  # type: ignore[union-attr]
+            self._proc.stdin.flush()  # type: ignore[union-attr]
+        except (BrokenPipeError, ValueError, OSError):
+            raise ExecutorError(self._gone()) from None
+
+    def _read(self) -> None:
+        """The reader thread: the child's frames as they come (bytes: unpickled on the run's thread)."""
+        while (data := read_frame(self._proc.stdout)) is not None:  # type: ignore[arg-type]
+            self._inbox.put(data)
+        self._inbox.put(None)
+
+    def _message(self, data: bytes | None) -> tuple[str, Any]:
+        if data is None:
+            self._inbox.put(None)  # (for whoever reads next)
+            raise ExecutorError(self._gone())
+        kind, value = pickle.loads(data)
+        if kind == "error":
+            raise value if isinstance(value, MlxbatchError) else ExecutorError(f"the engine process failed: {value}")
+        return kind, value
+
+    def _expect(self, want: str) -> Any:
+        """The child's next message of kind ``want`` (the counters it sends meanwhile are kept)."""
+        while True:
+            kind, value = self._message(self._inbox.get())
+            if kind == want:
+                return value
+            if kind == "stats":
+                self._stats = value
+            elif kind != "done":  # (rows given up by ``abort``)
+                raise ExecutorError(f"the engine process sent {kind!r}, expected {want!r}")
+
+    def _gone(self) -> str:
+        try:
+            code = self._proc.wait(timeout=CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        return (f"the engine process {self._proc.pid} is gone (exit code {code}); rows that finished are "
+                f"checkpointed: run the job again to resume")
+
+
+# -- in the child -----------------------------------------------------------------------------------------------
+def serve() -> None:
+    """The child's life: load the model, report it, warm up, then step while it holds rows, taking rows between
+    steps, until its input ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the process group: the run decides
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # a stray print goes to stderr, never into the frames
+    inbox: queue.Queue[bytes | None] = queue.Queue()
+
+    def read() -> None:  # frames as they come: the step loop takes them between steps (unpickled there)
+        while (data := read_frame(sys.stdin.buffer)) is not None:
+            inbox.put(data)
+        inbox.put(None)
+
+    def send(message: Any) -> None:
+        out.write(frame(message))
+        out.flush()
+
+    threading.Thread(target=read, name="mlxbatch-engine-input", daemon=True).start()
+    try:
+        _serve(inbox, send)
+    except BrokenPipeError:  # the run is gone
+        return
+    except BaseException as exc:  # noqa: BLE001 - the run raises it
+        try:
+            send(("error", exc if isinstance(exc, MlxbatchError) and _picklable(exc) else traceback.format_exc()))
+        except OSError:
+            pass
+
+
+def _serve(inbox: queue.Queue[bytes | None], send: Any) -> None:
+    from mlxbatch.engine import load_model
+
+    setup = inbox.get()
+    if setup is None:
+        return
+    _, model, engine_section, seed, row_tokens = pickle.loads(setup)
+    loaded = load_model(model_spec(model))
+    engine = RowEngine(loaded, engine_config(engine_section, seed, row_tokens), warm_up_later=True)
+    core = engine.core
+    send(("info", EngineInfo(loaded.identity, loaded.dtype, loaded.vlm is not None, loaded.context_length,
+                             core.reuse_step, core.config.max_num_seqs, core.batch_size.describe())))
+    engine.warm_up()
+    send(("ready", engine.stats()))
+    last_stats = time.monotonic()
+    while True:
+        # every frame that came meanwhile; with nothing to step, wait for the next
+        while True:
+            try:
+                data = inbox.get_nowait() if engine.has_work else inbox.get()
+            except queue.Empty:
+                break
+            if data is None:
+                return  # the run closed the input (or is gone)
+            kind, *args = pickle.loads(data)
+            if kind == "tasks":
+                for task in args[0]:
+                    engine.submit(task)
+            elif kind == "abort":  # (the run stops: what the aborted rows' steps give is not asked for)
+                for key in args[0]:
+                    engine.abort(key)
+            elif kind == "stats":
+                send(("stats", engine.stats()))
+        if engine.has_work:
+            done = engine.step()
+            if done:
+                send(("done", done))
+            if time.monotonic() - last_stats >= STATS_EVERY_S:
+                send(("stats", engine.stats()))
+                last_stats = time.monotonic()
+
+
+def _picklable(exc: BaseException) -> bool:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@contextmanager
+def open_process_executor(spec: JobSpec) -> Iterator[ProcessExecutor]:
+    """A ``ProcessExecutor`` on the job's model (its tokenizer loaded here, the model in the child), stopped when the
+    block ends."""
+    clear_progress(spec.output)  # a distributed run's leftover: this run owns the folder now
+    executor = ProcessExecutor(spec)
+    try:
+        yield executor
+    finally:
+        executor.shutdown()
