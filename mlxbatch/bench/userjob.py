@@ -119,7 +119,7 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
                  ["engine section", "rows/s", "wall s", "process s", "engine steps s", "prefill / decode / host s",
                   "wall outside the steps", "of it: in the engine / waiting for rows / writing results / garbage "
                   "collector",
-                  "CPU s: the run's thread / the feed's", "wall / steps",
+                  "CPU s: the run's thread / the feed's / the engine process's", "wall / steps",
                   "of the floor", "prefill / window floor", "KV in use MB", "MLX peak MB", "steps"])
     split = Table("where a step's time goes (seconds; ms a step)",
                   ["engine section", "steps", "ms a step", "prefill: build", "of it encoding", "prefill: wait",
@@ -131,7 +131,8 @@ def tables(runs: dict[str, tuple[float, dict]], ref: dict | None, floor_s: float
         main.rows.append([tag, r["rows_per_s"], wall, process_s, p["total_s"],
                           f"{p['prefill_s']:.1f} / {p['decode_s']:.1f} / {p['host_s']:.1f}",
                           f"{outside:.1f} s ({outside / wall:.0%})", _outside(r.get("this_run") or {}, p),
-                          _cpu((r.get("this_run") or {}).get("cpu_s")), ratio(wall, p["total_s"]),
+                          _cpu((r.get("this_run") or {}).get("cpu_s"), r["engine"].get("engine_thread_cpu_s")),
+                          ratio(wall, p["total_s"]),
                           f"{floor_s / wall:.1%}", r["prefix_reuse"]["window_floor_ratio"],
                           r["engine"]["kv_bytes"] / MB, r["engine"].get("peak_memory_bytes", 0) / MB, p["steps"]])
         split.rows.append([tag, p["steps"], 1e3 * p["total_s"] / max(1, p["steps"]), p["prefill_build_s"],
@@ -164,10 +165,14 @@ def _outside(run: dict[str, Any], profile: dict[str, Any]) -> str | None:
     return engine + f"{wait:.1f} / {end:.1f}" + (f" / {gc_s:.1f} s" if gc_s is not None else " s")
 
 
-def _cpu(cpu: dict[str, float] | None) -> str | None:
-    """The run's CPU seconds while rows ran: its own thread (the engine's steps, the job layer) and the feed's thread
-    (with the GIL they share, their sum near the wall says the process is bound by it)."""
-    return f"{cpu['run_thread']:.1f} / {cpu['feed_thread']:.1f}" if cpu else None
+def _cpu(cpu: dict[str, float] | None, engine_thread: float | None = None) -> str | None:
+    """The run's CPU seconds while rows ran: its own thread (the job layer, and the engine's steps where the engine
+    runs in the run's process) and the feed's thread (with the GIL they share, their sum near the wall says the process
+    is bound by it); where the engine ran in a process of its own, the CPU time of the thread that stepped it."""
+    if not cpu:
+        return None
+    engine = f" / {engine_thread:.1f}" if engine_thread is not None else " / -"
+    return f"{cpu['run_thread']:.1f} / {cpu['feed_thread']:.1f}" + engine
 
 
 DEFAULTS = "none (defaults)"

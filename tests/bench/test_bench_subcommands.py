@@ -168,7 +168,9 @@ def test_userjob_runs_the_job_through_the_cli_with_and_without_an_engine_section
     assert report["rows"]["ok"] == 120
     cpu = report["this_run"]["cpu_s"]  # the run's thread stepped the engine; the feed's prepared every row
     assert report["this_run"]["feed_workers"] == 0  # (a CPU: no workers by default)
-    assert 0 < cpu["run_thread"] and 0 < cpu["feed_thread"] and rows[0]["CPU s: the run's thread / the feed's"]
+    assert not report["this_run"]["engine_process"]  # (120 rows: the engine in the run's process)
+    assert 0 < cpu["run_thread"] and 0 < cpu["feed_thread"]
+    assert rows[0]["CPU s: the run's thread / the feed's / the engine process's"].endswith(" / -")
     chosen = report["engine"]["batch"]  # what the engine sized with no engine section, and the notes say it
     assert chosen["max_num_seqs_from"] == "device" and res["reports"][hand]["report"]["engine"]["batch"][
         "max_num_batched_tokens"] == 512

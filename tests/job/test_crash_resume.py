@@ -210,10 +210,17 @@ ENGINE_PROCESS = {"MLXBATCH_ENGINE_PROCESS": "1"}
 
 
 def _engine_children(pid: int) -> list[int]:
-    """The engine processes a run started (its children running ``job.executors.process.serve``)."""
-    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "executors.process import serve"], capture_output=True,
-                         text=True)
-    return [int(p) for p in out.stdout.split()]
+    """The engine processes a run started (its children running ``job.executors.process.serve``), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"executors.process import serve" in cmd:
+            found.append(int(stat.parent.name))
+    return found
 
 
 def _gone(pid: int, within: float) -> bool:
@@ -242,9 +249,11 @@ def test_a_job_with_the_engine_in_its_own_process_gives_the_same_rows(setup, tin
     report = json.loads((out / "report.json").read_text())
     profile = report["engine"]["profile"]  # the child's engine counters reach the report
     assert profile["steps"] > 0 and profile["stepping_s"] > 0
+    assert report["this_run"]["engine_process"] and report["engine"]["engine_thread_cpu_s"] > 0
     assert report["this_run"]["cpu_s"]["run_thread"] < profile["stepping_s"]  # the steps ran in the child
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the engine process through /proc")
 def test_kill_9_with_the_engine_in_its_own_process_leaves_no_engine_and_resumes(setup, tiny_model_path):
     """The run killed: its engine process sees its input end and exits (no orphan holding the model); the rows it
     finished that were checkpointed stay, and a resume in the run's own process completes the rest."""

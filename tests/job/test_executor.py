@@ -22,7 +22,7 @@ from mlxbatch.job.executors.ray.partition import (
     split_group,
 )
 from mlxbatch.job.executors.ray.progress import progress_lines, read_progress, write_progress
-from mlxbatch.job.spec import JobSpecError, parse_job
+from mlxbatch.job.spec import JobSpecError, load_job, parse_job
 
 BASE = {"model": "m", "input": "in.jsonl", "prompt": "{{ x }}", "output": "out"}
 
@@ -290,3 +290,32 @@ def test_rows_reach_the_engine_a_step_s_worth_at_a_time(tmp_path, tiny_model_pat
     assert max(submits[1:]) <= seqs  # then a step's worth (or less) at a time
     full = [after for n, after in taken if n][: (rows - 4 * seqs) // seqs]
     assert all(after == 4 * seqs for after in full)  # topped up to 4 x max_num_seqs while rows remain
+
+
+def test_where_a_single_machine_job_runs_its_engine(tmp_path, tiny_model_path, monkeypatch):
+    """In a process of its own for a big job (its GIL is then the engine's alone), in the run's for a short one (an
+    interpreter's start would cost more), and in the run's where this process holds the model already (a second copy
+    would double its memory); ``MLXBATCH_ENGINE_PROCESS`` decides when set."""
+    from mlxbatch.engine import REGISTRY
+    from mlxbatch.job.executors import ENGINE_PROCESS_ENV, ExecutorError, engine_process
+    from mlxbatch.job.executors.base import model_spec
+    from mlxbatch.job.rows.workers import MIN_ROWS
+
+    monkeypatch.delenv(ENGINE_PROCESS_ENV, raising=False)
+    data = write_jsonl(tmp_path / "in.jsonl", texts(4))
+    spec = load_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out"))
+    assert engine_process(spec, MIN_ROWS) and engine_process(spec, None)  # (a count not known: a big job's rule)
+    assert not engine_process(spec, MIN_ROWS - 1)
+    ms = model_spec(spec.model)
+    REGISTRY.acquire(ms, "a notebook's engine")
+    try:
+        assert not engine_process(spec, MIN_ROWS)
+    finally:
+        REGISTRY.release(ms, "a notebook's engine")
+    monkeypatch.setenv(ENGINE_PROCESS_ENV, "1")
+    assert engine_process(spec, 10)
+    monkeypatch.setenv(ENGINE_PROCESS_ENV, "0")
+    assert not engine_process(spec, None)
+    monkeypatch.setenv(ENGINE_PROCESS_ENV, "yes")
+    with pytest.raises(ExecutorError, match=ENGINE_PROCESS_ENV):
+        engine_process(spec, 10)

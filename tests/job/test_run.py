@@ -66,7 +66,7 @@ def test_rows_run_at_the_short_gil_switch_interval_and_quiet_collector_and_the_p
     import sys
     import threading
 
-    from mlxbatch.job.run.interpreter import SWITCH_INTERVAL_S, YOUNG_THRESHOLD
+    from mlxbatch.job.executors.interpreter import SWITCH_INTERVAL_S, YOUNG_THRESHOLD
 
     before, threshold, seen, done = sys.getswitchinterval(), gc.get_threshold(), set(), threading.Event()
     frozen, young = [], []

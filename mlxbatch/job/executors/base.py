@@ -72,6 +72,7 @@ class ModelInfo:
 
 class Executor(Protocol):
     model: ModelInfo
+    engine_process: bool  # its engine runs in a child process of the run (``job.executors.process``)
 
     def warm_up(self) -> None: ...
     def take(self, feed: RowFeed) -> list[Failed | Resumed]: ...

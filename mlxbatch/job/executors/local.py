@@ -94,6 +94,8 @@ class RowEngine:
 class LocalExecutor:
     """The single-machine path: one engine in this process."""
 
+    engine_process = False
+
     def __init__(self, spec: JobSpec, loaded: LoadedModel) -> None:
         # warmed up by the run once its feed has started (``warm_up``): the first window is prepared meanwhile
         self.engine = RowEngine(loaded, engine_config(spec.engine, spec.seed, row_tokens_hint(spec)), warm_up_later=True)

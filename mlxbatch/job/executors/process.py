@@ -43,6 +43,7 @@ from mlxbatch.job.executors.base import (
     model_spec,
     row_tokens_hint,
 )
+from mlxbatch.job.executors.interpreter import generating
 from mlxbatch.job.executors.local import RowEngine, max_inflight, take_room
 from mlxbatch.job.executors.ray.progress import clear_progress
 from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed, Submit
@@ -70,6 +71,8 @@ class EngineInfo:
 
 class ProcessExecutor:
     """The single-machine path with the engine in a child process (``serve``)."""
+
+    engine_process = True
 
     def __init__(self, spec: JobSpec) -> None:
         self._proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -268,6 +271,16 @@ def _serve(inbox: queue.Queue[bytes | None], send: Any) -> None:
                              core.reuse_step, core.config.max_num_seqs, core.batch_size.describe())))
     engine.warm_up()
     send(("ready", engine.stats()))
+    with generating():  # the run's interpreter settings: a short switch interval, a quiet collector
+        _step_loop(inbox, send, engine)
+
+
+def _step_loop(inbox: queue.Queue[bytes | None], send: Any, engine: RowEngine) -> None:
+    cpu0 = time.thread_time()
+
+    def stats() -> dict[str, Any]:  # the engine's counters and the CPU time of the thread that steps it
+        return {**engine.stats(), "engine_thread_cpu_s": round(time.thread_time() - cpu0, 3)}
+
     last_stats = time.monotonic()
     while True:
         # every frame that came meanwhile; with nothing to step, wait for the next
@@ -286,13 +299,13 @@ def _serve(inbox: queue.Queue[bytes | None], send: Any) -> None:
                 for key in args[0]:
                     engine.abort(key)
             elif kind == "stats":
-                send(("stats", engine.stats()))
+                send(("stats", stats()))
         if engine.has_work:
             done = engine.step()
             if done:
                 send(("done", done))
             if time.monotonic() - last_stats >= STATS_EVERY_S:
-                send(("stats", engine.stats()))
+                send(("stats", stats()))
                 last_stats = time.monotonic()
 
 

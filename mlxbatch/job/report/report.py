@@ -112,6 +112,7 @@ class RunStats:
     run_thread_cpu_s: float = 0.0
     feed_cpu_s: float = 0.0
     feed_workers: int = 0  # worker processes that rendered, tokenized and planned the rows (0: the feed's thread)
+    engine_process: bool = False  # the engine ran in a process of its own (``job.executors.process``)
     errors_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
     engine: dict[str, Any] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
@@ -167,7 +168,7 @@ class RunStats:
                 "writing_results_s": round(wall - self.rows_done_s, 3) if self.rows_done_s is not None else None,
                 "garbage_collector_s": round(self.collector_s, 3),
                 "cpu_s": {"run_thread": round(self.run_thread_cpu_s, 3), "feed_thread": round(self.feed_cpu_s, 3)},
-                "feed_workers": self.feed_workers, "finished_at": finished_at}
+                "feed_workers": self.feed_workers, "engine_process": self.engine_process, "finished_at": finished_at}
 
     def _figures(self, this: dict[str, Any]) -> dict[str, Any]:
         return {**{k: this[k] for k in _RUN_FIGURES if k in this}, "prefix_reuse": self.prefix_reuse(),

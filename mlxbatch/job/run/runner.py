@@ -50,6 +50,7 @@ from mlxbatch.job.check.outdir import claim_output, prepare_output, release_unus
 from mlxbatch.job.check.validate import input_spec
 from mlxbatch.job.executors import open_executor
 from mlxbatch.job.executors.base import Executor, ExecutorError, ModelInfo
+from mlxbatch.job.executors.interpreter import generating
 from mlxbatch.job.report.progress import Progress
 from mlxbatch.job.report.report import (
     WORK_RUN_META,
@@ -66,7 +67,6 @@ from mlxbatch.job.rows.tasks import output_columns, prompt_text, record_for
 from mlxbatch.job.rows.workers import WORKERS_ENV, feed_workers, spawn, stop
 from mlxbatch.job.run.checkpointer import Checkpointer
 from mlxbatch.job.run.error_rate import ErrorRate
-from mlxbatch.job.run.interpreter import generating
 from mlxbatch.job.run.run_meta import follow_saved_plan, record_invariance, save_job_meta
 from mlxbatch.job.run.stopping import StopSignals
 from mlxbatch.job.spec import JobSpec
@@ -173,7 +173,7 @@ class JobRunner:
     def _load_and_run(self, store: CheckpointStore, spec: JobSpec, is_openai: bool, earlier: dict[str, Any] | None,
                       progress: Progress) -> dict[str, Any]:
         progress.loading(spec.model.path)
-        with open_executor(spec) as executor:  # this process's engine, or engine actors on a Ray cluster
+        with open_executor(spec, self._total) as executor:  # an engine here or in its own process, or Ray actors
             self._loaded = True
             clear_success(spec.output)  # loaded: from here on the outputs change (a failed load keeps them)
             model = executor.model
@@ -287,6 +287,7 @@ class JobRunner:
         else:
             stats = redo_of
         stats.feed_workers = workers
+        stats.engine_process = executor.engine_process
         errors = ErrorRate(spec.error_limit(is_openai))
         bar = Progress(self.progress and redo_of is None, stats.total)
         bar.start()

@@ -61,6 +61,8 @@ POLL_WAIT_S = 0.05
 
 
 class RayExecutor:
+    engine_process = False  # (its engines run in Ray's actors)
+
     def __init__(self, spec: JobSpec, tokenizer: Any, address: str | None, plan: ActorPlan,
                  placement: dict[str, Any] | None = None) -> None:
         self.spec, self.tokenizer, self.address = spec, tokenizer, address
