@@ -11,7 +11,9 @@ a GPU, float32 on a CPU). It runs as ``mlxbatch run job.yaml`` in a child proces
 ``--configs`` entry: ``defaults`` with no ``engine:`` section, N with ``engine: {max_num_seqs: N}``, NxT with
 ``max_num_batched_tokens: T`` too, a ``+overlap`` suffix with ``overlap_steps: true``
 (``512x8192+overlap``, ``defaults+overlap``), a ``+workersK`` suffix with ``MLXBATCH_FEED_WORKERS=K`` (the feed's
-rendering, tokenizing and planning in K processes, off the run's GIL: ``defaults+workers4``). Then, in
+rendering, tokenizing and planning in K processes, off the run's GIL: ``defaults+workers4``), a ``+engine1`` or
+``+engine0`` suffix with ``MLXBATCH_ENGINE_PROCESS`` (the engine in a process of its own, or in the run's: an A/B of
+one tree, ``defaults+engine0``). Then, in
 this process, mlx-lm's ``batch_generate`` on the first ``--mlx-lm-rows`` rows (default a tenth) of the same prompts
 (the chat template applied by the tokenizer; ``completion_batch_size`` = ``--concurrency``, default 256 on a GPU and
 32 on a CPU), and the hardware floor of the job (``floor``: the matmul rate and bandwidth measured here).
@@ -43,6 +45,7 @@ from mlxbatch.bench.harness import MB, Bench, Table, log, ratio, resolve_model
 from mlxbatch.bench.jobdata import INSTRUCTION, write_reviews
 from mlxbatch.bench.meta import emit
 from mlxbatch.bench.options import parse_script_args
+from mlxbatch.job.executors import ENGINE_PROCESS_ENV
 from mlxbatch.job.rows.workers import WORKERS_ENV
 
 MESSAGES = [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": "{{ review }}"}]
@@ -178,43 +181,53 @@ def _cpu(cpu: dict[str, float] | None, engine_thread: float | None = None) -> st
 DEFAULTS = "none (defaults)"
 
 
-_CONFIG = re.compile(r"^(?:defaults|(\d+)(?:x(\d+))?)(\+overlap)?(?:\+workers(\d+))?$")
+_CONFIG = re.compile(r"^(?:defaults|(\d+)(?:x(\d+))?)(\+overlap)?(?:\+workers(\d+))?(?:\+engine([01]))?$")
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One run of the job: its engine section (None: none, the defaults) and its feed's worker processes (None: the
-    run's default, ``MLXBATCH_FEED_WORKERS`` unset)."""
+    """One run of the job: its engine section (None: none, the defaults), its feed's worker processes (None: the
+    run's default, ``MLXBATCH_FEED_WORKERS`` unset) and where its engine runs (``MLXBATCH_ENGINE_PROCESS``: 1 a
+    process of its own, 0 the run's; None: the run's default)."""
 
     section: dict[str, Any] | None
     workers: int | None = None
+    engine_process: int | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment variables the run is given."""
+        return {**({WORKERS_ENV: str(self.workers)} if self.workers is not None else {}),
+                **({ENGINE_PROCESS_ENV: str(self.engine_process)} if self.engine_process is not None else {})}
 
     @property
     def tag(self) -> str:
         """The run's name in the tables: its engine section as the job file says it, and its feed workers."""
         tag = DEFAULTS if self.section is None else ", ".join(
             f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in self.section.items())
-        return tag if self.workers is None else f"{tag}; MLXBATCH_FEED_WORKERS={self.workers}"
+        return "; ".join([tag, *(f"{k}={v}" for k, v in self.env.items())])
 
     @property
     def name(self) -> str:
-        """Its files' name: ``defaults``, ``seqs-256-4096-overlap``, with ``-workers4``."""
+        """Its files' name: ``defaults``, ``seqs-256-4096-overlap``, with ``-workers4``, ``-engine0``."""
         name = "defaults" if self.section is None else "seqs-" + "-".join(
             "overlap" if v is True else str(v) for v in self.section.values())
-        return name if self.workers is None else f"{name}-workers{self.workers}"
+        return name + (f"-workers{self.workers}" if self.workers is not None else "") + (
+            f"-engine{self.engine_process}" if self.engine_process is not None else "")
 
 
 def parse_configs(text: str) -> list[RunConfig]:
     """``--configs`` -> the runs: ``defaults`` has no engine section, ``N`` is ``max_num_seqs: N``, ``NxT`` adds
     ``max_num_batched_tokens: T``, a ``+overlap`` suffix ``overlap_steps: true`` (``defaults+overlap``: that key
-    alone), a ``+workersK`` suffix runs the feed in K worker processes."""
+    alone), a ``+workersK`` suffix runs the feed in K worker processes, ``+engine1`` / ``+engine0`` the engine in a
+    process of its own / in the run's."""
     out: list[RunConfig] = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         m = _CONFIG.match(item)
         if m is None or any(g is not None and int(g) == 0 for g in m.groups()[:2]):
             raise SystemExit(f"--configs: {item!r}: expected 'defaults' or N, NxT (max_num_seqs, max_num_batched_tokens: "
-                             "integers >= 1), each with an optional '+overlap' and '+workersK'")
-        seqs, tokens, overlap, workers = m.groups()
+                             "integers >= 1), each with an optional '+overlap', '+workersK' and '+engine1' or '+engine0'")
+        seqs, tokens, overlap, workers, engine = m.groups()
         section: dict[str, Any] = {}
         if seqs is not None:
             section["max_num_seqs"] = int(seqs)
@@ -222,7 +235,8 @@ def parse_configs(text: str) -> list[RunConfig]:
             section["max_num_batched_tokens"] = int(tokens)
         if overlap:
             section["overlap_steps"] = True
-        out.append(RunConfig(section or None, int(workers) if workers is not None else None))
+        out.append(RunConfig(section or None, int(workers) if workers is not None else None,
+                             int(engine) if engine is not None else None))
     if not out:
         raise SystemExit("--configs: name at least one run ('defaults' or a max_num_seqs)")
     return out
@@ -286,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         tag = config.tag
         log(f"userjob: {args.rows:,} rows, engine section {tag}")
         job = job_file(folder, config.name, model, dtype, data, args.max_tokens, config.section)
-        env = None if config.workers is None else {**os.environ, WORKERS_ENV: str(config.workers)}
+        env = {**os.environ, **config.env} if config.env else None
         outs[tag] = Path(yaml.safe_load(job.read_text())["output"])
         if outs[tag].exists():  # a kept ``--workdir``: every run runs every row, never resumes an earlier call's
             shutil.rmtree(outs[tag])

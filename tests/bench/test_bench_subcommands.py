@@ -207,6 +207,11 @@ def test_userjob_configs_name_engine_sections_and_feed_workers():
                    RunConfig({"max_num_seqs": 64})]
     assert [c.name for c in got] == ["defaults", "defaults-workers4", "seqs-256-4096-overlap-workers2", "seqs-64"]
     assert got[0].tag == DEFAULTS and got[1].tag == f"{DEFAULTS}; MLXBATCH_FEED_WORKERS=4"
-    for bad in ("defaults+workers", "0x4096", "64+workers4+overlap"):
+    engine = parse_configs("defaults+engine0, 64+workers2+engine1")  # where the engine runs (an A/B of one tree)
+    assert [c.env for c in engine] == [{"MLXBATCH_ENGINE_PROCESS": "0"},
+                                       {"MLXBATCH_FEED_WORKERS": "2", "MLXBATCH_ENGINE_PROCESS": "1"}]
+    assert [c.name for c in engine] == ["defaults-engine0", "seqs-64-workers2-engine1"]
+    assert engine[0].tag == f"{DEFAULTS}; MLXBATCH_ENGINE_PROCESS=0"
+    for bad in ("defaults+workers", "0x4096", "64+workers4+overlap", "defaults+engine2", "defaults+engine1+workers2"):
         with pytest.raises(SystemExit):
             parse_configs(bad)
