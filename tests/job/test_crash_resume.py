@@ -45,9 +45,9 @@ def manifest_rows(out: Path) -> int:
         return 0
 
 
-def start_until(job: Path, out: Path, rows: int) -> subprocess.Popen:
+def start_until(job: Path, out: Path, rows: int, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a run and return once at least ``rows`` rows are checkpointed (or it ended)."""
-    proc = start(job)
+    proc = start(job, env_extra)
     deadline = time.monotonic() + 120
     while manifest_rows(out) < rows and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -120,11 +120,12 @@ def test_truncated_shard_is_detected_and_its_rows_redone(setup, tiny_model_path)
     assert list((out / "shards" / "corrupt").iterdir())
 
 
-def test_sigterm_finishes_the_shard_and_exits_cleanly(setup, tiny_model_path):
+@pytest.mark.parametrize("engine", ["here", "own process"])
+def test_sigterm_finishes_the_shard_and_exits_cleanly(setup, tiny_model_path, engine):
     root, data, expected = setup
-    job = _job(root, data, tiny_model_path, "sigterm")
+    job = _job(root, data, tiny_model_path, f"sigterm-{engine.replace(' ', '-')}")
     out = job.parent / "out"
-    proc = start_until(job, out, 10)
+    proc = start_until(job, out, 10, {"MLXBATCH_ENGINE_PROCESS": "1" if engine == "own process" else "0"})
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     if proc.returncode == 0:  # it had already finished: nothing to interrupt
