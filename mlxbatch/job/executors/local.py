@@ -39,6 +39,24 @@ def take_room(in_flight: int, most: int) -> int:
     return max(0, most - in_flight)
 
 
+def take_rows(feed: RowFeed, pending: dict[str, Submit], most: int) -> tuple[list[RowTask], list[Failed | Resumed]]:
+    """The rows an engine gets now (``take_room``: ``pending`` rows in flight, at most ``most``), each recorded in
+    ``pending`` by its key, and the feed's other items (error rows, resumed ones). The feed is waited for only when no
+    row is in flight (an engine with rows keeps stepping while the next window is prepared)."""
+    room = take_room(len(pending), most)
+    if not room:
+        return [], []
+    tasks: list[RowTask] = []
+    other: list[Failed | Resumed] = []
+    for item in feed.take(room, wait=not pending):
+        if not isinstance(item, Submit):
+            other.append(item)
+            continue
+        pending[item.prep.key] = item
+        tasks.append(RowTask.of(item.prep, item.token_ids, item.cache_tokens, item.block_hashes))
+    return tasks, other
+
+
 class RowEngine:
     """One engine running row tasks: refused rows come back as errors (kind ``request``, ``constraint`` or
     ``image``) on the next ``step``, never as exceptions."""
@@ -112,17 +130,9 @@ class LocalExecutor:
 
     def take(self, feed: RowFeed) -> list[Failed | Resumed]:
         self.engine.warm_up()  # (done already when the run called ``warm_up``)
-        room = take_room(len(self._pending), self.max_inflight)
-        if not room:
-            return []
-        other: list[Failed | Resumed] = []
-        # wait for the feed's next window only when the engine has nothing to do meanwhile
-        for item in feed.take(room, wait=not self._pending):
-            if not isinstance(item, Submit):
-                other.append(item)
-                continue
-            self._pending[item.prep.key] = item
-            self.engine.submit(RowTask.of(item.prep, item.token_ids, item.cache_tokens, item.block_hashes))
+        tasks, other = take_rows(feed, self._pending, self.max_inflight)
+        for task in tasks:
+            self.engine.submit(task)
         return other
 
     @property

@@ -18,6 +18,7 @@ is gone (killed too). A child that fails sends its error, which the run raises a
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import queue
@@ -44,15 +45,15 @@ from mlxbatch.job.executors.base import (
     row_tokens_hint,
 )
 from mlxbatch.job.executors.interpreter import generating
-from mlxbatch.job.executors.local import RowEngine, max_inflight, take_room
+from mlxbatch.job.executors.local import RowEngine, max_inflight, take_rows
 from mlxbatch.job.executors.ray.progress import clear_progress
 from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed, Submit
-from mlxbatch.job.rows.tasks import RowTask
 from mlxbatch.job.spec import JobSpec
 
 STATS_EVERY_S = 0.5  # the child sends its engine's counters this often while it steps (the progress line reads them)
 WAIT_S = 0.1  # ``poll`` waits this long for finished rows before it returns none (the loop then takes rows again)
 CLOSE_WAIT_S = 10.0  # a child told to stop finishes its step and exits
+STATS_WAIT_S = 60.0  # the run's end waits this long for the engine's last counters (else reports the latest)
 _SERVE = "import sys; sys.modules['torch'] = None; from mlxbatch.job.executors.process import serve; serve()"
 
 
@@ -81,7 +82,7 @@ class ProcessExecutor:
         threading.Thread(target=self._read, name="mlxbatch-engine-reader", daemon=True).start()
         self._stats: dict[str, Any] = {}
         try:
-            self._send(("setup", spec.model, spec.engine, spec.seed, row_tokens_hint(spec)))
+            self._send(("setup", spec.model, spec.engine, spec.seed, row_tokens_hint(spec), _logging()))
             try:  # the tokenizer here while the child loads the model
                 tokenizer, failed = driver_tokenizer(spec), None
             except Exception as exc:  # noqa: BLE001 - the child's error about the model comes first
@@ -110,17 +111,7 @@ class ProcessExecutor:
 
     def take(self, feed: RowFeed) -> list[Failed | Resumed]:
         self.warm_up()
-        room = take_room(len(self._pending), self.max_inflight)
-        if not room:
-            return []
-        other: list[Failed | Resumed] = []
-        tasks = []
-        for item in feed.take(room, wait=not self._pending):
-            if not isinstance(item, Submit):
-                other.append(item)
-                continue
-            self._pending[item.prep.key] = item
-            tasks.append(RowTask.of(item.prep, item.token_ids, item.cache_tokens, item.block_hashes))
+        tasks, other = take_rows(feed, self._pending, self.max_inflight)
         if tasks:
             self._send(("tasks", tasks))
         return other
@@ -166,7 +157,7 @@ class ProcessExecutor:
         if not self._pending and self._proc.poll() is None:
             try:
                 self._send(("stats",))
-                self._stats = self._expect("stats")
+                self._stats = self._expect("stats", STATS_WAIT_S)
             except ExecutorError:
                 pass  # a child gone: its last counters
         return self._stats
@@ -206,10 +197,15 @@ class ProcessExecutor:
             raise value if isinstance(value, MlxbatchError) else ExecutorError(f"the engine process failed: {value}")
         return kind, value
 
-    def _expect(self, want: str) -> Any:
-        """The child's next message of kind ``want`` (the counters it sends meanwhile are kept)."""
+    def _expect(self, want: str, timeout: float | None = None) -> Any:
+        """The child's next message of kind ``want`` (the counters it sends meanwhile are kept); ExecutorError past
+        ``timeout`` seconds (None: as long as it takes, e.g. a model's load)."""
         while True:
-            kind, value = self._message(self._inbox.get())
+            try:
+                data = self._inbox.get(timeout=timeout)
+            except queue.Empty:
+                raise ExecutorError(f"the engine process did not answer within {timeout:.0f} s") from None
+            kind, value = self._message(data)
             if kind == want:
                 return value
             if kind == "stats":
@@ -263,7 +259,10 @@ def _serve(inbox: queue.Queue[bytes | None], send: Any) -> None:
     setup = inbox.get()
     if setup is None:
         return
-    _, model, engine_section, seed, row_tokens = pickle.loads(setup)
+    _, model, engine_section, seed, row_tokens, (level, fmt) = pickle.loads(setup)
+    if fmt is not None:  # the engine's log lines as the run's (its warnings, the batch it sized)
+        logging.basicConfig(level=logging.WARNING, format=fmt, stream=sys.stderr)
+    logging.getLogger("mlxbatch").setLevel(level)
     loaded = load_model(model_spec(model))
     engine = RowEngine(loaded, engine_config(engine_section, seed, row_tokens), warm_up_later=True)
     core = engine.core
@@ -307,6 +306,14 @@ def _step_loop(inbox: queue.Queue[bytes | None], send: Any, engine: RowEngine) -
             if time.monotonic() - last_stats >= STATS_EVERY_S:
                 send(("stats", stats()))
                 last_stats = time.monotonic()
+
+
+def _logging() -> tuple[int, str | None]:
+    """The run's logging for the child: the level of mlxbatch's loggers and the format of the run's first handler
+    (None: the run configured none, e.g. a notebook's)."""
+    handlers = logging.getLogger().handlers
+    formatter = handlers[0].formatter if handlers else None
+    return logging.getLogger("mlxbatch").getEffectiveLevel(), formatter._fmt if formatter is not None else None
 
 
 def _picklable(exc: BaseException) -> bool:
