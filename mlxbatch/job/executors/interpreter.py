@@ -1,8 +1,8 @@
 """The interpreter's settings while a run generates rows: the GIL's switch interval and the cyclic garbage collector.
 
-Owns both for the duration of a run's pass over its rows (``generating``), and the time the collector spent. The
-previous settings come back when the pass ends, also when it fails: a notebook's ``run_job`` leaves its process as it
-found it.
+Owns both for the duration of a run's pass over its rows (``generating``), and the time the collector spent; the
+engine's own process (``job.executors.process``) steps under them too. The previous settings come back when the pass
+ends, also when it fails: a notebook's ``run_job`` leaves its process as it found it.
 
 - **Switch interval.** The step loop hands the GIL back at every MLX call (the device encoding a pass) and then waits
   for it while the feed's and the checkpoint writer's threads run Python: up to a whole interval each time (Python's
