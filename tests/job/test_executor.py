@@ -298,8 +298,8 @@ def test_where_a_single_machine_job_runs_its_engine(tmp_path, tiny_model_path, m
     would double its memory); ``MLXBATCH_ENGINE_PROCESS`` decides when set."""
     from mlxbatch.engine import REGISTRY
     from mlxbatch.job.executors import ENGINE_PROCESS_ENV, ExecutorError, engine_process
+    from mlxbatch.job.executors import ENGINE_PROCESS_MIN_ROWS as MIN_ROWS
     from mlxbatch.job.executors.base import model_spec
-    from mlxbatch.job.rows.workers import MIN_ROWS
 
     monkeypatch.delenv(ENGINE_PROCESS_ENV, raising=False)
     data = write_jsonl(tmp_path / "in.jsonl", texts(4))
