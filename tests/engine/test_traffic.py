@@ -161,13 +161,19 @@ def test_a_prefix_shared_by_many_rows_is_read_once(batched, contiguous):
 
 
 def test_a_lazy_view_alive_across_a_row_copy_shows_as_a_whole_buffer_copy():
-    """The measure the tests above rely on does see the copy they guard against."""
-    b = _batch(True, rows_cap=128, pos_cap=2048, running=0)
-    b.add("dst")
-    view = b.row_view("src")  # a lazy slice of every buffer: their updates can no longer happen in place
-    alloc = _allocated(lambda: (b.copy_prefixes([("dst", "src", 64)]), mx.eval(b.kv_arrays())))
-    del view
-    assert alloc >= 128 * 2048 * POS_BYTES // 2
+    """The measure the tests above rely on does see the copy they guard against. MLX now and then writes in place all
+    the same (1 try in 40 on a 2-core CPU; a CI run failed on it): the measure is shown able to see the copy in one of
+    three tries."""
+    seen = []
+    for _ in range(3):
+        b = _batch(True, rows_cap=128, pos_cap=2048, running=0)
+        b.add("dst")
+        view = b.row_view("src")  # a lazy slice of every buffer: their updates can no longer happen in place
+        seen.append(_allocated(lambda b=b: (b.copy_prefixes([("dst", "src", 64)]), mx.eval(b.kv_arrays()))))
+        del view
+        if seen[-1] >= 128 * 2048 * POS_BYTES // 2:
+            return
+    raise AssertionError(f"no whole-buffer copy seen: {seen} bytes allocated")
 
 
 def test_prefix_store_write_and_gather_scale_with_blocks_not_cache_size():
