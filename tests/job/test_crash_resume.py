@@ -283,3 +283,26 @@ def test_a_model_that_does_not_load_in_the_engine_process_fails_the_start(setup,
     assert failed.returncode != 0 and str(broken) in failed.stderr, failed.stderr
     assert "Traceback" not in failed.stderr  # the loader's own error, as the run's process would give it
     assert not (job.parent / "out" / "manifest.json").exists()  # the folder was not claimed
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the engine process through /proc")
+def test_an_engine_process_killed_mid_run_stops_the_run_and_a_resume_completes(setup, tiny_model_path):
+    """The engine's process killed (the kernel's OOM killer, say): the run stops with an error naming it, what finished
+    is checkpointed, and running the job again completes it."""
+    root, data, expected = setup
+    job = _job(root, data, tiny_model_path, "engine-process-dies")
+    out = job.parent / "out"
+    proc = start(job, ENGINE_PROCESS)
+    deadline = time.monotonic() + 120
+    while manifest_rows(out) < 30 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    engines = _engine_children(proc.pid)
+    assert len(engines) == 1
+    os.kill(engines[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:  # it had finished every row already: nothing was lost
+        return
+    assert "the engine process" in err.decode() and "resume" in err.decode(), err.decode()
+    assert not (out / "_SUCCESS").exists() and manifest_rows(out) >= 30
+    assert run_job(job).report["status"] == "complete"
+    assert outputs(out) == expected
