@@ -261,10 +261,7 @@ def test_kill_9_with_the_engine_in_its_own_process_leaves_no_engine_and_resumes(
     root, data, expected = setup
     job = _job(root, data, tiny_model_path, "engine-process-kill")
     out = job.parent / "out"
-    proc = start(job, ENGINE_PROCESS)
-    deadline = time.monotonic() + 120
-    while manifest_rows(out) < 30 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    proc = start_until(job, out, 30, ENGINE_PROCESS)
     engines = _engine_children(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -292,10 +289,7 @@ def test_an_engine_process_killed_mid_run_stops_the_run_and_a_resume_completes(s
     root, data, expected = setup
     job = _job(root, data, tiny_model_path, "engine-process-dies")
     out = job.parent / "out"
-    proc = start(job, ENGINE_PROCESS)
-    deadline = time.monotonic() + 120
-    while manifest_rows(out) < 30 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    proc = start_until(job, out, 30, ENGINE_PROCESS)
     engines = _engine_children(proc.pid)
     assert len(engines) == 1
     os.kill(engines[0], signal.SIGKILL)
