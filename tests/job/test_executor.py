@@ -215,7 +215,7 @@ def test_a_job_without_an_engine_section_runs_and_reports_the_batch_its_device_c
         ex = LocalExecutor(spec, loaded)
         core = ex.engine.core
         assert core.config.expected_row_tokens == 8 and core.config.max_num_seqs == seqs
-        assert ex.max_inflight == 4 * seqs and "the device's default" in ex.model.batch
+        assert ex.rows.most == 4 * seqs and "the device's default" in ex.model.batch
         ex.shutdown()
     finally:
         REGISTRY.release(model_spec(spec.model), "test")
@@ -274,9 +274,9 @@ def test_rows_reach_the_engine_a_step_s_worth_at_a_time(tmp_path, tiny_model_pat
     real_take = LocalExecutor.take
 
     def take(self, feed):
-        before = len(self._pending)
+        before = len(self.rows)
         out = real_take(self, feed)
-        taken.append((len(self._pending) - before, len(self._pending)))
+        taken.append((len(self.rows) - before, len(self.rows)))
         return out
 
     monkeypatch.setattr(LocalExecutor, "take", take)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,22 +39,42 @@ def take_room(in_flight: int, most: int) -> int:
     return max(0, most - in_flight)
 
 
-def take_rows(feed: RowFeed, pending: dict[str, Submit], most: int) -> tuple[list[RowTask], list[Failed | Resumed]]:
-    """The rows an engine gets now (``take_room``: ``pending`` rows in flight, at most ``most``), each recorded in
-    ``pending`` by its key, and the feed's other items (error rows, resumed ones). The feed is waited for only when no
-    row is in flight (an engine with rows keeps stepping while the next window is prepared)."""
-    room = take_room(len(pending), most)
-    if not room:
-        return [], []
-    tasks: list[RowTask] = []
-    other: list[Failed | Resumed] = []
-    for item in feed.take(room, wait=not pending):
-        if not isinstance(item, Submit):
-            other.append(item)
-            continue
-        pending[item.prep.key] = item
-        tasks.append(RowTask.of(item.prep, item.token_ids, item.cache_tokens, item.block_hashes))
-    return tasks, other
+class InFlight:
+    """The rows a single-machine executor's one engine holds (in this process or its own), by result key: the one
+    owner of that book. ``take`` gives the engine what room there is, ``finished`` matches what the engine returns."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most  # ``max_inflight``
+        self.held: dict[str, Submit] = {}
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def take(self, feed: RowFeed) -> tuple[list[RowTask], list[Failed | Resumed]]:
+        """The rows the engine gets now (``take_room``), each recorded here, and the feed's other items (error rows,
+        resumed ones). The feed is waited for only when no row is in flight (an engine with rows keeps stepping while
+        the next window is prepared)."""
+        room = take_room(len(self.held), self.most)
+        if not room:
+            return [], []
+        tasks: list[RowTask] = []
+        other: list[Failed | Resumed] = []
+        for item in feed.take(room, wait=not self.held):
+            if not isinstance(item, Submit):
+                other.append(item)
+                continue
+            self.held[item.prep.key] = item
+            tasks.append(RowTask.of(item.prep, item.token_ids, item.cache_tokens, item.block_hashes))
+        return tasks, other
+
+    def finished(self, done: Iterable[RowDone]) -> list[Finished]:
+        """The engine's finished rows as the run records them (a row no longer held, aborted, is dropped)."""
+        out = []
+        for d in done:
+            row = self.held.pop(d.key, None)
+            if row is not None:
+                out.append(Finished(row.prep, d.output, row.index, d.error, d.error_kind))
+        return out
 
 
 class RowEngine:
@@ -120,8 +140,7 @@ class LocalExecutor:
         core = self.engine.core
         self.model = dataclasses.replace(ModelInfo.of(loaded), reuse_step=core.reuse_step,
                                          batch=core.batch_size.describe())
-        self.max_inflight = max_inflight(core.config.max_num_seqs)
-        self._pending: dict[str, Submit] = {}
+        self.rows = InFlight(max_inflight(core.config.max_num_seqs))  # (the one book of what the engine holds)
 
     def warm_up(self) -> None:
         """The engine's warm-up (GPU kernels compiled, first evaluations): the run calls it once its feed has started
@@ -130,31 +149,24 @@ class LocalExecutor:
 
     def take(self, feed: RowFeed) -> list[Failed | Resumed]:
         self.engine.warm_up()  # (done already when the run called ``warm_up``)
-        tasks, other = take_rows(feed, self._pending, self.max_inflight)
+        tasks, other = self.rows.take(feed)
         for task in tasks:
             self.engine.submit(task)
         return other
 
     @property
     def busy(self) -> bool:
-        return bool(self._pending)
+        return bool(self.rows)
 
     @property
     def in_flight(self) -> int:
-        return len(self._pending)
+        return len(self.rows)
 
     def poll(self) -> list[Finished]:
-        if not self._pending:
-            return []
-        out = []
-        for d in self.engine.step():
-            row = self._pending.pop(d.key, None)
-            if row is not None:
-                out.append(Finished(row.prep, d.output, row.index, d.error, d.error_kind))
-        return out
+        return self.rows.finished(self.engine.step()) if self.rows else []
 
     def abort(self) -> None:
-        for key in list(self._pending):
+        for key in list(self.rows.held):
             self.engine.abort(key)
 
     def stats(self) -> dict[str, Any]:

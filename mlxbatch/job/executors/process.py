@@ -45,9 +45,9 @@ from mlxbatch.job.executors.base import (
     row_tokens_hint,
 )
 from mlxbatch.job.executors.interpreter import generating
-from mlxbatch.job.executors.local import RowEngine, max_inflight, take_rows
+from mlxbatch.job.executors.local import InFlight, RowEngine, max_inflight
 from mlxbatch.job.executors.ray.progress import clear_progress
-from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed, Submit
+from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed
 from mlxbatch.job.spec import JobSpec
 
 STATS_EVERY_S = 0.5  # the child sends its engine's counters this often while it steps (the progress line reads them)
@@ -97,8 +97,7 @@ class ProcessExecutor:
             raise
         self.model = ModelInfo(info.identity, info.dtype, tokenizer, info.takes_images, info.context_length,
                                info.reuse_step, info.batch)
-        self.max_inflight = max_inflight(info.max_num_seqs)
-        self._pending: dict[str, Submit] = {}
+        self.rows = InFlight(max_inflight(info.max_num_seqs))
         self._ready = False
 
     # -- the executor's contract ---------------------------------------------------------------------------------
@@ -111,24 +110,24 @@ class ProcessExecutor:
 
     def take(self, feed: RowFeed) -> list[Failed | Resumed]:
         self.warm_up()
-        tasks, other = take_rows(feed, self._pending, self.max_inflight)
+        tasks, other = self.rows.take(feed)
         if tasks:
             self._send(("tasks", tasks))
         return other
 
     @property
     def busy(self) -> bool:
-        return bool(self._pending)
+        return bool(self.rows)
 
     @property
     def in_flight(self) -> int:
-        return len(self._pending)
+        return len(self.rows)
 
     def poll(self) -> list[Finished]:
         """Rows the child finished since the last call (waiting up to ``WAIT_S`` for the first)."""
         out: list[Finished] = []
         block = True
-        while self._pending:
+        while self.rows:
             try:
                 data = self._inbox.get(timeout=WAIT_S) if block else self._inbox.get_nowait()
             except queue.Empty:
@@ -140,21 +139,18 @@ class ProcessExecutor:
                 continue
             if kind != "done":
                 raise ExecutorError(f"the engine process sent {kind!r} while rows ran")
-            for d in value:
-                row = self._pending.pop(d.key, None)
-                if row is not None:
-                    out.append(Finished(row.prep, d.output, row.index, d.error, d.error_kind))
+            out += self.rows.finished(value)
         return out
 
     def abort(self) -> None:
         """Drop what is in flight (the run stops)."""
-        if self._pending and self._proc.poll() is None:
-            self._send(("abort", list(self._pending)))
-        self._pending.clear()
+        if self.rows and self._proc.poll() is None:
+            self._send(("abort", list(self.rows.held)))
+        self.rows.held.clear()
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters: asked of the child when no row is in flight (the run's end), else its latest."""
-        if not self._pending and self._proc.poll() is None:
+        if not self.rows and self._proc.poll() is None:
             try:
                 self._send(("stats",))
                 self._stats = self._expect("stats", STATS_WAIT_S)
