@@ -1,10 +1,13 @@
 """Length-prefixed frames over a pipe: how the run talks to its child processes (the feed's workers, the engine's
-process). A frame is 8 bytes of length (little-endian) and that many bytes, a pickled message."""
+process). A frame is 8 bytes of length (little-endian) and that many bytes, a pickled message. ``FrameWriter``
+writes a side's frames from a thread of its own."""
 
 from __future__ import annotations
 
 import pickle
+import queue
 import struct
+import threading
 from typing import Any, BinaryIO
 
 _LEN = struct.Struct("<Q")
@@ -27,3 +30,53 @@ def read_frame(stream: BinaryIO) -> bytes | None:
     except (OSError, ValueError):
         return None
     return data if len(data) == n else None
+
+
+class FrameWriter:
+    """Frames written to a stream by a thread of its own, in the order sent: the sender only pickles. A write to a
+    pipe blocks while the pipe is full, until the other side's reader drains it (that reader waits for its own
+    process's GIL): the engine's process measured 0.9 s of its stepping thread's 64 s in writes of finished rows (a
+    20,000-row job on a 2-core CPU, py-spy) before its frames went this way. Frames queued together go in one write.
+    """
+
+    def __init__(self, stream: BinaryIO, name: str) -> None:
+        self._stream = stream
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.error: OSError | None = None  # what stopped the writes (the other side is gone); frames after it are dropped
+        self._thread = threading.Thread(target=self._write, name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, message: Any) -> None:
+        """Queue ``message`` as a frame; raises the error that stopped the writes."""
+        if self.error is not None:
+            raise self.error
+        self._queue.put(frame(message))
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Write what is queued, then stop; False when that took longer than ``timeout`` seconds."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _write(self) -> None:
+        end = False
+        while not end:
+            frames: list[bytes] = []
+            item = self._queue.get()
+            while True:  # every frame queued meanwhile, in one write
+                if item is None:
+                    end = True
+                    break
+                frames.append(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if not frames:
+                continue
+            try:
+                self._stream.write(b"".join(frames))
+                self._stream.flush()
+            except (OSError, ValueError) as exc:  # (ValueError: the stream was closed)
+                self.error = exc if isinstance(exc, OSError) else BrokenPipeError(str(exc))
+                return

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxbatch.errors import MlxbatchError, ModelLoadError
-from mlxbatch.io.frames import frame, read_frame
+from mlxbatch.io.frames import FrameWriter, read_frame
 from mlxbatch.job.executors.base import (
     ExecutorError,
     Finished,
@@ -80,6 +80,7 @@ class ProcessExecutor:
                                       start_new_session=True)
         self._inbox: queue.Queue[bytes | None] = queue.Queue()  # frames from the child; None: its output ended
         threading.Thread(target=self._read, name="mlxbatch-engine-reader", daemon=True).start()
+        self._writer = FrameWriter(self._proc.stdin, "mlxbatch-engine-writer")  # type: ignore[arg-type]
         self._stats: dict[str, Any] = {}
         try:
             self._send(("setup", spec.model, spec.engine, spec.seed, row_tokens_hint(spec), _logging()))
@@ -160,6 +161,7 @@ class ProcessExecutor:
 
     def shutdown(self) -> None:
         """Close the child's input (it exits after its step) and wait for it; kill it if it does not."""
+        self._writer.close(CLOSE_WAIT_S)
         try:
             self._proc.stdin.close()  # type: ignore[union-attr]
         except OSError:
@@ -173,9 +175,8 @@ class ProcessExecutor:
     # -- frames ---------------------------------------------------------------------------------------------------
     def _send(self, message: Any) -> None:
         try:
-            self._proc.stdin.write(frame(message))  # type: ignore[union-attr]
-            self._proc.stdin.flush()  # type: ignore[union-attr]
-        except (BrokenPipeError, ValueError, OSError):
+            self._writer.send(message)  # (written by its thread: a full pipe does not hold up the run's loop)
+        except OSError:
             raise ExecutorError(self._gone()) from None
 
     def _read(self) -> None:
@@ -233,20 +234,19 @@ def serve() -> None:
             inbox.put(data)
         inbox.put(None)
 
-    def send(message: Any) -> None:
-        out.write(frame(message))
-        out.flush()
-
     threading.Thread(target=read, name="mlxbatch-engine-input", daemon=True).start()
+    writer = FrameWriter(out, "mlxbatch-engine-output")  # (the stepping thread only pickles what it sends)
     try:
-        _serve(inbox, send)
+        _serve(inbox, writer.send)
     except BrokenPipeError:  # the run is gone
         return
     except BaseException as exc:  # noqa: BLE001 - the run raises it
         try:
-            send(("error", exc if isinstance(exc, MlxbatchError) and _picklable(exc) else traceback.format_exc()))
+            writer.send(("error", exc if isinstance(exc, MlxbatchError) and _picklable(exc) else traceback.format_exc()))
         except OSError:
             pass
+    finally:
+        writer.close()  # what was sent is written before the child exits (at once when the run is gone)
 
 
 def _serve(inbox: queue.Queue[bytes | None], send: Any) -> None:
