@@ -136,3 +136,33 @@ def test_a_run_reads_and_prepares_each_row_once(tmp_path, tiny_model_path, monke
     assert not list((tmp_path / "out").glob("*.tmp"))  # the spool is gone
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["rows"]["output"] == 31 and report["rows"]["errors"] == 1
+
+
+def test_a_run_starts_with_smaller_windows_and_its_plan_cuts_the_same(tmp_path, tiny_model_path, tiny_loaded):
+    """The engine's first rows wait for the first window to be read, prepared and planned: a run cuts its input into
+    windows of 1/8, 1/4 and 1/2 of ``plan.window`` first (those of ``MIN_RAMP_ROWS`` or more), then whole ones, and
+    ``mlxbatch plan`` cuts the same; a resumed run whose first run had no ramp keeps none."""
+    from itertools import islice
+
+    from mlxbatch.io import CheckpointStore
+    from mlxbatch.job.plan.predict import plan_job
+    from mlxbatch.job.run.run_meta import follow_saved_plan
+    from mlxbatch.job.spec.sections import MIN_RAMP_ROWS, window_sizes
+
+    assert list(islice(window_sizes(10_000), 5)) == [1250, 2500, 5000, 10_000, 10_000]
+    assert list(islice(window_sizes(10_000, ramp=False), 2)) == [10_000, 10_000]
+    assert MIN_RAMP_ROWS == 64 and list(islice(window_sizes(200), 3)) == [100, 200, 200]  # 25 and 50: too few
+    path = write_jsonl(tmp_path / "in.jsonl", texts(300))
+    spec = validate_job(write_job(tmp_path, tiny_model_path, path, tmp_path / "out", plan={"window": 256}))
+    assert spec.plan.ramp
+    feed = RowFeed(open_reader(input_spec(spec)), RowPreparer(spec, "identity"), tiny_loaded.tokenizer, set(),
+                   window=256, ramp=True)
+    cut = []
+    while not feed.finished:
+        cut.append(sorted(item.index for item in feed.take_window()))
+    feed.close()
+    assert [len(w) for w in cut] == [64, 128, 108] and cut[0] == list(range(64))  # by input position
+    assert feed.stats.windows == 3 and plan_job(spec, with_eta=False).windows == 3
+    with CheckpointStore(tmp_path / "old") as store:  # a first run before the ramp saved this
+        store.set_meta("plan", {"window": 256, "enabled": True, "order": "trie-largest-first"})
+        assert not follow_saved_plan(store, spec).plan.ramp

@@ -63,7 +63,7 @@ def test_rows_run_in_trie_order_per_window_and_reuse_the_instruction(tmp_path, t
     assert reuse["cached_tokens"] > 0.5 * (reuse["prompt_tokens"] - plan["distinct_tokens"])
     assert reuse["prefill_tokens_computed"] <= plan["distinct_tokens"] + 30 * 15  # block granularity
     saved = json.loads((tmp_path / "out" / "manifest.json").read_text())["meta"]["plan"]
-    assert saved == {"window": 12, "enabled": True, "order": "trie-largest-first"}
+    assert saved == {"window": 12, "enabled": True, "order": "trie-largest-first", "ramp": True}
 
 
 def test_a_killed_run_resumes_in_the_same_plan_order(tmp_path, tiny_model_path, tiny_loaded, caplog):

@@ -2,10 +2,10 @@
 
 Owns the plan report and the prediction of the run's prefill tokens (what report.json counts as
 ``prefix_reuse.prefill_tokens_computed``):
-- rows are cut into the job's windows (``plan.window``) by input position, as the run's feed cuts them, and a
-  window's text rows are planned along their token trie: each window's floor is its trie's node count, summed in
-  ``distinct_tokens`` (the whole job's floor when it is one window; across windows the prefix cache carries shared
-  prefixes, so a windowed run can compute less);
+- rows are cut into the job's windows (``plan.window``, after a ramp of smaller ones: ``window_sizes``) by input
+  position, as the run's feed cuts them, and a window's text rows are planned along their token trie: each
+  window's floor is its trie's node count, summed in ``distinct_tokens`` (the whole job's floor when it is one
+  window; across windows the prefix cache carries shared prefixes, so a windowed run can compute less);
 - the prefill is predicted by running the engine's own scheduling on the rows' tokens without a model
   (``engine.DryRun``: the real scheduler and prefix index, built from the job's engine config and this device's
   memory as a run builds them), the rows submitted in the run's order (the plan's submissions with their
@@ -43,6 +43,7 @@ from mlxbatch.job.plan.calibrate import Eta, estimate, measured_eta
 from mlxbatch.job.rows.feed import window_floor_saving
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.spec import JobSpec
+from mlxbatch.job.spec.sections import window_sizes
 from mlxbatch.types import SamplingParams
 
 __all__ = ["Eta", "PlanReport", "as_dict", "plan_job"]
@@ -296,8 +297,9 @@ def plan_job(spec: JobSpec, window: int | None = None, with_eta: bool = True, ca
         rows = itertools.islice(rows, spec.input.limit)
     notes: list[str] = []
     t_prep = time.perf_counter()
+    sizes = window_sizes(window, spec.plan.ramp)
     while True:
-        chunk = list(itertools.islice(rows, window))  # the run's windows: consecutive input rows, errors included
+        chunk = list(itertools.islice(rows, next(sizes)))  # the run's windows: consecutive input rows, errors included
         if not chunk:
             break
         planner.t.rows += len(chunk)

@@ -1,7 +1,8 @@
 """The job's row feed: input rows -> engine submissions, in the plan's order, prepared beside the engine.
 
-Owns reading ahead. Rows are read in windows of ``window`` input rows (``WindowReader``, the only reader of the
-input in a run). Each row is prepared; rows finished by an earlier run are skipped, rows that cannot run come back as
+Owns reading ahead. Rows are read in windows of ``window`` input rows, after a ramp of smaller ones with ``ramp``
+(``spec.sections.window_sizes``: the engine starts sooner) (``WindowReader``, the only reader of the input in a
+run). Each row is prepared; rows finished by an earlier run are skipped, rows that cannot run come back as
 errors, and the prompts of the rest are tokenized in batches (``engine.inputs``, exactly as the engine would). Each
 window's runnable rows are planned (``engine.planner``): rows sharing a prefix reach the engine back to back in trie
 order, each with the plan's retention (how much of its prompt later rows reuse), and rows sharing nothing come after
@@ -32,6 +33,7 @@ from mlxbatch.io import InputRow
 from mlxbatch.io.expected import ExpectedSpool
 from mlxbatch.job.rows.prepare import PreparedRow, RowPreparer
 from mlxbatch.job.rows.workers import preparation  # the window's per-row work and its plan run there
+from mlxbatch.job.spec.sections import window_sizes
 
 
 @dataclass(frozen=True)
@@ -106,12 +108,13 @@ class WindowReader:
     def __init__(self, rows: Iterator[InputRow], preparer: RowPreparer, tokenizer: object, done: Set[str],
                  window: int, planned: bool = True, done_errors: Set[str] = frozenset(),
                  min_step_tokens: int = 1, spool: ExpectedSpool | None = None, keep_urls: bool = False,
-                 workers: int = 0, spawned: Sequence[subprocess.Popen[bytes]] = ()) -> None:
+                 workers: int = 0, spawned: Sequence[subprocess.Popen[bytes]] = (), ramp: bool = False) -> None:
         self._rows = rows
         self._preparation = preparation(preparer, tokenizer, workers, spawned)  # stopped by ``close``
         self._done = done
         self._done_errors = done_errors  # keys in ``done`` whose result is an error row
         self.window = window
+        self._sizes = window_sizes(window, ramp)  # each window's rows (``ramp``: smaller ones first)
         self.planned = planned
         self.min_step_tokens = min_step_tokens  # the engine's reuse step (``plan(min_step_tokens=)``)
         self._spool = spool
@@ -121,7 +124,7 @@ class WindowReader:
     def next_window(self, stop: threading.Event | None = None) -> Window:
         w = Window()
         read: list[InputRow] = []
-        for _ in range(self.window):
+        for _ in range(next(self._sizes)):
             if stop is not None and stop.is_set():
                 return w
             row = next(self._rows, None)
@@ -198,9 +201,9 @@ class RowFeed:
                  window: int, planned: bool = True, done_errors: Set[str] = frozenset(),
                  min_step_tokens: int = 1, spool: ExpectedSpool | None = None, keep_urls: bool = False,
                  background: bool = False, ahead: int = 1, workers: int = 0,
-                 spawned: Sequence[subprocess.Popen[bytes]] = ()) -> None:
+                 spawned: Sequence[subprocess.Popen[bytes]] = (), ramp: bool = False) -> None:
         self._reader = WindowReader(rows, preparer, tokenizer, done, window, planned, done_errors, min_step_tokens,
-                                    spool, keep_urls, workers, spawned)
+                                    spool, keep_urls, workers, spawned, ramp)
         self.window = window
         self.planned = planned
         self._queue: deque[Submit | Failed | Resumed] = deque()

@@ -39,14 +39,16 @@ def follow_saved_plan(store: CheckpointStore, spec: JobSpec) -> JobSpec:
     """The plan's parameters go into the manifest on the first run; a resumed run plans with the saved ones
     (the same windows, hence the same order), whatever the job file says now: ``spec`` with the plan to run."""
     saved = store.get_meta("plan")
-    current = {"window": spec.plan.window, "enabled": spec.plan.enabled, "order": "trie-largest-first"}
+    current = {"window": spec.plan.window, "enabled": spec.plan.enabled, "order": "trie-largest-first",
+               "ramp": spec.plan.ramp}
     if saved is None:
         store.set_meta("plan", current)
-    elif (saved["window"], saved["enabled"]) != (current["window"], current["enabled"]):
+        return spec
+    if (saved["window"], saved["enabled"]) != (current["window"], current["enabled"]):
         log.warning("resuming with the plan of the first run %s (the job file now says %s)", saved, current)
-        spec = dataclasses.replace(spec, plan=dataclasses.replace(
-            spec.plan, window=int(saved["window"]), enabled=bool(saved["enabled"])))
-    return spec
+    # (a first run before the ramp of windows, 2026-12-07, saved none: it cut every window alike)
+    return dataclasses.replace(spec, plan=dataclasses.replace(
+        spec.plan, window=int(saved["window"]), enabled=bool(saved["enabled"]), ramp=bool(saved.get("ramp", False))))
 
 
 def record_invariance(store: CheckpointStore, spec: JobSpec) -> bool:

@@ -267,7 +267,7 @@ class JobRunner:
         feed = RowFeed(self._rows(spec), _preparer(spec, model, is_openai), model.tokenizer, done,
                        window=spec.plan.window, planned=spec.plan.enabled, done_errors=store.error_keys(),
                        min_step_tokens=model.reuse_step, spool=spool, keep_urls=is_openai, background=True,
-                       workers=workers, spawned=spawned)
+                       workers=workers, spawned=spawned, ramp=spec.plan.ramp)
         if workers:
             log.info("feed: %d worker process(es) render, tokenize and plan the rows (%s=0: none)", workers,
                      WORKERS_ENV)

@@ -11,6 +11,7 @@ executor section.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,25 @@ class EngineSection:  # the defaults are EngineConfig's (one definition)
 class PlanSection:
     enabled: bool = True  # order rows along the token trie (off: longest first, LRU prefix cache)
     window: int = 10_000  # input rows planned together (memory holds one window)
+    # the run starts with smaller windows (``window_sizes``); not a job key: off only where a resumed run follows a
+    # first run that had none (``job.run.run_meta``)
+    ramp: bool = True
+
+
+RAMP = (8, 4, 2)  # the first windows of a run: its window / 8, / 4, / 2 ...
+MIN_RAMP_ROWS = 64  # ... those of this many rows or more
+
+
+def window_sizes(window: int, ramp: bool = True) -> Iterator[int]:
+    """The rows of each window a run cuts its input into, in order: ``window`` rows each, after a ramp of smaller
+    ones (``ramp``). The engine waits for its first window to be read, rendered, tokenized and planned; an eighth of
+    it is ready in an eighth of the time, and each next window is prepared while the engine runs the one before
+    (preparing is several times faster than running). Sharing across windows is kept by the prefix cache. The run's
+    feed and ``mlxbatch plan`` cut by this one rule, and a resumed run cuts as its first run did."""
+    if ramp:
+        yield from (window // d for d in RAMP if window // d >= MIN_RAMP_ROWS)
+    while True:
+        yield window
 
 
 _FORMATS = {"auto", "jsonl", "parquet", "hf", "openai-batch"}
