@@ -143,3 +143,16 @@ def test_plan_takes_hub_ids(tmp_path, tiny_model_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     res = CliRunner().invoke(main, ["plan", str(job)])
     assert res.exit_code == 2 and "HF_HUB_OFFLINE" in res.output
+
+
+def test_a_run_that_starts_with_smaller_windows_is_planned_as_it_runs(tmp_path, tiny_model_path):
+    """A run cuts its first windows smaller (``window_sizes``: 1/8, 1/4, 1/2 of ``plan.window`` where 64 rows or
+    more): a window of 128 starts with one of 64, and ``mlxbatch plan`` cuts and predicts the same."""
+    rows = [{"id": f"r{i}", "text": f"item number {i} " * (1 + i % 3)} for i in range(200)]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    job = write_job(tmp_path, tiny_model_path, data, tmp_path / "out", plan={"window": 128},
+                    prompt={"template": "Label the following text as alpha or beta, with care. {{ text }}"},
+                    sampling={"max_tokens": 2})
+    planned, report = plan_and_run(job)
+    assert planned.windows == report["plan"]["windows"] == 3  # 64, 128, 8 rows
+    assert planned.prefill_tokens == pytest.approx(prefill_of(report), rel=0.01), (planned, report["prefix_reuse"])
