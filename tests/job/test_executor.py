@@ -319,3 +319,24 @@ def test_where_a_single_machine_job_runs_its_engine(tmp_path, tiny_model_path, m
     monkeypatch.setenv(ENGINE_PROCESS_ENV, "yes")
     with pytest.raises(ExecutorError, match=ENGINE_PROCESS_ENV):
         engine_process(spec, 10)
+
+
+def test_a_stuck_engine_process_is_killed_at_shutdown_not_waited_for(tmp_path, tiny_model_path, monkeypatch):
+    """An engine process that reads nothing (stopped here: stuck in a step, say) while the run's writer waits on its
+    full pipe: the run's shutdown kills it after the wait, rather than hang closing the pipe under that write."""
+    import os
+    import signal
+
+    from mlxbatch.job.executors import process
+
+    monkeypatch.setattr(process, "CLOSE_WAIT_S", 1.0)
+    data = write_jsonl(tmp_path / "in.jsonl", texts(4))
+    spec = load_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out"))
+    executor = process.ProcessExecutor(spec)
+    executor.warm_up()
+    os.kill(executor._proc.pid, signal.SIGSTOP)
+    for _ in range(8):  # 8 MB: more than the pipe and the child's reader hold before it stopped
+        executor._send(("stats", bytes(1 << 20)))
+    t0 = time.monotonic()
+    executor.shutdown()
+    assert time.monotonic() - t0 < 10 and executor._proc.poll() is not None

@@ -161,7 +161,8 @@ class ProcessExecutor:
 
     def shutdown(self) -> None:
         """Close the child's input (it exits after its step) and wait for it; kill it if it does not."""
-        self._writer.close(CLOSE_WAIT_S)
+        if not self._writer.close(CLOSE_WAIT_S):  # the child reads nothing (a write waits on its full pipe): stuck
+            self._proc.kill()  # (the write fails then, and the pipe can be closed)
         try:
             self._proc.stdin.close()  # type: ignore[union-attr]
         except OSError:
