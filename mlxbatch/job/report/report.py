@@ -11,8 +11,9 @@ Owns what the report says and where each figure comes from:
 - **The last run that did work.** Speed, the engine profile, ``prefix_reuse`` and ``plan`` come from the last run
   that finished rows (``run_figures_from`` says which): re-running a completed job keeps the real run's figures
   instead of writing zeros over them. A run that finished rows keeps its figures in the manifest too
-  (``WORK_RUN_META``), once its rows are checkpointed and again with its report: a run killed after its last shard
-  but before report.json still has them for the next run.
+  (``WORK_RUN_META``), once its rows are checkpointed and again with its report: a run killed after that save but
+  before report.json still has them for the next run (one killed in the moment between its last shard and the save
+  has not: the next run then reports the figures of the run before it, or its own).
 """
 
 from __future__ import annotations
