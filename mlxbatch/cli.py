@@ -81,6 +81,19 @@ def _overrides(sets: tuple[str, ...], limit: int | None, output: Path | None) ->
     return JobOverrides(sets=sets, limit=limit, output=output)
 
 
+def _load(job_file: Path, sets: tuple[str, ...], limit: int | None, output: Path | None) -> Any:
+    """The job file's spec, not yet checked. A text model's job uses transformers' tokenizers only: torch is marked
+    absent first (``mlxbatch._torch``; the check below imports transformers, which would import it)."""
+    from mlxbatch._torch import hide_torch
+    from mlxbatch.job.check.model_ref import is_text_model
+    from mlxbatch.job.spec import load_job
+
+    spec = load_job(job_file, _overrides(sets, limit, output))
+    if not spec.model.trust_remote_code and is_text_model(spec.model.path):
+        hide_torch()
+    return spec
+
+
 def _done_line(report: dict[str, Any], out_dir: str) -> str:
     rows, this = report["rows"], report.get("this_run", {})
     parts = [f"done: {rows['output']} rows, {rows['errors']} errors ({rows['finished_this_run']} run now, "
@@ -110,15 +123,16 @@ def run(job_file: Path, progress: bool | None, sets: tuple[str, ...], limit: int
         ray_address: str | None, local: bool) -> None:
     """Run JOB_FILE; run it again after a crash to resume where it stopped (with or without --ray)."""
     from mlxbatch.job.check.validate import validate_job
-    from mlxbatch.job.run.awake import keep_awake
-    from mlxbatch.job.run.runner import JobRunner
     from mlxbatch.job.spec import with_executor
 
     try:
         if ray_address is not None and local:
             raise click.UsageError("give --ray or --local, not both")
-        spec = with_executor(validate_job(job_file, _overrides(sets, limit, output)),
+        spec = with_executor(validate_job(_load(job_file, sets, limit, output)),
                              "local" if local else "ray" if ray_address is not None else None, ray_address or None)
+        from mlxbatch.job.run.awake import keep_awake  # (after ``_load``: the runner imports transformers)
+        from mlxbatch.job.run.runner import JobRunner
+
         with keep_awake():  # macOS: no idle sleep while the job runs (caffeinate)
             result = JobRunner(spec, progress=progress).run()
     except MlxbatchError as exc:
@@ -135,13 +149,13 @@ def validate(job_file: Path, sets: tuple[str, ...], limit: int | None, output: P
     """Check JOB_FILE without loading a model: keys, types, files, model, template fields, constraint."""
     from mlxbatch.job.check.outdir import output_in_use
     from mlxbatch.job.check.validate import check_spec
-    from mlxbatch.job.run.runner import OutputInUse
-    from mlxbatch.job.spec import load_job
 
     try:
-        result = check_spec(load_job(job_file, _overrides(sets, limit, output)))
+        result = check_spec(_load(job_file, sets, limit, output))
     except MlxbatchError as exc:
         _fail(exc)
+    from mlxbatch.job.run.runner import OutputInUse  # (after ``_load``: the runner imports transformers)
+
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     spec = result.spec
@@ -164,10 +178,11 @@ def plan_cmd(job_file: Path, window: int | None, calibrate: bool, as_json: bool,
              limit: int | None, output: Path | None) -> None:
     """Dry run: tokenize JOB_FILE's prompts and plan the run as `run` would; predicts prefill tokens and an ETA."""
     from mlxbatch.job.check.validate import validate_job
-    from mlxbatch.job.plan.predict import as_dict, plan_job
 
     try:
-        spec = validate_job(job_file, _overrides(sets, limit, output), writes_output=False)  # a dry run: writes nothing
+        spec = validate_job(_load(job_file, sets, limit, output), writes_output=False)  # a dry run: writes nothing
+        from mlxbatch.job.plan.predict import as_dict, plan_job  # (after ``_load``: it imports transformers)
+
         report = plan_job(spec, window=window, calibrate=calibrate)
     except MlxbatchError as exc:
         _fail(exc)

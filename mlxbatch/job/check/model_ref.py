@@ -10,6 +10,7 @@ downloads weights.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 from pathlib import Path
 
@@ -66,6 +67,20 @@ def hub_problem(repo_id: str, timeout_s: float = 10.0) -> str | None:
 
 def is_hub_id(ref: str) -> bool:
     return ref.count("/") == 1 and not ref.startswith((".", "/", "~")) and not Path(ref).expanduser().exists()
+
+
+def is_text_model(ref: str) -> bool:
+    """True when ``ref`` is known, without loading anything, to be a text model: the smollm2 alias, or a folder (a
+    hub id: its cached snapshot) whose config.json names no ``vision_config``; False for a vision-language model or
+    one not known yet (an uncached hub id, a folder without a readable config.json)."""
+    if ref.lower() in ALIASES:
+        return ref.lower() != "tiny-random-vlm"
+    path = cached_snapshot(ref) if is_hub_id(ref) else Path(ref).expanduser()
+    try:
+        config = json.loads((path / "config.json").read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "vision_config" not in config
 
 
 def model_problem(ref: str) -> str | None:

@@ -49,10 +49,12 @@ def input_spec(spec: JobSpec) -> InputSpec:
     return InputSpec(i.path, format=i.format, id_column=i.id_column, split=i.split)
 
 
-def validate_job(path: str | Path, overrides: JobOverrides | None = None, writes_output: bool = True) -> JobSpec:
-    """The checked JobSpec of a job file (warnings are logged); raises JobSpecError listing every problem.
-    ``writes_output`` False (``plan``, a dry run): the output folder is not checked."""
-    result = check_spec(load_job(path, overrides), writes_output)
+def validate_job(job: str | Path | JobSpec, overrides: JobOverrides | None = None,
+                 writes_output: bool = True) -> JobSpec:
+    """The checked JobSpec of a job file (or of its loaded spec; warnings are logged); raises JobSpecError listing
+    every problem. ``writes_output`` False (``plan``, a dry run): the output folder is not checked."""
+    spec = job if isinstance(job, JobSpec) else load_job(job, overrides)
+    result = check_spec(spec, writes_output)
     for warning in result.warnings:
         log.warning("%s", warning)
     return result.spec

@@ -54,7 +54,8 @@ STATS_EVERY_S = 0.5  # the child sends its engine's counters this often while it
 WAIT_S = 0.1  # ``poll`` waits this long for finished rows before it returns none (the loop then takes rows again)
 CLOSE_WAIT_S = 10.0  # a child told to stop finishes its step and exits
 STATS_WAIT_S = 60.0  # the run's end waits this long for the engine's last counters (else reports the latest)
-_SERVE = "import sys; sys.modules['torch'] = None; from mlxbatch.job.executors.process import serve; serve()"
+_SERVE = ("from mlxbatch._torch import hide_torch; hide_torch(); "  # (a text model's rows: ``mlxbatch._torch``)
+          "from mlxbatch.job.executors.process import serve; serve()")
 
 
 @dataclass(frozen=True)

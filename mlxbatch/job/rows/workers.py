@@ -232,11 +232,10 @@ def preparation(preparer: RowPreparer, tokenizer: Any, workers: int,
     return LocalPreparation(preparer, tokenizer)
 
 
-# torch marked absent first: a worker renders and tokenizes, and never needs it, but transformers (through mlx-lm's
-# tokenizer module, which unpickling the run's tokenizer imports) imports torch wherever it is installed: on an H100
-# host that made a worker's start 15-21 s, which the run's first window waited for, and costs each worker hundreds of
-# MB. Marked absent, transformers takes its tokenizer-only path (as on a machine without torch): the same token ids.
-_SERVE = "import sys; sys.modules['torch'] = None; from mlxbatch.job.rows.workers import serve; serve()"
+# torch marked absent first (``mlxbatch._torch``): a worker renders and tokenizes, and never needs it, but
+# transformers imports torch wherever it is installed: on an H100 host that made a worker's start 15-21 s, which the
+# run's first window waited for, and costs each worker hundreds of MB.
+_SERVE = "from mlxbatch._torch import hide_torch; hide_torch(); from mlxbatch.job.rows.workers import serve; serve()"
 def _write_frame(proc: subprocess.Popen[bytes], data: bytes) -> None:
     try:
         proc.stdin.write(data)  # type: ignore[union-attr]

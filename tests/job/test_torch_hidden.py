@@ -1,0 +1,70 @@
+"""A text model's job never imports torch (``mlxbatch._torch``): transformers would import it wherever it is
+installed, seconds before a run's first row. A torch that records its import stands in for an installed one (the
+test machines have none); a vision-language model's job keeps torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from jobkit import texts, write_job, write_jsonl
+
+from mlxbatch.job.check.model_ref import is_text_model
+
+
+def _fake_torch(tmp_path: Path) -> tuple[Path, Path]:
+    """A folder holding a ``torch`` package that writes ``mark`` when imported (transformers finds it and, without
+    its metadata, imports it to read its version), and that mark's path."""
+    site, mark = tmp_path / "site", tmp_path / "torch-imported"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text(
+        f"import traceback\nopen({str(mark)!r}, 'a').write(''.join(traceback.format_stack()))\n__version__ = '2.9.0'\n")
+    return site, mark
+
+
+def _cli(site: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.run([sys.executable, "-m", "mlxbatch.cli", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": path, **env})
+
+
+def test_a_text_models_run_plan_and_validate_never_import_torch(tmp_path, tiny_model_path):
+    site, mark = _fake_torch(tmp_path)
+    probe = subprocess.run([sys.executable, "-c", "import mlx_lm.tokenizer_utils"], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(site)})
+    assert probe.returncode == 0 and mark.exists(), "the stand-in torch is not imported by transformers: no test"
+    mark.unlink()
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_path, write_jsonl(tmp_path / "in.jsonl", texts(12)), out,
+                    sampling={"temperature": 0.0, "max_tokens": 4})
+    for args in (("validate", str(job)), ("plan", str(job), "--no-calibrate")):
+        res = _cli(site, *args)
+        assert res.returncode == 0, res.stderr
+    ran = _cli(site, "run", str(job), "--no-progress", MLXBATCH_ENGINE_PROCESS="1")  # the engine's process too
+    assert ran.returncode == 0, ran.stderr
+    assert not mark.exists(), mark.read_text()
+    assert pq.read_table(out / "results.parquet").num_rows == 12
+
+
+def test_which_models_are_known_to_be_text_models(tmp_path, tiny_model_path):
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "vision_config": {"depth": 1}}))
+    assert is_text_model(str(tiny_model_path)) and is_text_model("smollm2")
+    assert not is_text_model(str(vlm)) and not is_text_model("tiny-random-vlm")
+    assert not is_text_model(str(tmp_path))  # no config.json
+    assert not is_text_model("nobody-here/no-such-model")  # not in the cache: not known
+
+
+def test_a_process_that_imported_transformers_keeps_torch_as_it_found_it():
+    code = ("import sys; from mlxbatch._torch import hide_torch; first = hide_torch(); again = hide_torch()\n"
+            "try:\n    import torch\nexcept ImportError:\n    absent = True\nelse:\n    absent = False\n"
+            "print(first, again, absent)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split() == [
+        "True", "True", "True"]
+    late = "import transformers; from mlxbatch._torch import hide_torch; import sys; print(hide_torch())"
+    assert subprocess.run([sys.executable, "-c", late], capture_output=True, text=True).stdout.strip() == "False"
