@@ -54,6 +54,7 @@ STATS_EVERY_S = 0.5  # the child sends its engine's counters this often while it
 WAIT_S = 0.1  # ``poll`` waits this long for finished rows before it returns none (the loop then takes rows again)
 CLOSE_WAIT_S = 10.0  # a child told to stop finishes its step and exits
 STATS_WAIT_S = 60.0  # the run's end waits this long for the engine's last counters (else reports the latest)
+log = logging.getLogger(__name__)
 _SERVE = ("from mlxbatch._torch import hide_torch; hide_torch(); "  # (a text model's rows: ``mlxbatch._torch``)
           "from mlxbatch.job.executors.process import serve; serve()")
 
@@ -162,6 +163,7 @@ class ProcessExecutor:
 
     def shutdown(self) -> None:
         """Close the child's input (it exits after its step) and wait for it; kill it if it does not."""
+        t0 = time.monotonic()
         if not self._writer.close(CLOSE_WAIT_S):  # the child reads nothing (a write waits on its full pipe): stuck
             self._proc.kill()  # (the write fails then, and the pipe can be closed)
         try:
@@ -173,6 +175,8 @@ class ProcessExecutor:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+        log.debug("the engine process %d exited in %.2f s (code %s)", self._proc.pid, time.monotonic() - t0,
+                  self._proc.returncode)
 
     # -- frames ---------------------------------------------------------------------------------------------------
     def _send(self, message: Any) -> None:
