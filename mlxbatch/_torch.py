@@ -8,8 +8,8 @@ feed worker's start took 15-21 s. Marked absent (``sys.modules["torch"] = None``
 transformers takes its tokenizer-only path: the same token ids.
 
 Only processes mlxbatch owns do it, for text models: the feed's workers and the engine's process (they render,
-tokenize and run text rows), and the command line's ``run``, ``plan`` and ``validate`` of a text model's job whose
-tokenizer runs no code of its own (``trust_remote_code`` off). A vision-language model keeps torch: transformers'
+tokenize and run text rows), and the command line's ``run``, ``plan``, ``validate`` and ``generate`` of a text model
+whose tokenizer runs no code of its own (``trust_remote_code`` off). A vision-language model keeps torch: transformers'
 fast image processors use it. A notebook's process is never touched (the user's ``import torch`` must work).
 This module must not import mlx or transformers.
 """

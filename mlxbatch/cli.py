@@ -82,16 +82,22 @@ def _overrides(sets: tuple[str, ...], limit: int | None, output: Path | None) ->
 
 
 def _load(job_file: Path, sets: tuple[str, ...], limit: int | None, output: Path | None) -> Any:
-    """The job file's spec, not yet checked. A text model's job uses transformers' tokenizers only: torch is marked
-    absent first (``mlxbatch._torch``; the check below imports transformers, which would import it)."""
-    from mlxbatch._torch import hide_torch
-    from mlxbatch.job.check.model_ref import is_text_model
+    """The job file's spec, not yet checked (its model's torch decided first: ``_without_torch``)."""
     from mlxbatch.job.spec import load_job
 
     spec = load_job(job_file, _overrides(sets, limit, output))
-    if not spec.model.trust_remote_code and is_text_model(spec.model.path):
-        hide_torch()
+    _without_torch(spec.model.path, spec.model.trust_remote_code)
     return spec
+
+
+def _without_torch(model: str, trust_remote_code: bool = False) -> None:
+    """A text model uses transformers' tokenizers only: torch is marked absent before anything imports transformers,
+    which would import it (``mlxbatch._torch``)."""
+    from mlxbatch._torch import hide_torch
+    from mlxbatch.job.check.model_ref import is_text_model
+
+    if not trust_remote_code and is_text_model(model):
+        hide_torch()
 
 
 def _done_line(report: dict[str, Any], out_dir: str) -> str:
@@ -245,6 +251,7 @@ def export(target: Path, fmt: str, dest: Path | None, task: str | None) -> None:
 def generate(model: str, max_tokens: int, temperature: float, seed: int | None, chat: bool,
              prompts: tuple[str, ...]) -> None:
     """Generate for a few PROMPTS at once (a quick check of a model)."""
+    _without_torch(model)
     from mlxbatch.engine import Engine
     from mlxbatch.types import SamplingParams
 

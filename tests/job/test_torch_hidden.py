@@ -32,7 +32,7 @@ def _cli(site: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]
                           env={**os.environ, "PYTHONPATH": path, **env})
 
 
-def test_a_text_models_run_plan_and_validate_never_import_torch(tmp_path, tiny_model_path):
+def test_a_text_models_commands_never_import_torch(tmp_path, tiny_model_path):
     site, mark = _fake_torch(tmp_path)
     probe = subprocess.run([sys.executable, "-c", "import mlx_lm.tokenizer_utils"], capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(site)})
@@ -41,7 +41,8 @@ def test_a_text_models_run_plan_and_validate_never_import_torch(tmp_path, tiny_m
     out = tmp_path / "out"
     job = write_job(tmp_path, tiny_model_path, write_jsonl(tmp_path / "in.jsonl", texts(12)), out,
                     sampling={"temperature": 0.0, "max_tokens": 4})
-    for args in (("validate", str(job)), ("plan", str(job), "--no-calibrate")):
+    for args in (("validate", str(job)), ("plan", str(job), "--no-calibrate"),
+                 ("generate", "-m", str(tiny_model_path), "--max-tokens", "2", "hello")):
         res = _cli(site, *args)
         assert res.returncode == 0, res.stderr
     ran = _cli(site, "run", str(job), "--no-progress", MLXBATCH_ENGINE_PROCESS="1")  # the engine's process too
