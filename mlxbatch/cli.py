@@ -91,13 +91,13 @@ def _load(job_file: Path, sets: tuple[str, ...], limit: int | None, output: Path
 
 
 def _without_torch(model: str, trust_remote_code: bool = False) -> None:
-    """A text model uses transformers' tokenizers only: torch is marked absent before anything imports transformers,
-    which would import it (``mlxbatch._torch``)."""
-    from mlxbatch._torch import hide_torch
+    """A text model uses transformers' tokenizers only: transformers is told there is no torch before anything
+    imports it (it would import torch: ``mlxbatch._torch``)."""
+    from mlxbatch._torch import without_torch
     from mlxbatch.job.check.model_ref import is_text_model
 
     if not trust_remote_code and is_text_model(model):
-        hide_torch()
+        without_torch()
 
 
 def _done_line(report: dict[str, Any], out_dir: str) -> str:

@@ -61,11 +61,29 @@ def test_which_models_are_known_to_be_text_models(tmp_path, tiny_model_path):
     assert not is_text_model("nobody-here/no-such-model")  # not in the cache: not known
 
 
-def test_a_process_that_imported_transformers_keeps_torch_as_it_found_it():
-    code = ("import sys; from mlxbatch._torch import hide_torch; first = hide_torch(); again = hide_torch()\n"
-            "try:\n    import torch\nexcept ImportError:\n    absent = True\nelse:\n    absent = False\n"
-            "print(first, again, absent)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split() == [
-        "True", "True", "True"]
-    late = "import transformers; from mlxbatch._torch import hide_torch; import sys; print(hide_torch())"
-    assert subprocess.run([sys.executable, "-c", late], capture_output=True, text=True).stdout.strip() == "False"
+def test_transformers_runs_without_torch_and_a_later_import_of_torch_still_works(tmp_path):
+    site, mark = _fake_torch(tmp_path)
+    code = ("import sys; from mlxbatch._torch import without_torch; first = without_torch(); again = without_torch()\n"
+            "import mlx_lm.tokenizer_utils; import transformers; before = 'torch' in sys.modules\n"
+            "import torch; print(first, again, transformers.is_torch_available(), before, torch.__version__)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(site)})
+    assert res.stdout.split() == ["True", "True", "False", "False", "2.9.0"], res.stderr
+    late = "import transformers; from mlxbatch._torch import without_torch; print(without_torch())"
+    res = subprocess.run([sys.executable, "-c", late], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(site)})
+    assert res.stdout.strip() == "False", res.stderr  # transformers had found the stand-in: it stays found
+
+
+def test_a_text_job_reading_a_folder_through_datasets_runs_from_the_command_line(tmp_path, tiny_model_path):
+    """``datasets`` imports torch whenever ``"torch"`` is in ``sys.modules``: a mark left there failed these runs."""
+    folder = tmp_path / "local-ds"
+    folder.mkdir()
+    write_jsonl(folder / "part-0.jsonl", texts(3))
+    write_jsonl(folder / "part-1.jsonl", texts(5)[3:])
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_path, tmp_path / "unused", out, sampling={"temperature": 0.0, "max_tokens": 2})
+    job.write_text(job.read_text().replace(f"path: {tmp_path / 'unused'}", f"dataset: {folder}"))
+    res = _cli(tmp_path / "no-site", "run", str(job), "--no-progress")
+    assert res.returncode == 0, res.stderr
+    assert pq.read_table(out / "results.parquet").column("id").to_pylist() == [f"row-{i:04d}" for i in range(5)]

@@ -55,7 +55,7 @@ WAIT_S = 0.1  # ``poll`` waits this long for finished rows before it returns non
 CLOSE_WAIT_S = 10.0  # a child told to stop finishes its step and exits
 STATS_WAIT_S = 60.0  # the run's end waits this long for the engine's last counters (else reports the latest)
 log = logging.getLogger(__name__)
-_SERVE = ("from mlxbatch._torch import hide_torch; hide_torch(); "  # (a text model's rows: ``mlxbatch._torch``)
+_SERVE = ("from mlxbatch._torch import without_torch; without_torch(); "  # (a text model's rows: ``mlxbatch._torch``)
           "from mlxbatch.job.executors.process import serve; serve()")
 
 
