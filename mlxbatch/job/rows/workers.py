@@ -236,6 +236,8 @@ def preparation(preparer: RowPreparer, tokenizer: Any, workers: int,
 # transformers imports torch wherever it is installed: on an H100 host that made a worker's start 15-21 s, which the
 # run's first window waited for, and costs each worker hundreds of MB.
 _SERVE = "from mlxbatch._torch import without_torch; without_torch(); from mlxbatch.job.rows.workers import serve; serve()"
+
+
 def _write_frame(proc: subprocess.Popen[bytes], data: bytes) -> None:
     try:
         proc.stdin.write(data)  # type: ignore[union-attr]
