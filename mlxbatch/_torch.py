@@ -13,8 +13,9 @@ that imports torch itself (``datasets`` reading a folder of data files does) sti
 that: ``datasets`` imports torch whenever ``"torch" in sys.modules``.
 
 Only processes mlxbatch owns do it, for text models: the feed's workers and the engine's process (they render,
-tokenize and run text rows), and the command line's ``run``, ``plan``, ``validate`` and ``generate`` of a text model
-whose tokenizer runs no code of its own (``trust_remote_code`` off). A vision-language model keeps torch: transformers'
+tokenize and run text rows), the command line's ``run``, ``plan``, ``validate`` and ``generate``, and the worker
+processes of a distributed run that connects to Ray itself (Ray's ``worker_process_setup_hook``), of a text model
+whose tokenizer runs no code of its own (``trust_remote_code`` off: ``job.check.model_ref.tokenizers_only``). A vision-language model keeps torch: transformers'
 fast image processors use it. A notebook's process is never touched.
 This module must not import mlx.
 """

@@ -86,17 +86,17 @@ def _load(job_file: Path, sets: tuple[str, ...], limit: int | None, output: Path
     from mlxbatch.job.spec import load_job
 
     spec = load_job(job_file, _overrides(sets, limit, output))
-    _without_torch(spec.model.path, spec.model.trust_remote_code)
+    _without_torch(spec.model)
     return spec
 
 
-def _without_torch(model: str, trust_remote_code: bool = False) -> None:
+def _without_torch(model: Any) -> None:
     """A text model uses transformers' tokenizers only: transformers is told there is no torch before anything
     imports it (it would import torch: ``mlxbatch._torch``)."""
     from mlxbatch._torch import without_torch
-    from mlxbatch.job.check.model_ref import is_text_model
+    from mlxbatch.job.check.model_ref import tokenizers_only
 
-    if not trust_remote_code and is_text_model(model):
+    if tokenizers_only(model):
         without_torch()
 
 
@@ -251,7 +251,9 @@ def export(target: Path, fmt: str, dest: Path | None, task: str | None) -> None:
 def generate(model: str, max_tokens: int, temperature: float, seed: int | None, chat: bool,
              prompts: tuple[str, ...]) -> None:
     """Generate for a few PROMPTS at once (a quick check of a model)."""
-    _without_torch(model)
+    from mlxbatch.job.spec import ModelSection
+
+    _without_torch(ModelSection(model))
     from mlxbatch.engine import Engine
     from mlxbatch.types import SamplingParams
 

@@ -301,9 +301,15 @@ def short_tmp():
 def test_ray_without_an_address_joins_the_cluster_ray_start_runs_on_this_machine(short_tmp, tiny_model_path):
     """``ray start --head`` then ``--ray`` with no address failed in seconds with Ray's "When connecting to an existing
     cluster, num_cpus and num_gpus must not be provided": it must join that cluster, as ``ray.init()`` does, and
-    leave it running."""
+    leave it running. Its actors, on a cluster that can import torch, never do (a text model: ``mlxbatch._torch``)."""
     temp = short_tmp
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(temp)}
+    site, torch_mark = temp / "site", temp / "torch-imported"  # a torch that says where it was imported
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text(f"import os, traceback\nopen({str(torch_mark)!r}, 'a').write("
+                                               f"str(os.getpid()) + ''.join(traceback.format_stack()))\n"
+                                               "__version__ = '2.9.0'\n")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(temp), "PYTHONPATH": path}
     with socket.socket() as s:  # the dashboard's port: free, so clusters of other runs on this machine do not clash
         s.bind(("127.0.0.1", 0))
         dashboard_port = s.getsockname()[1]
@@ -321,6 +327,7 @@ def test_ray_without_an_address_joins_the_cluster_ray_start_runs_on_this_machine
         report = json.loads((job.parent / "out" / "report.json").read_text())
         assert report["engine"]["executor"]["address"] == address and report["rows"]["output"] == 6
         assert processes_mentioning(str(temp))  # the cluster it joined runs on
+        assert not torch_mark.exists(), torch_mark.read_text()
     finally:
         _stop_processes_mentioning(str(temp))
 

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from mlxbatch.errors import ModelLoadError
+from mlxbatch.job.spec import ModelSection
 
 # the aliases engine.loader.resolve_path knows (it builds or fetches their folders)
 ALIASES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct", "tiny-random-vlm")
@@ -81,6 +82,12 @@ def is_text_model(ref: str) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(config, dict) and "vision_config" not in config
+
+
+def tokenizers_only(model: ModelSection) -> bool:
+    """Whether a job's model needs transformers' tokenizers only, never torch (``mlxbatch._torch``): a text model whose
+    tokenizer runs no code of its own (``trust_remote_code`` off)."""
+    return not model.trust_remote_code and is_text_model(model.path)
 
 
 def model_problem(ref: str) -> str | None:

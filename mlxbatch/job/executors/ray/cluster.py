@@ -200,14 +200,19 @@ def unreachable(address: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
 
 
 @contextmanager
-def connected(address: str | None, actors: int | None, num_cpus: float) -> Iterator[str]:
+def connected(address: str | None, actors: int | None, num_cpus: float,
+              worker_setup: str | None = None) -> Iterator[str]:
     """Ray, connected (a local cluster when no address is given and $RAY_ADDRESS is unset); shut down after only
-    when this block connected. Ray's own SIGTERM handler is undone: the run loop's handlers stay in charge."""
+    when this block connected. Ray's own SIGTERM handler is undone: the run loop's handlers stay in charge.
+    ``worker_setup``: a function (``module.name``) each worker process of this run calls first (a connection made
+    earlier, e.g. a notebook's, keeps its own)."""
     if ray.is_initialized():
         yield ray.get_runtime_context().gcs_address
         return
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "namespace": "mlxbatch"}
+    if worker_setup is not None:
+        kwargs["runtime_env"] = {"worker_process_setup_hook": worker_setup}
     local: dict[str, Any] = {}  # how to start a local cluster, if this run starts one
     if address is None and not os.environ.get("RAY_ADDRESS"):
         need = math.ceil((actors or 1) * num_cpus)

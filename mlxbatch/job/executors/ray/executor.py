@@ -33,7 +33,9 @@ from typing import Any
 import ray
 from ray.exceptions import RayError, RayTaskError
 
+from mlxbatch._torch import without_torch
 from mlxbatch.engine import common_prefix_len
+from mlxbatch.job.check.model_ref import tokenizers_only
 from mlxbatch.job.executors.base import (
     ExecutorError,
     Finished,
@@ -316,7 +318,9 @@ def open_ray_executor(spec: JobSpec) -> Iterator[RayExecutor]:
     x = spec.executor
     clear_progress(spec.output)
     tokenizer = driver_tokenizer(spec)
-    with connected(x.address, x.actors, x.num_cpus) as address, actor_plan(x) as (plan, placement):
+    # a text model's actors run transformers without torch, as the run does (``mlxbatch._torch``)
+    setup = f"{without_torch.__module__}.{without_torch.__name__}" if tokenizers_only(spec.model) else None
+    with connected(x.address, x.actors, x.num_cpus, setup) as address, actor_plan(x) as (plan, placement):
         executor = RayExecutor(spec, tokenizer, address, plan, placement)
         ok = False
         try:
