@@ -340,3 +340,21 @@ def test_a_stuck_engine_process_is_killed_at_shutdown_not_waited_for(tmp_path, t
     t0 = time.monotonic()
     executor.shutdown()
     assert time.monotonic() - t0 < 10 and executor._proc.poll() is not None
+
+
+def test_a_frame_the_engine_process_cannot_read_fails_the_run_with_the_reason(tmp_path, tiny_model_path):
+    """The engine process unpickles the run's frames on its input thread (its stepping thread only takes them): a
+    frame that does not unpickle reaches the run as the engine's error, never as a child waiting for input forever."""
+    from mlxbatch.job.executors import process
+
+    data = write_jsonl(tmp_path / "in.jsonl", texts(4))
+    spec = load_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out"))
+    executor = process.ProcessExecutor(spec)
+    try:
+        executor.warm_up()
+        executor._writer._stream.write(b"\x05" + bytes(7) + b"junk!")  # a frame of 5 bytes that are no pickle
+        executor._writer._stream.flush()
+        with pytest.raises(process.ExecutorError, match="UnpicklingError|pickle"):
+            executor._expect("stats", timeout=60)
+    finally:
+        executor.shutdown()

@@ -233,11 +233,15 @@ def serve() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a stray print goes to stderr, never into the frames
-    inbox: queue.Queue[bytes | None] = queue.Queue()
+    inbox: queue.Queue[Any] = queue.Queue()
 
-    def read() -> None:  # frames as they come: the step loop takes them between steps (unpickled there)
-        while (data := read_frame(sys.stdin.buffer)) is not None:
-            inbox.put(data)
+    def read() -> None:  # messages as they come, unpickled here (the stepping thread takes them between steps; this
+        # thread's unpickling, ~5 us a row on a 2-core CPU, runs while that one waits for the device)
+        try:
+            while (data := read_frame(sys.stdin.buffer)) is not None:
+                inbox.put(pickle.loads(data))
+        except BaseException as exc:  # noqa: BLE001 - the stepping thread raises it
+            inbox.put(exc)
         inbox.put(None)
 
     threading.Thread(target=read, name="mlxbatch-engine-input", daemon=True).start()
@@ -255,13 +259,13 @@ def serve() -> None:
         writer.close()  # what was sent is written before the child exits (at once when the run is gone)
 
 
-def _serve(inbox: queue.Queue[bytes | None], send: Any) -> None:
+def _serve(inbox: queue.Queue[Any], send: Any) -> None:
     from mlxbatch.engine import load_model
 
-    setup = inbox.get()
+    setup = _take(inbox, block=True)
     if setup is None:
         return
-    _, model, engine_section, seed, row_tokens, (level, fmt) = pickle.loads(setup)
+    _, model, engine_section, seed, row_tokens, (level, fmt) = setup
     if fmt is not None:  # the engine's log lines as the run's (its warnings, the batch it sized)
         logging.basicConfig(level=logging.WARNING, format=fmt, stream=sys.stderr)
     logging.getLogger("mlxbatch").setLevel(level)
@@ -276,7 +280,16 @@ def _serve(inbox: queue.Queue[bytes | None], send: Any) -> None:
         _step_loop(inbox, send, engine)
 
 
-def _step_loop(inbox: queue.Queue[bytes | None], send: Any, engine: RowEngine) -> None:
+def _take(inbox: queue.Queue[Any], block: bool) -> Any:
+    """The next message from the run (None: its input ended); raises what stopped the input thread, and
+    ``queue.Empty`` when ``block`` is off and nothing came."""
+    message = inbox.get() if block else inbox.get_nowait()
+    if isinstance(message, BaseException):
+        raise message
+    return message
+
+
+def _step_loop(inbox: queue.Queue[Any], send: Any, engine: RowEngine) -> None:
     cpu0 = time.thread_time()
 
     def stats() -> dict[str, Any]:  # the engine's counters and the CPU time of the thread that steps it
@@ -287,12 +300,12 @@ def _step_loop(inbox: queue.Queue[bytes | None], send: Any, engine: RowEngine) -
         # every frame that came meanwhile; with nothing to step, wait for the next
         while True:
             try:
-                data = inbox.get_nowait() if engine.has_work else inbox.get()
+                message = _take(inbox, block=not engine.has_work)
             except queue.Empty:
                 break
-            if data is None:
+            if message is None:
                 return  # the run closed the input (or is gone)
-            kind, *args = pickle.loads(data)
+            kind, *args = message
             if kind == "tasks":
                 for task in args[0]:
                     engine.submit(task)
