@@ -22,7 +22,10 @@ This module must not import mlx.
 
 from __future__ import annotations
 
+import os
 import sys
+
+ADVICE_VAR = "TRANSFORMERS_NO_ADVISORY_WARNINGS"  # transformers' switch for its advice (read when it gives it)
 
 
 def without_torch() -> bool:
@@ -32,12 +35,17 @@ def without_torch() -> bool:
         return False
     if "transformers" not in sys.modules:
         sys.modules["torch"] = None  # type: ignore[assignment]  # (find_spec answers None: not installed)
+        quiet = ADVICE_VAR not in os.environ  # its import's "PyTorch was not found ..." would be this module's doing
+        if quiet:
+            os.environ[ADVICE_VAR] = "1"
         try:
             import transformers
 
             transformers.is_torch_available()
         finally:
             del sys.modules["torch"]
+            if quiet:
+                del os.environ[ADVICE_VAR]
     import transformers
 
     return not transformers.is_torch_available()
