@@ -129,20 +129,26 @@ def run(job_file: Path, progress: bool | None, sets: tuple[str, ...], limit: int
         ray_address: str | None, local: bool) -> None:
     """Run JOB_FILE; run it again after a crash to resume where it stopped (with or without --ray)."""
     from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.executors.placement import early_engine, stop_engine
     from mlxbatch.job.spec import with_executor
 
+    engine = None
     try:
         if ray_address is not None and local:
             raise click.UsageError("give --ray or --local, not both")
-        spec = with_executor(validate_job(_load(job_file, sets, limit, output)),
+        spec = with_executor(_load(job_file, sets, limit, output),
                              "local" if local else "ray" if ray_address is not None else None, ray_address or None)
+        engine = early_engine(spec)  # its imports while this process checks the job (a process of its own)
+        spec = validate_job(spec)
         from mlxbatch.job.run.awake import keep_awake  # (after ``_load``: the runner imports transformers)
         from mlxbatch.job.run.runner import JobRunner
 
         with keep_awake():  # macOS: no idle sleep while the job runs (caffeinate)
-            result = JobRunner(spec, progress=progress).run()
+            result = JobRunner(spec, progress=progress, engine=engine).run()
     except MlxbatchError as exc:
         _fail(exc)
+    finally:
+        stop_engine(engine)  # (one the run did not adopt: a job that failed its checks)
     click.echo(_done_line(result.report, result.out_dir))
     if (result.report.get("accuracy") or {}).get("warning"):
         click.echo(f"warning: {result.report['accuracy']['warning']}", err=True)

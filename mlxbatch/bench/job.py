@@ -60,7 +60,7 @@ class StageTimers:
 
     @contextlib.contextmanager
     def patch(self) -> Iterator[StageTimers]:
-        saved = [(runner, n, getattr(runner, n)) for n in ("count_rows", "finalize")]
+        saved = [(runner, n, getattr(runner, n)) for n in ("job_rows", "finalize")]
         saved.append((executor, "EngineCore", executor.EngineCore))  # the local executor builds the engine
         saved.append((CheckpointStore, "append", CheckpointStore.append))
         try:
@@ -218,16 +218,16 @@ def job_overhead(b: Bench, repeats: int) -> list[Table]:
     split.rows.append(["engine", e_run.wall_s, None, e_run.extra["init_s"], None, ep["total_s"], None, None,
                        max(0.0, e_run.wall_s - e_run.extra["init_s"] - ep["total_s"])])
     st, jp = j_run.extra["stages"], j_run.extra["profile"]
-    known = (j_run.extra["validate_s"] + st.get("EngineCore", 0) + st.get("count_rows", 0) + jp["total_s"]
+    known = (j_run.extra["validate_s"] + st.get("EngineCore", 0) + st.get("job_rows", 0) + jp["total_s"]
              + st.get("append", 0) + st.get("finalize", 0))
-    split.rows.append(["job", j_run.wall_s, j_run.extra["validate_s"], st.get("EngineCore"), st.get("count_rows"),
+    split.rows.append(["job", j_run.wall_s, j_run.extra["validate_s"], st.get("EngineCore"), st.get("job_rows"),
                        jp["total_s"], f"{st.get('append', 0):.3f} ({j_run.extra['calls'].get('append', 0)} shards)",
                        st.get("finalize"), max(0.0, j_run.wall_s - known)])
     split.notes += [
         "engine steps = StepProfile.total_s (every EngineCore.step: scheduling, forwards, sampling, detokenizing). "
         f"Engine: prefill {ep['prefill_s']:.2f} s, decode {ep['decode_s']:.2f} s, {ep['steps']} steps; job: "
         f"prefill {jp['prefill_s']:.2f} s, decode {jp['decode_s']:.2f} s, {jp['steps']} steps.",
-        "job stages timed by wrapping EngineCore(...), count_rows, CheckpointStore.append (write, fsync, rename, "
+        "job stages timed by wrapping EngineCore(...), job_rows (the input's count), CheckpointStore.append (write, fsync, rename, "
         "manifest rewrite) and finalize (re-read + re-render the input for the expected keys, then the Parquet) "
         "for the run; other = wall minus the named stages: reading and preparing rows (render, sampling params, "
         "result key), building records, the report, _SUCCESS. Engine other = generate()'s submission (tokenizing) "

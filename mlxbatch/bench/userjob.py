@@ -45,7 +45,7 @@ from mlxbatch.bench.harness import MB, Bench, Table, log, ratio, resolve_model
 from mlxbatch.bench.jobdata import INSTRUCTION, write_reviews
 from mlxbatch.bench.meta import emit
 from mlxbatch.bench.options import parse_script_args
-from mlxbatch.job.executors import ENGINE_PROCESS_ENV
+from mlxbatch.job.executors.placement import ENGINE_PROCESS_ENV
 from mlxbatch.job.rows.workers import WORKERS_ENV
 
 MESSAGES = [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": "{{ review }}"}]

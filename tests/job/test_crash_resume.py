@@ -300,3 +300,32 @@ def test_an_engine_process_killed_mid_run_stops_the_run_and_a_resume_completes(s
     assert not (out / "_SUCCESS").exists() and manifest_rows(out) >= 30
     assert run_job(job).report["status"] == "complete"
     assert outputs(out) == expected
+
+
+def test_the_engine_process_starts_before_the_jobs_checks_and_a_job_that_fails_them_leaves_none(
+        setup, tiny_model_path, monkeypatch):
+    """The command line starts a job's engine process as soon as it has read the job file (its imports and the
+    model's load overlap the run's own and its checks), the run adopts it; a job its checks refuse stops it."""
+    import yaml
+    from click.testing import CliRunner
+
+    from mlxbatch.job.executors import placement
+
+    root, data, _ = setup
+    job = _job(root, data, tiny_model_path, "engine-process-early")
+    proc = subprocess.Popen([sys.executable, "-m", "mlxbatch.cli", "-vv", "run", str(job), "--no-progress",
+                             "--limit", "12"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **ENGINE_PROCESS})
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    assert "started before the job's checks" in err.decode()  # adopted, not started again
+    raw = yaml.safe_load(job.read_text())
+    raw["prompt"] = {"template": "{{ no_such_field }}"}  # refused by the checks, after the engine started
+    job.write_text(yaml.safe_dump(raw))
+    started = []
+    spawn = placement.spawn_engine
+    monkeypatch.setattr(placement, "spawn_engine", lambda spec: started.append(spawn(spec)) or started[-1])
+    monkeypatch.setenv("MLXBATCH_ENGINE_PROCESS", "1")
+    res = CliRunner().invoke(main, ["run", str(job), "--no-progress"])  # (this process lives on: the pipe stays open)
+    assert res.exit_code == 2 and "no_such_field" in res.output, res.output
+    assert len(started) == 1 and started[0].poll() is not None, "the engine process outlived a refused job"

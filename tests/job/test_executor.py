@@ -297,7 +297,8 @@ def test_where_a_single_machine_job_runs_its_engine(tmp_path, tiny_model_path, m
     interpreter's start would cost more), and in the run's where this process holds the model already (a second copy
     would double its memory); ``MLXBATCH_ENGINE_PROCESS`` decides when set."""
     from mlxbatch.engine import REGISTRY
-    from mlxbatch.job.executors import ENGINE_PROCESS_ENV, ExecutorError, engine_process
+    from mlxbatch.errors import MlxbatchError
+    from mlxbatch.job.executors import ENGINE_PROCESS_ENV, engine_process, open_executor
     from mlxbatch.job.executors import ENGINE_PROCESS_MIN_ROWS as MIN_ROWS
     from mlxbatch.job.executors.base import model_spec
 
@@ -305,11 +306,12 @@ def test_where_a_single_machine_job_runs_its_engine(tmp_path, tiny_model_path, m
     data = write_jsonl(tmp_path / "in.jsonl", texts(4))
     spec = load_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out"))
     assert engine_process(spec, MIN_ROWS) and engine_process(spec, None)  # (a count not known: a big job's rule)
-    assert not engine_process(spec, MIN_ROWS - 1)
+    assert not engine_process(spec, MIN_ROWS - 1) and not engine_process(spec, MIN_ROWS, held_here=True)
     ms = model_spec(spec.model)
     REGISTRY.acquire(ms, "a notebook's engine")
     try:
-        assert not engine_process(spec, MIN_ROWS)
+        with open_executor(spec, MIN_ROWS) as executor:  # the notebook's model: this process holds it
+            assert not executor.engine_process
     finally:
         REGISTRY.release(ms, "a notebook's engine")
     monkeypatch.setenv(ENGINE_PROCESS_ENV, "1")
@@ -317,7 +319,7 @@ def test_where_a_single_machine_job_runs_its_engine(tmp_path, tiny_model_path, m
     monkeypatch.setenv(ENGINE_PROCESS_ENV, "0")
     assert not engine_process(spec, None)
     monkeypatch.setenv(ENGINE_PROCESS_ENV, "yes")
-    with pytest.raises(ExecutorError, match=ENGINE_PROCESS_ENV):
+    with pytest.raises(MlxbatchError, match=ENGINE_PROCESS_ENV):
         engine_process(spec, 10)
 
 

@@ -70,18 +70,25 @@ def is_hub_id(ref: str) -> bool:
     return ref.count("/") == 1 and not ref.startswith((".", "/", "~")) and not Path(ref).expanduser().exists()
 
 
-def is_text_model(ref: str) -> bool:
-    """True when ``ref`` is known, without loading anything, to be a text model: the smollm2 alias, or a folder (a
-    hub id: its cached snapshot) whose config.json names no ``vision_config``; False for a vision-language model or
-    one not known yet (an uncached hub id, a folder without a readable config.json)."""
+def model_kind(ref: str) -> str | None:
+    """``"text"`` or ``"vision"`` when ``ref`` is known to be one without loading anything (an alias, or a folder or
+    cached hub snapshot whose config.json names a ``vision_config`` or none); None when it is not known yet (an
+    uncached hub id, a folder without a readable config.json)."""
     if ref.lower() in ALIASES:
-        return ref.lower() != "tiny-random-vlm"
+        return "vision" if ref.lower() == "tiny-random-vlm" else "text"
     path = cached_snapshot(ref) if is_hub_id(ref) else Path(ref).expanduser()
     try:
         config = json.loads((path / "config.json").read_text()) if path is not None else None
     except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and "vision_config" not in config
+        return None
+    if not isinstance(config, dict):
+        return None
+    return "vision" if "vision_config" in config else "text"
+
+
+def is_text_model(ref: str) -> bool:
+    """True when ``ref`` is known, without loading anything, to be a text model (``model_kind``)."""
+    return model_kind(ref) == "text"
 
 
 def tokenizers_only(model: ModelSection) -> bool:

@@ -6,8 +6,9 @@ engine's thread between its waits for the device, and the steps waited (docs/ben
 job's run thread spent ~6 s of its 30 s waiting for the GIL in pure-Python work, the wall 1.5x the engine's steps).
 Here the engine runs in a child process (a new interpreter, like the feed's workers): one thread steps it, and the
 run sends it rows (``RowTask``) and gets finished ones back (``RowDone``) in frames over its pipes, the protocol of
-the Ray executor's actors, which run the same ``RowEngine``. The run loads only the tokenizer; the child loads the
-model, reports what the run needs of it (``EngineInfo``), warms up while the feed prepares the first window, then
+the Ray executor's actors, which run the same ``RowEngine``. The run loads only the tokenizer; the child, started
+with its setup (``placement.spawn_engine``; by the command line before it checks the job: ``early_engine``), loads
+the model, reports what the run needs of it (``EngineInfo``), warms up while the feed prepares the first window, then
 steps while it holds rows. Rows reach it in the order they are taken (plan order), at most ``4 x max_num_seqs`` in
 flight, as in the engine of the run's own process.
 
@@ -46,6 +47,7 @@ from mlxbatch.job.executors.base import (
 )
 from mlxbatch.job.executors.interpreter import generating
 from mlxbatch.job.executors.local import InFlight, RowEngine, max_inflight
+from mlxbatch.job.executors.placement import spawn_engine
 from mlxbatch.job.executors.ray.progress import clear_progress
 from mlxbatch.job.rows.feed import Failed, Resumed, RowFeed
 from mlxbatch.job.spec import JobSpec
@@ -55,8 +57,6 @@ WAIT_S = 0.1  # ``poll`` waits this long for finished rows before it returns non
 CLOSE_WAIT_S = 10.0  # a child told to stop finishes its step and exits
 STATS_WAIT_S = 60.0  # the run's end waits this long for the engine's last counters (else reports the latest)
 log = logging.getLogger(__name__)
-_SERVE = ("from mlxbatch._torch import without_torch; without_torch(); "  # (a text model's rows: ``mlxbatch._torch``)
-          "from mlxbatch.job.executors.process import serve; serve()")
 
 
 @dataclass(frozen=True)
@@ -77,16 +77,17 @@ class ProcessExecutor:
 
     engine_process = True
 
-    def __init__(self, spec: JobSpec) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      start_new_session=True)
+    def __init__(self, spec: JobSpec, early: subprocess.Popen[bytes] | None = None) -> None:
+        # ``early``: the child started already (``placement.early_engine``: its imports overlapped the run's)
+        adopted = early is not None and early.poll() is None
+        self._proc = early if adopted else spawn_engine(spec)  # type: ignore[assignment]
+        log.debug("engine process %d: %s", self._proc.pid, "started before the job's checks" if adopted else "started")
         self._inbox: queue.Queue[bytes | None] = queue.Queue()  # frames from the child; None: its output ended
         threading.Thread(target=self._read, name="mlxbatch-engine-reader", daemon=True).start()
         self._writer = FrameWriter(self._proc.stdin, "mlxbatch-engine-writer")  # type: ignore[arg-type]
         self._stats: dict[str, Any] = {}
         try:
-            self._send(("setup", spec.model, spec.engine, spec.seed, row_tokens_hint(spec), _logging()))
-            try:  # the tokenizer here while the child loads the model
+            try:  # the tokenizer here while the child loads the model (its setup sent when it was started)
                 tokenizer, failed = driver_tokenizer(spec), None
             except Exception as exc:  # noqa: BLE001 - the child's error about the model comes first
                 tokenizer, failed = None, exc
@@ -265,12 +266,12 @@ def _serve(inbox: queue.Queue[Any], send: Any) -> None:
     setup = _take(inbox, block=True)
     if setup is None:
         return
-    _, model, engine_section, seed, row_tokens, (level, fmt) = setup
+    _, spec, (level, fmt) = setup  # (``placement.spawn_engine``)
     if fmt is not None:  # the engine's log lines as the run's (its warnings, the batch it sized)
         logging.basicConfig(level=logging.WARNING, format=fmt, stream=sys.stderr)
     logging.getLogger("mlxbatch").setLevel(level)
-    loaded = load_model(model_spec(model))
-    engine = RowEngine(loaded, engine_config(engine_section, seed, row_tokens), warm_up_later=True)
+    loaded = load_model(model_spec(spec.model))
+    engine = RowEngine(loaded, engine_config(spec.engine, spec.seed, row_tokens_hint(spec)), warm_up_later=True)
     core = engine.core
     send(("info", EngineInfo(loaded.identity, loaded.dtype, loaded.vlm is not None, loaded.context_length,
                              core.reuse_step, core.config.max_num_seqs, core.batch_size.describe())))
@@ -323,14 +324,6 @@ def _step_loop(inbox: queue.Queue[Any], send: Any, engine: RowEngine) -> None:
                 last_stats = time.monotonic()
 
 
-def _logging() -> tuple[int, str | None]:
-    """The run's logging for the child: the level of mlxbatch's loggers and the format of the run's first handler
-    (None: the run configured none, e.g. a notebook's)."""
-    handlers = logging.getLogger().handlers
-    formatter = handlers[0].formatter if handlers else None
-    return logging.getLogger("mlxbatch").getEffectiveLevel(), formatter._fmt if formatter is not None else None
-
-
 def _picklable(exc: BaseException) -> bool:
     try:
         pickle.loads(pickle.dumps(exc))
@@ -340,11 +333,11 @@ def _picklable(exc: BaseException) -> bool:
 
 
 @contextmanager
-def open_process_executor(spec: JobSpec) -> Iterator[ProcessExecutor]:
-    """A ``ProcessExecutor`` on the job's model (its tokenizer loaded here, the model in the child), stopped when the
-    block ends."""
+def open_process_executor(spec: JobSpec, early: subprocess.Popen[bytes] | None = None) -> Iterator[ProcessExecutor]:
+    """A ``ProcessExecutor`` on the job's model (its tokenizer loaded here, the model in the child, ``early`` if
+    started already), stopped when the block ends."""
     clear_progress(spec.output)  # a distributed run's leftover: this run owns the folder now
-    executor = ProcessExecutor(spec)
+    executor = ProcessExecutor(spec, early)
     try:
         yield executor
     finally:

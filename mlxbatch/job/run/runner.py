@@ -35,7 +35,6 @@ from mlxbatch.io import (
     OutputError,
     ResultRecord,
     clear_success,
-    count_rows,
     finalize,
     input_schema,
     mark_success,
@@ -51,6 +50,7 @@ from mlxbatch.job.check.validate import input_spec
 from mlxbatch.job.executors import open_executor
 from mlxbatch.job.executors.base import Executor, ExecutorError, ModelInfo
 from mlxbatch.job.executors.interpreter import generating
+from mlxbatch.job.executors.placement import job_rows
 from mlxbatch.job.report.progress import Progress
 from mlxbatch.job.report.report import (
     WORK_RUN_META,
@@ -109,8 +109,9 @@ class JobRunner:
     lives on. Off the main thread no signal handler is installed: call ``request_stop`` to stop."""
 
     def __init__(self, spec: JobSpec, progress: bool | None = None, exit_on_second_signal: bool = True,
-                 resume_hint: str = "Run the same command to resume.") -> None:
+                 resume_hint: str = "Run the same command to resume.", engine: Any = None) -> None:
         self.spec = spec
+        self._engine = engine  # its engine's process, started already (``placement.early_engine``), or None
         self.resume_hint = resume_hint  # the end of JobInterrupted's message (run_job words it for Python)
         self.progress = sys.stderr.isatty() if progress is None else progress
         self._stop = StopSignals(exit_on_second_signal)
@@ -161,9 +162,7 @@ class JobRunner:
         is_openai = any(r.format is InputFormat.OPENAI_BATCH for r in resolve_inputs(input_spec(spec)))
         earlier = earlier_work(store, spec.output)  # read before this run records its own
         progress = Progress(self.progress, None)
-        self._total = count_rows(input_spec(spec))
-        if spec.input.limit is not None:
-            self._total = spec.input.limit if self._total is None else min(self._total, spec.input.limit)
+        self._total = job_rows(spec)
         self._spawned = spawn(feed_workers(self._total))
         try:
             return self._load_and_run(store, spec, is_openai, earlier, progress)
@@ -173,7 +172,8 @@ class JobRunner:
     def _load_and_run(self, store: CheckpointStore, spec: JobSpec, is_openai: bool, earlier: dict[str, Any] | None,
                       progress: Progress) -> dict[str, Any]:
         progress.loading(spec.model.path)
-        with open_executor(spec, self._total) as executor:  # an engine here or in its own process, or Ray actors
+        # an engine here or in its own process, or Ray actors
+        with open_executor(spec, self._total, self._engine) as executor:
             self._loaded = True
             clear_success(spec.output)  # loaded: from here on the outputs change (a failed load keeps them)
             model = executor.model
