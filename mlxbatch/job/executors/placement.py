@@ -5,8 +5,9 @@ The engine's process is a new interpreter: its imports (MLX, mlx-lm, transformer
 before it can load the model. Started when the run's executor opens, they were on the run's way to its first step:
 on an H100 the 100k-row job's rows ran 12.5% faster in the engine's own process, but from ``loading model`` to the
 results written it took 40.1 s against 40.7 s in the run's (docs/benchmarks.md, ``1aeb23c``). ``early_engine``
-starts it as soon as the job file is read, so its imports overlap the run's own (transformers, the job's checks,
-the input's count); the executor adopts it. This module imports neither MLX nor the engine.
+starts it with its setup as soon as the job file is read, so its imports and the model's load overlap the run's own
+imports and the job's checks (the spec they check is the one it was given); the executor adopts it. This module
+imports neither MLX nor the engine.
 """
 
 from __future__ import annotations
