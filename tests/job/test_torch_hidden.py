@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from jobkit import texts, write_job, write_jsonl
 
-from mlxbatch.job.check.model_ref import is_text_model
+from mlxbatch.job.check.model_ref import model_kind
 
 
 def _fake_torch(tmp_path: Path) -> tuple[Path, Path]:
@@ -56,10 +56,10 @@ def test_which_models_are_known_to_be_text_models(tmp_path, tiny_model_path):
     vlm = tmp_path / "vlm"
     vlm.mkdir()
     (vlm / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "vision_config": {"depth": 1}}))
-    assert is_text_model(str(tiny_model_path)) and is_text_model("smollm2")
-    assert not is_text_model(str(vlm)) and not is_text_model("tiny-random-vlm")
-    assert not is_text_model(str(tmp_path))  # no config.json
-    assert not is_text_model("nobody-here/no-such-model")  # not in the cache: not known
+    assert model_kind(str(tiny_model_path)) == "text" and model_kind("smollm2") == "text"
+    assert model_kind(str(vlm)) == "vision" and model_kind("tiny-random-vlm") == "vision"
+    assert model_kind(str(tmp_path)) is None  # no config.json
+    assert model_kind("nobody-here/no-such-model") is None  # not in the cache: not known
 
 
 def test_transformers_runs_without_torch_and_a_later_import_of_torch_still_works(tmp_path):

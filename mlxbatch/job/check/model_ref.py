@@ -86,15 +86,10 @@ def model_kind(ref: str) -> str | None:
     return "vision" if "vision_config" in config else "text"
 
 
-def is_text_model(ref: str) -> bool:
-    """True when ``ref`` is known, without loading anything, to be a text model (``model_kind``)."""
-    return model_kind(ref) == "text"
-
-
 def tokenizers_only(model: ModelSection) -> bool:
     """Whether a job's model needs transformers' tokenizers only, never torch (``mlxbatch._torch``): a text model whose
     tokenizer runs no code of its own (``trust_remote_code`` off)."""
-    return not model.trust_remote_code and is_text_model(model.path)
+    return not model.trust_remote_code and model_kind(model.path) == "text"
 
 
 def model_problem(ref: str) -> str | None:
