@@ -1,9 +1,9 @@
 """The engine's own run of a model's layers (``model.own_body``) and the decode attention it hands to the slot cache.
 
 The body must give mlx-lm's output exactly, with and without a KV cache; models it does not know, or whose output it
-does not reproduce, keep mlx-lm's body. The fused decode kernel itself runs on CUDA only (``scripts/decode_attention.py``
-checks it there against MLX's masked attention); here its call path runs with ``decode_attention.reference`` in its
-place: same arguments (full buffers, slot rows, key lengths), MLX's attention inside.
+does not reproduce, keep mlx-lm's body. The fused decode kernel itself runs on CUDA only (its probes check it there
+against MLX's masked attention, ``DecodeAttention.probe``); here its call path runs with ``decode_attention.reference``
+in its place: same arguments (full buffers, slot rows, key lengths), MLX's attention inside.
 """
 
 from __future__ import annotations
@@ -63,6 +63,23 @@ def test_models_it_does_not_know_keep_mlx_lm_body(tiny_loaded):
     assert own_body(model, body) is not None
 
 
+class StandIn(decode_attention.DecodeAttention):
+    """``decode_attention.reference`` in the kernel's place; each layout's probe answers ``agrees[layout]`` and is
+    recorded in ``probed``."""
+
+    def __init__(self, agrees: tuple[bool, bool] = (True, True)) -> None:
+        super().__init__(0, 0, 0, mx.float32)
+        self.agrees, self.probed, self.calls = agrees, [], 0
+
+    def _check(self, layout: int) -> bool:
+        self.probed.append(layout)
+        return self.agrees[layout]
+
+    def __call__(self, queries, k_buf, v_buf, rows, lengths, scale):
+        self.calls += 1
+        return decode_attention.reference(queries, k_buf, v_buf, rows, lengths, scale)
+
+
 def test_decode_through_full_buffers_gives_the_same_tokens(tiny_loaded):
     """Rows of different lengths decode together: with a decode attention set, each decode pass reads the full slot
     buffers by slot row and key length instead of a masked slice; the tokens stay the same."""
@@ -70,16 +87,11 @@ def test_decode_through_full_buffers_gives_the_same_tokens(tiny_loaded):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     calls = {"decode": 0}
 
-    class Counted:  # decode_attention.reference in the kernel's place, counted
-        worth = staticmethod(decode_attention.DecodeAttention.worth)
-
+    class Counted(StandIn):
         def __call__(self, queries, k_buf, v_buf, rows, lengths, scale):
-            return counted(queries, k_buf, v_buf, rows, lengths, scale)
-
-    def counted(queries, k_buf, v_buf, rows, lengths, scale):
-        calls["decode"] += 1
-        assert queries.shape[2] == 1 and k_buf.ndim == 4 and rows.shape == lengths.shape == (queries.shape[0],)
-        return decode_attention.reference(queries, k_buf, v_buf, rows, lengths, scale)
+            calls["decode"] += 1
+            assert queries.shape[2] == 1 and k_buf.ndim == 4 and rows.shape == lengths.shape == (queries.shape[0],)
+            return super().__call__(queries, k_buf, v_buf, rows, lengths, scale)
 
     outs = {}
     for fused in (False, True):
@@ -107,3 +119,29 @@ def test_few_long_rows_keep_mlx_attention():
     assert worth(256, 2, 16384) and worth(64, 2, 4096) and worth(16, 8, 8192)  # blocks enough
     assert worth(1, 2, 1024) and worth(8, 2, 300)  # short rows
     assert not worth(1, 2, 4096) and not worth(8, 2, 16384) and not worth(32, 2, 1025)
+
+
+@pytest.mark.parametrize("long_agrees", [True, False])
+def test_the_long_row_layout_is_probed_once_when_the_buffers_first_grow_past_it(tiny_loaded, long_agrees):
+    """Each of the kernel's layouts compiles on its own (NVRTC, every process): the long-row one is probed only once
+    the buffers hold more than 512 positions, and where it disagrees those passes keep MLX's attention, same tokens."""
+    short = [[(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([5, 40, 90, 120])]
+    long = [[(5 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([530, 600, 70])]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, warm_up=False)
+
+    def tokens(eng: Engine, prompts: list[list[int]]) -> list[list[int]]:
+        return [list(o.completions[0].token_ids) for o in eng.generate(prompts, params)]
+
+    with Engine(tiny_loaded, cfg) as eng:
+        want = tokens(eng, short), tokens(eng, long)
+    kernel = StandIn(agrees=(True, long_agrees))
+    with Engine(tiny_loaded, cfg, layout=LayoutOptions(prune_last=True, attention=AttentionKernels(decode=kernel))) as eng:
+        assert tokens(eng, short) == want[0]
+        assert kernel.probed == [0] and kernel.calls > 0
+        calls = kernel.calls
+        assert eng.core.runner.batch.buffers.pos_cap <= 512
+        assert tokens(eng, long) == want[1]
+        assert eng.core.runner.batch.buffers.pos_cap > 512
+    assert kernel.probed == [0, 1]  # once each
+    assert (kernel.calls > calls) == long_agrees  # (the buffers stay grown: every long-run pass reads > 512)

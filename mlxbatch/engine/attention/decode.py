@@ -7,7 +7,11 @@ row's own keys straight from the slot buffers (no slice, no mask): one thread bl
 KV head's query heads (GQA reads the keys once), in tiles of keys with an online softmax. Its source is ``decode.cu``.
 
 ``DecodeAttention.create()`` returns None where it cannot run (no CUDA, a head size it does not take) or where its
-output disagrees with MLX's masked attention on a probe; callers then keep MLX's attention.
+output disagrees with MLX's masked attention on a probe; callers then keep MLX's attention. It has two layouts of
+reading values (``_LONG_KEYS``), each compiled on its own (NVRTC, in every process: MLX keeps no disk cache of
+``mx.fast.cuda_kernel``'s builds); each is probed when first needed (``probe``): the short-row layout at ``create``
+(every engine's buffers start with 256 positions), the long-row one when the buffers first grow past 512, so a job
+whose rows stay shorter never compiles it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ _SHORT_KEYS = 1024
 # of 14/2 x 64 heads it was 1.53x faster at ~1,000 keys a row and 1.65x at ~2,000, and 0.80x at ~128 (the partials'
 # sum costs more than the loads it overlaps), where the short-row layout (a dim a thread) stays
 _LONG_KEYS = 512
+_PROBE_CAPACITY = (256, 640)  # a probe's buffers, by layout: rows up to the capacity (over ``_LONG_KEYS``: layout 1)
 
 SOURCE = kernel_source("decode.cu")  # the kernel body (``decode.cu``)
 
@@ -41,8 +46,10 @@ class DecodeAttention:
     ``[slots, kv_heads, capacity, dim]``. Returns ``[n, heads, 1, dim]``, as ``mx.fast.scaled_dot_product_attention``
     would with the matching mask."""
 
-    def __init__(self) -> None:
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> None:
         self._kernels: dict[float, object] = {}  # one per attention scale (a constant of the kernel: one op fewer)
+        self._geometry = (heads, kv_heads, head_dim, dtype)  # the model's, which the probes take
+        self._layouts: dict[int, bool] = {}  # a layout probed -> whether it agreed with MLX's attention
 
     def _kernel(self, scale: float) -> object:
         kernel = self._kernels.get(scale)
@@ -61,6 +68,36 @@ class DecodeAttention:
         """Whether the kernel beats MLX's attention for a pass of ``rows`` rows reading up to ``keys`` keys."""
         return rows * kv_heads >= _MIN_BLOCKS or keys <= _SHORT_KEYS
 
+    def serves(self, rows: int, kv_heads: int, keys: int, capacity: int) -> bool:
+        """Whether the kernel runs a decode pass of ``rows`` rows reading up to ``keys`` keys of buffers of
+        ``capacity`` positions: worth it, and their layout probed and agreeing (else MLX's attention runs it)."""
+        return self._layouts.get(_layout(capacity), False) and self.worth(rows, kv_heads, keys)
+
+    def probe(self, capacity: int) -> bool:
+        """Whether the layout of buffers of ``capacity`` positions agrees with MLX's attention, probed (compiled)
+        the first time it is asked (~1.5 s on an H100): the caller has nothing in flight on another thread, since
+        the probe evaluates (the slot rows ask when the buffers grew, after evaluating them)."""
+        layout = _layout(capacity)
+        ok = self._layouts.get(layout)
+        if ok is None:
+            ok = self._layouts[layout] = self._check(layout)
+        return ok
+
+    def _check(self, layout: int) -> bool:
+        heads, kv_heads, head_dim, dtype = self._geometry
+        what = ("short", "long")[layout]
+        try:
+            err = probe_error(self, heads, kv_heads, head_dim, dtype, capacity=_PROBE_CAPACITY[layout])
+        except Exception as exc:  # no compiler, a driver that refuses it: MLX's attention stays
+            log.warning("decode attention kernel (%s-row layout) unavailable (%s); using MLX's masked attention",
+                        what, exc)
+            return False
+        if not err <= 2e-2:  # (NaN too)
+            log.warning("decode attention kernel (%s-row layout) disagrees with MLX's attention (max error %.3g); "
+                        "not used", what, err)
+            return False
+        return True
+
     @staticmethod
     def supports(heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> bool:
         rep = heads // kv_heads if kv_heads else 0
@@ -74,7 +111,7 @@ class DecodeAttention:
         q = queries if queries.dtype == k_buf.dtype else queries.astype(k_buf.dtype)
         (out,) = self._kernel(scale)(  # type: ignore[operator]
             inputs=[q, k_buf, v_buf, rows.astype(mx.int32), lengths.astype(mx.int32)],
-            template=[("T", k_buf.dtype), ("D", dim), ("R", heads // kv_heads), ("L", int(k_buf.shape[2] > _LONG_KEYS))],
+            template=[("T", k_buf.dtype), ("D", dim), ("R", heads // kv_heads), ("L", _layout(k_buf.shape[2]))],
             grid=(_THREADS * n * kv_heads, 1, 1),
             threadgroup=(_THREADS, 1, 1),
             output_shapes=[(n, heads, 1, dim)],
@@ -84,22 +121,19 @@ class DecodeAttention:
 
     @classmethod
     def create(cls, backend: Backend, heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> DecodeAttention | None:
-        """The kernel, if this device runs it and it agrees with MLX's masked attention on a ragged probe (``backend``: the engine's device; CUDA only)."""
+        """The kernel, if this device runs it and its short-row layout agrees with MLX's masked attention on a ragged
+        probe (``backend``: the engine's device; CUDA only); the long-row layout is probed when first needed."""
         if not backend.cuda or not hasattr(mx.fast, "cuda_kernel"):
             return None
         if not cls.supports(heads, kv_heads, head_dim, dtype):
             return None
-        try:
-            kernel = cls()
-            err = max(probe_error(kernel, heads, kv_heads, head_dim, dtype, capacity=c) for c in (640, 256))  # both
-            # layouts: long rows' buffers and short rows' ones
-        except Exception as exc:  # no compiler, a driver that refuses it: MLX's attention stays
-            log.warning("decode attention kernel unavailable (%s); using MLX's masked attention", exc)
-            return None
-        if err > 2e-2:
-            log.warning("decode attention kernel disagrees with MLX's attention (max error %.3g); not used", err)
-            return None
-        return kernel
+        kernel = cls(heads, kv_heads, head_dim, dtype)
+        return kernel if kernel.probe(_PROBE_CAPACITY[0]) else None
+
+
+def _layout(capacity: int) -> int:
+    """The kernel's layout of reading values for buffers of ``capacity`` positions (its template constant ``L``)."""
+    return int(capacity > _LONG_KEYS)
 
 
 def reference(queries: mx.array, k_buf: mx.array, v_buf: mx.array, rows: mx.array, lengths: mx.array,

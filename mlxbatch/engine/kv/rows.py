@@ -69,8 +69,11 @@ class SlotRows:
         return self._slot[start:stop] if self.options.rows_stay else None
 
     def ensure(self, rows: int, positions: int) -> None:
-        """Buffers for rows ``0 .. rows`` (and every slot handed out) of ``positions`` positions."""
+        """Buffers for rows ``0 .. rows`` (and every slot handed out) of ``positions`` positions. The decode kernel
+        probes the layout of a capacity it has not seen (once; the buffers' growth evaluated them: nothing in flight)."""
         self.buffers.ensure(max(rows, self._span), positions)
+        if self.options.attention.decode is not None:
+            self.options.attention.decode.probe(self.buffers.pos_cap)
 
     def _reindex(self) -> None:
         self._row = {rid: i for i, rid in enumerate(self.ids)}

@@ -196,7 +196,7 @@ class SlotLayerCache:
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
         """Write this layer's new keys/values, then attend (``model.own_body``): a decode pass through the fused
-        per-row kernel where the slot batch has one (CUDA) and it is worth it (``DecodeAttention.worth``), a prefill
+        per-row kernel where the slot batch has one (CUDA) and it serves the pass (``DecodeAttention.serves``), a prefill
         pass whose shape is new (CUDA: ``attention.prefill``) through MLX's unfused ops, anything else through
         MLX's attention over the keys the pass reads, with its mask (what mlx-lm's attention does)."""
         fp = self._owner.current_pass()
@@ -207,10 +207,10 @@ class SlotLayerCache:
         k, v = self.update_and_fetch(keys, values)
         kernel = self._owner.decode_attention
         rows = fp.stop - fp.start
-        if kernel is not None and fp.width == 1 and fp.written == rows \
-                and kernel.worth(rows, keys.shape[1], fp.t_used):
+        if kernel is not None and fp.width == 1 and fp.written == rows:
             k_buf, v_buf = self._owner.layer_buffers(self._layer)
-            return kernel(queries, k_buf, v_buf, fp.rows, fp.key_lengths, scale)
+            if kernel.serves(rows, keys.shape[1], fp.t_used, k_buf.shape[2]):
+                return kernel(queries, k_buf, v_buf, fp.rows, fp.key_lengths, scale)
         if not fp.fused:
             return unfused(queries, k, v, scale, mask)
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)

@@ -170,7 +170,8 @@ class SlotPasses:
         buffers = self._buffers
         kernel = self.decode_attention  # not where the kernel would leave it to MLX's attention: that reads exactly
         # the keys the rows use, a compiled pass reads to the capacity
-        if compiled.broken or (kernel is not None and not kernel.worth(n, buffers.keys[0].shape[1], buffers.pos_cap)):
+        if compiled.broken or (kernel is not None and
+                               not kernel.serves(n, buffers.keys[0].shape[1], buffers.pos_cap, buffers.pos_cap)):
             return None
         carried = self._next_offsets
         if carried is not None and carried[0] == offsets:  # every row advanced by one: the last pass's offsets + 1
