@@ -164,12 +164,12 @@ def main() -> None:
     for i in range(300):
         label = "positive" if rng.random() < 0.5 else "negative"
         text = rng.choice(POSITIVE if label == "positive" else NEGATIVE).format(p=rng.choice(PRODUCTS))
-        rows.append({"id": f"review-{i:04d}", "text": text, "gold": label})
+        rows.append({"id": f"review-{i:04d}", "review": text, "gold": label})
     (OUT / "reviews.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tickets = []
     for i in range(120):
         topic = rng.choice(sorted(TOPICS))
-        tickets.append({"id": f"ticket-{i:04d}", "text": rng.choice(TOPICS[topic]), "gold": topic})
+        tickets.append({"id": f"ticket-{i:04d}", "ticket": rng.choice(TOPICS[topic]), "gold": topic})
     (OUT / "tickets.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tickets))
     (OUT / "mcq.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mcq_rows(random.Random(20261205))))
 

@@ -78,5 +78,6 @@ def test_the_demo_job_labels_reviews(shipped):
     right = sum(r["correct"] for r in out)
     assert right >= 0.85 * len(out)  # measured: 95% on all 300 rows (the comment in demo.yaml)
     assert f"accuracy {right / len(out):.1%} ± " in run.said and f"({right}/{len(out)} rows)" in run.said
+    assert "review" in out[0]  # the input's column under its own name (``text`` would be ``input_text``)
     comment = (ROOT / "jobs" / "demo.yaml").read_text()
     assert "95%" in comment and "accuracy 95.0% ± 1.3% (285/300 rows)" in comment  # `run` on all 300 rows

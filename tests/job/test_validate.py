@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -268,3 +270,15 @@ def test_the_checker_knows_every_engine_key_and_only_those():
     from mlxbatch.job.spec.sections import EngineSection
 
     assert _SECTIONS["engine"] == {f.name for f in dataclasses.fields(EngineSection)}
+
+
+
+JOBS = Path(__file__).resolve().parents[2] / "jobs"
+
+
+@pytest.mark.parametrize("job", sorted(p.name for p in JOBS.glob("*.yaml")))
+def test_the_shipped_jobs_validate_without_a_warning(job):
+    """A newcomer's first commands print no warning: every shipped job checks clean (the demo's input column was
+    ``text``, a result column's name: every run of it warned that the column is written as ``input_text``)."""
+    res = _validate(JOBS / job)
+    assert res.exit_code == 0 and "warning" not in res.output.lower(), res.output
