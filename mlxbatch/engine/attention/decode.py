@@ -17,6 +17,7 @@ whose rows stay shorter never compiles it.
 from __future__ import annotations
 
 import logging
+import time
 
 import mlx.core as mx
 
@@ -80,7 +81,10 @@ class DecodeAttention:
         layout = _layout(capacity)
         ok = self._layouts.get(layout)
         if ok is None:
+            t0 = time.perf_counter()
             ok = self._layouts[layout] = self._check(layout)
+            log.debug("decode attention kernel: %s-row layout probed in %.2f s (%s)", ("short", "long")[layout],
+                      time.perf_counter() - t0, "used" if ok else "not used")
         return ok
 
     def _check(self, layout: int) -> bool:
