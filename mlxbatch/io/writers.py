@@ -58,6 +58,13 @@ _TAIL = [
 RESULT_COLUMNS = frozenset(f.name for f in _HEAD + _TAIL)
 
 
+def input_column_names(names: Sequence[str]) -> list[str]:
+    """The input columns of a results file whose columns are ``names``: those between ``key`` and ``text``."""
+    if list(names[:2]) != ["id", "key"] or "text" not in names:
+        return []
+    return list(names[2:list(names).index("text")])
+
+
 @dataclass(frozen=True)
 class FinalOutputs:
     """What ``finalize`` wrote."""

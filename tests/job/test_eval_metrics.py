@@ -66,7 +66,13 @@ def test_twenty_rows_with_six_errors_report_accuracy_over_every_row(tmp_path, ti
     line = summary_line(acc)
     assert line.startswith("accuracy 5.0% ± 5.0% (1/20 rows, errors counted wrong; 7.1% of the 14 answered)")
     assert line in res.output
-    assert line in invoke("show", out).output
+    shown = invoke("show", out, "-n", "3").output
+    assert line in shown
+    for r in table[:3]:  # each shown row with its input columns (no prompts kept) and whether it is correct
+        got = shown.split(f"--- {r['id']}\n", 1)[1].split("\n---", 1)[0]
+        assert f"input: question: {r['question']} | answer: {gold.get(r['id'], 'A')}" in got, got
+        want = "correct: yes" if r["id"] == ran[0]["id"] else "correct: no"
+        assert want in got, got
     assert line in invoke("status", out).output
     results = pq.read_table(out / "results.parquet").to_pandas()
     assert results["correct"].mean() == 0.05  # a pipeline's own mean of the column says the same

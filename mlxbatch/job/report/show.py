@@ -1,7 +1,8 @@
 """``mlxbatch show``: a look at a job's results: a few rows and a summary.
 
 Owns what a user checks first after a run: for a few rows, the prompt (when ``output.keep_prompt`` kept it; a long
-one as its start and its end, where the row's own text is), the output and the error; then the rows' finish
+one as its start and its end, where the row's own text is; else the row's input columns), the output, whether a graded
+row is correct, and the error; then the rows' finish
 reasons, error kinds, the distribution of labels (the ``parsed`` values of choice / regex outputs, or the chosen
 candidate of a score task) and the evaluation figures of a graded job (``report.metrics``: accuracy over every row,
 its standard error, acc_norm, the majority baseline). Reads results.parquet (streamed by row group) or, before a
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mlxbatch.errors import MlxbatchError
+from mlxbatch.io import input_column_names
 from mlxbatch.io.output_folder import RESULTS_NAME
 from mlxbatch.job.report.metrics import evaluate, summary_line
 from mlxbatch.job.report.status import current_records
@@ -29,6 +32,7 @@ _WIDTH = 400
 
 
 _PROMPT_HEAD, _PROMPT_TAIL = 100, 400  # a kept prompt's start, and its end: the row's own part
+_INPUT_WIDTH = 200  # an input column's value, shown when the prompt is not kept
 
 
 def _cut(value: Any, width: int = _WIDTH) -> str:
@@ -64,11 +68,15 @@ def results_path(target: Path) -> Path:
     return path
 
 
-def _row_lines(r: dict[str, Any]) -> list[str]:
+def _row_lines(r: dict[str, Any], inputs: Sequence[str] = ()) -> list[str]:
+    """A shown row: its prompt if kept, else its ``inputs`` columns; its output, whether it is correct, its error."""
     lines = [f"--- {r['id']}"]
     if r.get("rendered_prompt") is not None:
         lines.append(f"prompt: {_cut_prompt(str(r['rendered_prompt']))}")
-    lines.append(f"output: {_cut(r.get('text'))!s}  [{r.get('finish_reason')}]")
+    elif inputs:
+        lines.append("input: " + " | ".join(f"{c}: {_cut(r.get(c), _INPUT_WIDTH)}" for c in inputs))
+    correct = "" if r.get("correct") is None else f"  correct: {'yes' if r['correct'] else 'no'}"
+    lines.append(f"output: {_cut(r.get('text'))!s}  [{r.get('finish_reason')}]{correct}")
     if r.get("error") is not None:
         lines.append(f"error ({r.get('error_kind')}): {_cut(r['error'], 240)}")
     return lines
@@ -84,8 +92,9 @@ def show(target: Path, n: int = 5) -> str:
     names = pf.schema_arrow.names
     label_col = "parsed" if "parsed" in names and pa.types.is_string(pf.schema_arrow.field("parsed").type) else \
         "text" if "choice" in names else None
-    wanted = [c for c in ("id", "rendered_prompt", "text", "finish_reason", "error", "error_kind", label_col)
-              if c is not None and c in names]
+    inputs = [] if "rendered_prompt" in names else input_column_names(names)
+    wanted = [c for c in ("id", "rendered_prompt", *inputs, "text", "finish_reason", "correct", "error", "error_kind",
+                          label_col) if c is not None and c in names]
     rows = finish = 0
     finishes: collections.Counter[str] = collections.Counter()
     kinds: collections.Counter[str] = collections.Counter()
@@ -100,7 +109,7 @@ def show(target: Path, n: int = 5) -> str:
             elif label_col is not None and r.get(label_col) is not None:
                 labels[str(r[label_col])] += 1
             if rows <= n:
-                lines += _row_lines(r)
+                lines += _row_lines(r, inputs)
     finish = sum(finishes.values())
     lines.append(f"=== {path}: {rows} rows")
     lines.append("finish reasons: " + ", ".join(f"{k} {v}" for k, v in finishes.most_common()) if finish else
