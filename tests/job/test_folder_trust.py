@@ -219,6 +219,7 @@ def test_show_and_status_after_a_kill_9(tmp_path, tiny_model_path):
     assert shown.exit_code == 0, shown.output
     assert shown.output.startswith(f"partial: {done} of {ROWS} rows finished"), shown.output
     assert shown.output.count("--- row-") == 2 and "output: " in shown.output
+    assert shown.output.count("\ninput: text: ") == 2, shown.output  # each row's input, from its shard
     assert f"=== {out}: {done} rows (partial)" in shown.output and "finish reasons: " in shown.output, shown.output
     assert not (out / "results.parquet").exists()
     with open(out / ".lock") as lock:  # while a run holds the folder, status says so (with the holder's pid)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +68,14 @@ def results_path(target: Path) -> Path:
     return path
 
 
-def _row_lines(r: dict[str, Any], inputs: Sequence[str] = ()) -> list[str]:
-    """A shown row: its prompt if kept, else its ``inputs`` columns; its output, whether it is correct, its error."""
+def _row_lines(r: dict[str, Any], inputs: Mapping[str, Any] | None = None) -> list[str]:
+    """A shown row: its prompt if kept, else its ``inputs`` (column -> value); its output, whether it is correct, its
+    error."""
     lines = [f"--- {r['id']}"]
     if r.get("rendered_prompt") is not None:
         lines.append(f"prompt: {_cut_prompt(str(r['rendered_prompt']))}")
     elif inputs:
-        lines.append("input: " + " | ".join(f"{c}: {_cut(r.get(c), _INPUT_WIDTH)}" for c in inputs))
+        lines.append("input: " + " | ".join(f"{c}: {_cut(v, _INPUT_WIDTH)}" for c, v in inputs.items()))
     correct = "" if r.get("correct") is None else f"  correct: {'yes' if r['correct'] else 'no'}"
     lines.append(f"output: {_cut(r.get('text'))!s}  [{r.get('finish_reason')}]{correct}")
     if r.get("error") is not None:
@@ -109,7 +110,7 @@ def show(target: Path, n: int = 5) -> str:
             elif label_col is not None and r.get(label_col) is not None:
                 labels[str(r[label_col])] += 1
             if rows <= n:
-                lines += _row_lines(r, inputs)
+                lines += _row_lines(r, {c: r[c] for c in inputs})
     finish = sum(finishes.values())
     lines.append(f"=== {path}: {rows} rows")
     lines.append("finish reasons: " + ", ".join(f"{k} {v}" for k, v in finishes.most_common()) if finish else
@@ -157,7 +158,8 @@ def _show_partial(target: Path, n: int) -> str:
             labels[str(label)] += 1
         if i < n:
             lines += _row_lines({"id": r.row_id, "rendered_prompt": extra.get("rendered_prompt"), "text": r.text,
-                                 "finish_reason": r.finish_reason, "error": r.error, "error_kind": r.error_kind})
+                                 "finish_reason": r.finish_reason, "correct": extra.get("correct"), "error": r.error,
+                                 "error_kind": r.error_kind}, json.loads(r.inputs) if r.inputs else None)
     total = c.total if c.total is not None else "?"
     lines.insert(0, f"partial: {len(c.current)} of {total} rows finished (no results.parquet yet: the run stopped or "
                     f"is still going; these are the rows it checkpointed, counted against {c.against}; "

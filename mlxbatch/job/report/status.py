@@ -44,12 +44,13 @@ JOB_SPEC_META = "job_spec"  # manifest metadata the runner writes: the job as th
 
 
 _COLUMNS = ("row_id", "key", "error", "error_kind", "model")
-_DETAIL = ("text", "finish_reason", "extra")  # what ``show`` prints of a row besides
+_DETAIL = ("text", "finish_reason", "extra", "inputs")  # what ``show`` prints of a row besides
 
 
 @dataclass(frozen=True)
 class Record:
-    """One checkpointed record as read from a shard (``text``, ``finish_reason``, ``extra``: with ``detail``)."""
+    """One checkpointed record as read from a shard (``text``, ``finish_reason``, ``extra``, ``inputs``: with
+    ``detail``)."""
 
     row_id: str
     key: str
@@ -59,6 +60,7 @@ class Record:
     text: str | None = None
     finish_reason: str | None = None
     extra: str | None = None  # JSON text
+    inputs: str | None = None  # JSON text: the input columns the job keeps
 
 
 def _read_shard(path: Path, detail: bool = False) -> list[Record] | None:
