@@ -59,10 +59,12 @@ RESULT_COLUMNS = frozenset(f.name for f in _HEAD + _TAIL)
 
 
 def input_column_names(names: Sequence[str]) -> list[str]:
-    """The input columns of a results file whose columns are ``names``: those between ``key`` and ``text``."""
-    if list(names[:2]) != ["id", "key"] or "text" not in names:
+    """The input columns of a results file whose columns are ``names`` (the layout ``finalize`` writes): those after
+    ``id`` and ``key``, before the first result column (``text``)."""
+    names, head, first = list(names), [f.name for f in _HEAD], _TAIL[0].name
+    if names[:len(head)] != head or first not in names:
         return []
-    return list(names[2:list(names).index("text")])
+    return names[len(head):names.index(first)]
 
 
 @dataclass(frozen=True)

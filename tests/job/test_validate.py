@@ -272,7 +272,6 @@ def test_the_checker_knows_every_engine_key_and_only_those():
     assert _SECTIONS["engine"] == {f.name for f in dataclasses.fields(EngineSection)}
 
 
-
 JOBS = Path(__file__).resolve().parents[2] / "jobs"
 
 

@@ -37,6 +37,7 @@ _SHORT_KEYS = 1024
 # sum costs more than the loads it overlaps), where the short-row layout (a dim a thread) stays
 _LONG_KEYS = 512
 _PROBE_CAPACITY = (256, 640)  # a probe's buffers, by layout: rows up to the capacity (over ``_LONG_KEYS``: layout 1)
+_LAYOUT_NAMES = ("short-row", "long-row")  # the layouts, in messages
 
 SOURCE = kernel_source("decode.cu")  # the kernel body (``decode.cu``)
 
@@ -83,21 +84,21 @@ class DecodeAttention:
         if ok is None:
             t0 = time.perf_counter()
             ok = self._layouts[layout] = self._check(layout)
-            log.debug("decode attention kernel: %s-row layout probed in %.2f s (%s)", ("short", "long")[layout],
+            log.debug("decode attention kernel: %s layout probed in %.2f s (%s)", _LAYOUT_NAMES[layout],
                       time.perf_counter() - t0, "used" if ok else "not used")
         return ok
 
     def _check(self, layout: int) -> bool:
         heads, kv_heads, head_dim, dtype = self._geometry
-        what = ("short", "long")[layout]
+        what = _LAYOUT_NAMES[layout]
         try:
             err = probe_error(self, heads, kv_heads, head_dim, dtype, capacity=_PROBE_CAPACITY[layout])
         except Exception as exc:  # no compiler, a driver that refuses it: MLX's attention stays
-            log.warning("decode attention kernel (%s-row layout) unavailable (%s); using MLX's masked attention",
+            log.warning("decode attention kernel (%s layout) unavailable (%s); using MLX's masked attention",
                         what, exc)
             return False
         if not err <= 2e-2:  # (NaN too)
-            log.warning("decode attention kernel (%s-row layout) disagrees with MLX's attention (max error %.3g); "
+            log.warning("decode attention kernel (%s layout) disagrees with MLX's attention (max error %.3g); "
                         "not used", what, err)
             return False
         return True

@@ -2,9 +2,8 @@
 
 Owns what a user checks first after a run: for a few rows, the prompt (when ``output.keep_prompt`` kept it; a long
 one as its start and its end, where the row's own text is; else the row's input columns), the output, whether a graded
-row is correct, and the error; then the rows' finish
-reasons, error kinds, the distribution of labels (the ``parsed`` values of choice / regex outputs, or the chosen
-candidate of a score task) and the evaluation figures of a graded job (``report.metrics``: accuracy over every row,
+row is correct, and the error; then the rows' finish reasons, error kinds, the distribution of labels (the ``parsed``
+values of choice / regex outputs, or the chosen candidate of a score task) and the evaluation figures of a graded job (``report.metrics``: accuracy over every row,
 its standard error, acc_norm, the majority baseline). Reads results.parquet (streamed by row group) or, before a
 run has written it (stopped, killed, or still going), the current rows checkpointed so far
 (``status.current_records``), marked partial; loads no model.
