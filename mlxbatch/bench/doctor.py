@@ -175,7 +175,14 @@ def machine_checks(f: Facts, kv_budget: int | None = None) -> list[Check]:
 
 def run_checks(on_gpu: bool, quick: bool, model: str | None, cache_dir: Path) -> tuple[list[Check], int | None]:
     """The engine checks (and the KV budget its run took); a run that raises is a FAIL row, not a traceback."""
-    from mlxbatch.bench.doctor_runs import FIRST_TOKENS, compare_with_mlx_lm, forced_oom, open_bench, pick_size
+    from mlxbatch.bench.doctor_runs import (
+        FIRST_TOKENS,
+        LOGPROB_TOLERANCE,
+        compare_with_mlx_lm,
+        forced_oom,
+        open_bench,
+        pick_size,
+    )
 
     size = pick_size(on_gpu, quick, model)
     try:
@@ -204,8 +211,12 @@ def run_checks(on_gpu: bool, quick: bool, model: str | None, cache_dir: Path) ->
         forced = Check("forced out-of-memory",
                        f"outputs equal to the unforced run: {', '.join(f'{n}/{oom.rows}' for n in oom.equal_rows)} "
                        f"rows", Verdict.OK if ok else Verdict.FAIL,
-                       f"step launch {' and '.join(map(str, oom.failed_launch))} failed (one run each; batch "
-                       f"shrunk {', '.join(map(str, oom.preemptions))} time(s)); batch-invariant rows, 4 at a time",
+                       f"{'; '.join(oom.failures)} failed for lack of memory (one run each; late: the error "
+                       f"at the next device call, as Metal reports it; batch shrunk "
+                       f"{', '.join(map(str, oom.preemptions))} time(s)); "
+                       + ("batch-invariant rows, 4 at a time" if oom.batch_invariant else
+                          f"rows 4 at a time, not batch-invariant on this device (the same tokens, logprobs within "
+                          f"{LOGPROB_TOLERANCE:g}): {oom.not_invariant}"),
                        asdict(oom))
     return [speed, forced], cmp.kv_budget_bytes
 

@@ -83,8 +83,11 @@ def test_streaming_child_runs_without_proc_as_on_macos(tmp_path, monkeypatch):
 def test_streaming_child_on_linux_reads_proc(tmp_path):
     r = stream_child(str(_rows(tmp_path / "in.jsonl", 30)), str(tmp_path / "out"), every=10, track_ids=False)
     assert r["rows"] == 30 and r["shards"] == 3
-    assert 0 < r["anon_peak"] <= r["maxrss"] <= memory.peak_rss()  # VmHWM then; the high-water mark only grows
-    assert r["rss_file_end"] > 0
+    # read from /proc: RssAnon sampled while it ran, VmHWM at its end. Not ordered: the kernel updates the mark VmHWM
+    # reads (``hiwater_rss``) only now and then (an unmap, an exit) and reports max(mark, RSS now), so a peak the
+    # sampler saw can be past a later VmHWM (seen once in a full run under load)
+    assert r["anon_peak"] > 0 and r["maxrss"] > 0 and r["rss_file_end"] > 0
+    assert r["anon_peak"] < 4 * max(r["maxrss"], memory.peak_rss())
 
 
 def test_constraints_bench_reads_rss_without_proc(tmp_path, monkeypatch):

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import platform
+import subprocess
+import sys
 
+import pytest
 from click.testing import CliRunner
 
 from mlxbatch.bench import doctor as dr
@@ -79,8 +84,30 @@ def test_mlxbatch_doctor_runs_the_engine_against_mlx_lm_and_forces_out_of_memory
     if by["device"]["data"]["kind"] == "cpu":  # float32: greedy is mlx-lm's, token for token (bfloat16 on a GPU:
         assert run["same_rows"] == run["same_first"] == run["rows"]  # near-ties may go either way in a few rows)
     oom = by["forced out-of-memory"]
-    assert oom["verdict"] == "ok" and oom["data"]["equal_rows"] == [12, 12] and min(oom["data"]["preemptions"]) >= 1
+    assert oom["verdict"] == "ok" and oom["data"]["equal_rows"] == [12] * 4 and min(oom["data"]["preemptions"]) >= 1
+    assert oom["data"]["batch_invariant"]  # (the suite's OpenBLAS kernel is row-invariant: tests/conftest.py)
+    # each launch fails at once and late (Metal's error at the next device call), one run each
+    assert [f.split(", ")[1] for f in oom["data"]["failures"]] == ["at once", "late"] * 2
     assert by["memory"]["data"]["kv_budget_bytes"] == run["kv_budget_bytes"] > 0
     table = CliRunner().invoke(main, ["doctor", "--no-run"])
     assert table.exit_code == 0 and table.stdout.startswith("| check | result | verdict | detail |")
     assert "engine vs mlx-lm" not in table.stdout and "| device | " in table.stdout
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="OpenBLAS kernels of x86-64 CPUs")
+def test_the_doctor_passes_on_a_cpu_whose_blas_kernel_is_not_row_invariant(tiny64_model_path):
+    """A Linux user's OpenBLAS picks its CPU's own kernel (AVX2 here: Haswell), which rounds a row by the rows beside
+    it, so the engine refuses ``batch_invariant`` there. The forced out-of-memory runs used the flag, and the doctor's
+    whole engine run was one FAIL row on such a machine; now they run without it (the same tokens, logprobs within a
+    tolerance) and say so."""
+    env = {**os.environ, "OPENBLAS_CORETYPE": "Haswell"}
+    proc = subprocess.run([sys.executable, "-m", "mlxbatch.cli", "doctor", "--quick", "--json", "--model",
+                           str(tiny64_model_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    by = {c["name"]: c for c in out["checks"]}
+    assert out["failed"] == [] and "engine vs mlx-lm" in by, out["checks"][-1]
+    oom = by["forced out-of-memory"]
+    assert oom["verdict"] == "ok" and oom["data"]["equal_rows"] == [12] * 4, oom
+    if not oom["data"]["batch_invariant"]:  # (a CPU without AVX2 runs a row-invariant kernel: the flag holds there)
+        assert "not batch-invariant on this device" in oom["detail"] and "OPENBLAS_CORETYPE" in oom["detail"]
