@@ -94,6 +94,15 @@ def tiny_vlm_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl25_path() -> Path:
+    """A tiny random-weight Qwen2.5-VL (window attention in its vision tower), loadable by ``mlx_vlm.load``."""
+    pytest.importorskip("mlx_vlm", reason="the vlm extra is not installed: pip install -e .[vlm]")
+    from mlxbatch.models.random_vlm import build_random_vlm
+
+    return build_random_vlm(CACHE / "tiny-qwen2.5-vl", model_type="qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
 def tiny_vlm_loaded(tiny_vlm_path: Path):
     from mlxbatch.engine.model.loader import ModelSpec, load_model
 

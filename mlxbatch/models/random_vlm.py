@@ -1,8 +1,9 @@
-"""A tiny random-weight Qwen2-VL model folder, for tests and benchmarks of vision-language rows.
+"""A tiny random-weight Qwen2-VL or Qwen2.5-VL model folder, for tests and benchmarks of vision-language rows.
 
-Owns the recipe: a Qwen2-VL config (2 text layers, hidden 256; vision depth 2, embed 64), random weights saved in
-mlx-vlm's own layout, the small byte-level BPE of ``random_model`` plus Qwen2-VL's special tokens
-(``<|vision_start|>``, ``<|image_pad|>``, ...) and Qwen2-VL's chat template, and the image processor configs. The
+Owns the recipe: a Qwen2-VL config (2 text layers, hidden 256; vision depth 2, embed 64), or Qwen2.5-VL's (the same
+text model; a vision tower of width 64 with window attention in its first block and full attention in its second),
+random weights saved in mlx-vlm's own layout, the small byte-level BPE of ``random_model`` plus the Qwen VL special
+tokens (``<|vision_start|>``, ``<|image_pad|>``, ...) and their chat template, and the image processor configs. The
 folder loads through ``mlx_vlm.load`` exactly like a real checkpoint (nothing on the generation path is special
 cased). Built once per machine and reused while its ``.complete`` marker matches the recipe.
 """
@@ -51,7 +52,17 @@ IMAGE_PROCESSOR = {
     "do_convert_rgb": True,
 }
 
-RECIPE = "qwen2_vl tiny v2: text 2x256 (4 heads, 2 kv, mrope 8/12/12), vision 2x64, peaked head, loud merger"
+RECIPE = "tiny v2: text 2x256 (4 heads, 2 kv, mrope 8/12/12), vision 2x64, peaked head, loud merger"
+# model type -> (architecture, processor class, its vision config beyond the shared one)
+KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLProcessor",
+                 {"embed_dim": 64, "mlp_ratio": 4}),  # (an integer ratio, or transformers rejects the config)
+    # the tower's width is hidden_size (its merger projects to out_hidden_size: the language model's 256); window
+    # attention over 112-pixel windows (2x2 merged tokens) in block 0, full attention in block 1
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor",
+                   {"hidden_size": 64, "out_hidden_size": 256, "intermediate_size": 128, "window_size": 112,
+                    "fullatt_block_indexes": [1], "tokens_per_second": 2}),
+}
 
 
 def _tokenizer(out: Path) -> dict[str, int]:
@@ -70,14 +81,18 @@ def _tokenizer(out: Path) -> dict[str, int]:
     return ids
 
 
-def build_random_vlm(out: Path | str, seed: int = 0) -> Path:
-    """Write the tiny random Qwen2-VL model to ``out`` (reused when complete); returns the folder."""
+def build_random_vlm(out: Path | str, seed: int = 0, model_type: str = "qwen2_vl") -> Path:
+    """Write the tiny random Qwen2-VL (``model_type`` ``qwen2_vl``) or Qwen2.5-VL (``qwen2_5_vl``) model to ``out``
+    (reused when complete); returns the folder."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_vlm.models import qwen2_vl
 
+    arch, processor_class, vision = KINDS[model_type]
+    family = importlib.import_module(f"mlx_vlm.models.{model_type}")
     out = Path(out)
-    marker = f"{RECIPE} seed={seed}"
+    marker = f"{model_type} {RECIPE} seed={seed}"
     tmp = start_build(out, marker)
     if tmp is None:
         return out
@@ -87,8 +102,8 @@ def build_random_vlm(out: Path | str, seed: int = 0) -> Path:
     mrope = [8, 12, 12]
     assert sum(mrope) == head_dim // 2, "mrope_section must sum to head_dim / 2"
     config = {
-        "model_type": "qwen2_vl",
-        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": model_type,
+        "architectures": [arch],
         "hidden_size": hidden,
         "num_hidden_layers": 2,
         "num_attention_heads": heads,
@@ -109,12 +124,11 @@ def build_random_vlm(out: Path | str, seed: int = 0) -> Path:
         "vision_end_token_id": ids["<|vision_end|>"],
         "vision_token_id": ids["<|vision_pad|>"],
         "vision_config": {
-            "model_type": "qwen2_vl",
+            "model_type": model_type,
             "depth": 2,
-            "embed_dim": 64,
-            "hidden_size": hidden,  # the merger projects to the language model's width
+            "hidden_size": hidden,  # Qwen2-VL: the merger projects to the language model's width
             "num_heads": 4,
-            "mlp_ratio": 4,  # an integer, or transformers rejects the config
+            **vision,
             "in_channels": 3,
             "patch_size": 14,
             "spatial_patch_size": 14,
@@ -124,10 +138,10 @@ def build_random_vlm(out: Path | str, seed: int = 0) -> Path:
     }
     mx.random.seed(seed)
     # the same config objects mlx-vlm's loader builds (its from_dict leaves the sub-configs as dicts)
-    model_config = qwen2_vl.ModelConfig.from_dict(json.loads(json.dumps(config)))
-    model_config.text_config = qwen2_vl.TextConfig.from_dict(model_config.text_config)
-    model_config.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
-    model = qwen2_vl.Model(model_config)
+    model_config = family.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    model_config.text_config = family.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = family.VisionConfig.from_dict(config["vision_config"])
+    model = family.Model(model_config)
     lm = model.language_model
     # As in random_model: peaked, untied output weights make greedy choices clear (decided by margins, not
     # rounding) and make the output depend visibly on the image features.
@@ -140,10 +154,11 @@ def build_random_vlm(out: Path | str, seed: int = 0) -> Path:
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / "preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR, indent=2))
+    image_processor = {**IMAGE_PROCESSOR, "processor_class": processor_class}
+    (tmp / "preprocessor_config.json").write_text(json.dumps(image_processor, indent=2))
     # written locally so that loading never asks a model hub for them
-    (tmp / "video_preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR, indent=2))
-    (tmp / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=2))
+    (tmp / "video_preprocessor_config.json").write_text(json.dumps(image_processor, indent=2))
+    (tmp / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["<|im_end|>"]}, indent=2))
     return finish_build(tmp, out, marker)
 

@@ -1,4 +1,5 @@
-"""Vision-language rows in the engine (issue #6): a tiny random Qwen2-VL loaded through mlx-vlm, images made here.
+"""Vision-language rows in the engine (issue #6): a tiny random Qwen2-VL loaded through mlx-vlm, images made here; and
+a tiny random Qwen2.5-VL (window attention in its vision tower) held to mlx-vlm's own generation the same way.
 
 Every comparison is greedy float32 token for token unless said otherwise.
 """
@@ -93,14 +94,41 @@ def test_batched_equals_one_at_a_time(tiny_vlm_loaded, prefix_cache):
 
 def test_matches_mlx_vlm_generate(tiny_vlm_loaded):
     """mlx-vlm's own one-at-a-time generation is the reference: same tokens, same log-probabilities."""
+    matches_mlx_vlm(tiny_vlm_loaded, [(ASK, [picture(1)]), (ASK, [picture(2, 140, 84)]), (ASK, [picture(3)]),
+                                      (ASK, [picture(4), picture(5, 56, 84)])])
+
+
+@pytest.fixture(scope="module")
+def tiny_vl25_loaded(tiny_vl25_path):
+    from mlxbatch.engine import ModelSpec, load_model
+
+    return load_model(ModelSpec(str(tiny_vl25_path)))
+
+
+def test_qwen2_5_vl_rows_match_mlx_vlm_alone_and_in_a_batch(tiny_vl25_loaded):
+    """Qwen2.5-VL: its vision tower attends within windows (block 0) and over the whole image (block 1); rows of
+    several images and sizes, batched with text rows and through the prefix cache, give mlx-vlm's own tokens."""
+    assert tiny_vl25_loaded.vlm.model_type == "qwen2_5_vl"
+    rows = [(ASK, [picture(1)]), (ASK, [picture(2, 140, 84)]), (ASK, [picture(7)]),
+            (ASK, [picture(4), picture(5, 56, 84)]), ("def main():\n    return", []), (ASK, [picture(1)])]
+    got = matches_mlx_vlm(tiny_vl25_loaded, rows)
+    # rows 0 and 2 have the same prompt tokens (two 112x112 pictures): what each picture shows changes the text
+    assert got[0].token_ids != got[2].token_ids and got[0].token_ids == got[-1].token_ids
+
+
+def matches_mlx_vlm(loaded, rows):
+    """The engine's outputs of ``rows`` (one batch, prefix cache on), each equal to mlx-vlm's ``stream_generate`` of
+    the row alone (a text row: to the engine's own run of it alone)."""
     from mlx_vlm import stream_generate
 
-    vlm = tiny_vlm_loaded.vlm
-    rows = [(ASK, [picture(1)]), (ASK, [picture(2, 140, 84)]), (ASK, [picture(3)]),
-            (ASK, [picture(4), picture(5, 56, 84)])]
-    with make_engine(tiny_vlm_loaded) as eng:
+    vlm = loaded.vlm
+    with make_engine(loaded) as eng:
         got = run(eng, rows)
-    for (prompt, images), g in zip(rows, got):
+    for row, g in zip(rows, got):
+        prompt, images = row
+        if not images:
+            assert g.token_ids == one_at_a_time(loaded, [row])[0].token_ids
+            continue
         ref = list(stream_generate(vlm.model, vlm.processor, vlm.render(prompt, len(images)),
                                    image=[im.image for im in images], max_tokens=GREEDY.max_tokens, temperature=0.0))
         ref_tokens = [int(r.token) for r in ref]
@@ -108,6 +136,7 @@ def test_matches_mlx_vlm_generate(tiny_vlm_loaded):
         n = len(g.token_ids)
         assert list(g.token_ids) == ref_tokens[:n] and (n == len(ref_tokens) or n == GREEDY.max_tokens)
         assert max(abs(x.logprob - y) for x, y in zip(g.logprobs, ref_logprobs)) < 1e-3
+    return got
 
 
 def test_repeated_image_hits_the_vision_cache(tiny_vlm_loaded):
@@ -162,6 +191,22 @@ def test_prefix_cache_keys_image_positions_by_content(tiny_vlm_loaded):
     tokens = list(range(40))
     assert block_hashes(tokens, 16, [(1, a.content_hash)]) != block_hashes(tokens, 16, [(1, b.content_hash)])
     assert block_hashes(tokens, 16, [(20, a.content_hash)])[0] == block_hashes(tokens, 16)[0]
+
+
+def test_a_vision_language_architecture_not_supported_is_refused_at_load(tiny_vl25_path, tmp_path):
+    """Another mlx-vlm architecture (its own position rules) is refused with the supported ones named, not run wrong."""
+    import json
+    import shutil
+
+    from mlxbatch.engine import ModelSpec, load_model
+    from mlxbatch.errors import ModelLoadError
+
+    other = tmp_path / "gemma3-like"
+    shutil.copytree(tiny_vl25_path, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gemma3"}))
+    with pytest.raises(ModelLoadError, match="'gemma3' is not supported.*qwen2_vl, qwen2_5_vl"):
+        load_model(ModelSpec(str(other)))
 
 
 def test_text_only_model_refuses_images(tiny_loaded):

@@ -7,7 +7,9 @@ pixel values, image grids, one placeholder token per image feature), and the mod
 ``rope_delta``), ``language_model.model`` (the text body, called with ``inputs_embeds`` and ``position_ids``) and the
 LM head. ``TextView`` shows the language model as an mlx-lm text model (tokens -> logits, ``.model`` / ``.lm_head``),
 so the worker, the warm-up and the runner's body/head split work on it unchanged.
-Supported: Qwen2-VL (``model_type: qwen2_vl``); other architectures are refused with a clear error.
+Supported: Qwen2-VL and Qwen2.5-VL (``model_type`` ``qwen2_vl``, ``qwen2_5_vl``: the same language model and
+multimodal RoPE, and the same vision-tower call; held to mlx-vlm's own generation by tests/engine/test_vlm.py); other
+architectures are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from mlxbatch.errors import InvalidRequestError, ModelLoadError
 from mlxbatch.types import ImageInput
 
-SUPPORTED_VLM_TYPES = ("qwen2_vl",)
+SUPPORTED_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 class _DropProcessorKwargsWarning(logging.Filter):
