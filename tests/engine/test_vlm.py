@@ -193,6 +193,24 @@ def test_prefix_cache_keys_image_positions_by_content(tiny_vlm_loaded):
     assert block_hashes(tokens, 16, [(20, a.content_hash)])[0] == block_hashes(tokens, 16)[0]
 
 
+@pytest.mark.parametrize("model", ["tiny_vlm_loaded", "tiny_vl25_loaded"])
+def test_an_image_marker_in_the_text_places_each_image_there(model, request):
+    """``<image>`` in a user's text is where the next image goes (without one, mlx-vlm's chat helper puts the images
+    after the text for Qwen2-VL, before it for Qwen2.5-VL); the marker is never left in the text the model sees."""
+    loaded = request.getfixturevalue(model)
+    vlm = loaded.vlm
+    a, b = picture(1), picture(2, 140, 84)
+    marked = [{"role": "user", "content": "Compare <image> with <image>: which is brighter?"}]
+    text = vlm.render(marked, 2)
+    assert "<image>" not in text and text.count("<|vision_start|>") == 2
+    assert "Compare <|vision_start|>" in text and "<|vision_end|> with <|vision_start|>" in text
+    assert text != vlm.render([{"role": "user", "content": "Compare with : which is brighter?"}], 2)
+    # the engine's rows (images in place, in a batch) give mlx-vlm's own generation of the same text and images
+    matches_mlx_vlm(loaded, [(marked, [a, b]), ("<image>Describe it.", [a]), (ASK, [a, b])])
+    with make_engine(loaded) as eng, pytest.raises(InvalidRequestError, match=r"1 <image> placeholder\(s\) for 2"):
+        eng.core.add_request([{"role": "user", "content": "Only <image> here."}], GREEDY, images=[a, b])
+
+
 def test_a_vision_language_architecture_not_supported_is_refused_at_load(tiny_vl25_path, tmp_path):
     """Another mlx-vlm architecture (its own position rules) is refused with the supported ones named, not run wrong."""
     import json

@@ -155,3 +155,26 @@ def test_status_counts_image_rows_as_the_run_keyed_them(tmp_path, tiny_vlm_path)
         assert res.exit_code == 0, res.output
         st = json.loads(res.output)
         assert (st["rows_done"], st["total_rows"], st["errors"], st["stale_records"]) == (3, 3, 0, 0), st
+
+
+def test_image_markers_in_a_jobs_prompt_place_its_images_and_a_row_without_as_many_is_an_error(tmp_path,
+                                                                                               tiny_vlm_path):
+    """``<image>`` in the job's message text puts each of a row's images there (tests/engine/test_vlm.py checks where;
+    without the markers they go where the model's chat template puts them: another prompt, another key); a row with
+    fewer images than markers is an error row that says so, and the job goes on."""
+    image_folder(tmp_path)
+    rows = [{"id": "two", "images": ["pics/p1.png", "pics/p2.png"], "question": "Which is brighter?"},
+            {"id": "one", "images": "pics/p3.png", "question": "Which is brighter?"}]
+    data = write_jsonl(tmp_path / "data" / "rows.jsonl", rows)
+    marked = {"template": None, "messages": [{"role": "user", "content": "First <image>, then <image>. {{ question }}"}]}
+    sampling = {"temperature": 0.0, "max_tokens": 4}
+    run(write_job(tmp_path, tiny_vlm_path, data, tmp_path / "out", prompt=marked, sampling=sampling,
+                  max_error_rate=0.9))
+    res = results(tmp_path / "out")
+    assert res["two"]["error"] is None and res["two"]["generated_tokens"] == 4, res["two"]
+    assert res["one"]["error_kind"] == "request" and "2 <image> placeholder(s) for 1 image(s)" in res["one"]["error"]
+    plain = {"template": None, "messages": [{"role": "user", "content": "First , then . {{ question }}"}]}
+    run(write_job(tmp_path, tiny_vlm_path, data, tmp_path / "plain", prompt=plain, sampling=sampling,
+                  max_error_rate=0.9))
+    other = results(tmp_path / "plain")["two"]
+    assert other["error"] is None and other["key"] != res["two"]["key"]

@@ -29,6 +29,7 @@ from mlxbatch.errors import InvalidRequestError, ModelLoadError
 from mlxbatch.types import ImageInput
 
 SUPPORTED_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl")
+IMAGE_MARKER = "<image>"  # in a prompt's text: where the next image goes
 
 
 class _DropProcessorKwargsWarning(logging.Filter):
@@ -131,7 +132,10 @@ class VisionLanguageModel:
 
     # -- submission: prompt + images -> token ids and inputs -------------------------------------
     def render(self, prompt: str | Sequence[dict[str, Any]], num_images: int) -> str:
-        """The prompt's text with image placeholders (the chat template, unless the text already has them)."""
+        """The prompt's text with image placeholders (the chat template, unless the text already has them). Each
+        ``<image>`` in the text of a user message (or of a string prompt) is where the next image goes; without one,
+        the images go where mlx-vlm's chat helper puts them for this model (Qwen2-VL: after the text, Qwen2.5-VL:
+        before it)."""
         from mlx_vlm.prompt_utils import apply_chat_template
 
         if isinstance(prompt, str) and self.image_token in prompt:
@@ -139,7 +143,15 @@ class VisionLanguageModel:
         if not isinstance(prompt, str) and not all(isinstance(m, dict) for m in prompt):
             raise InvalidRequestError("prompt", type(prompt).__name__,
                                       "with images, expected a string or a list of chat messages")
-        messages = prompt if isinstance(prompt, str) else [dict(m) for m in prompt]
+        messages: Any = prompt if isinstance(prompt, str) else [dict(m) for m in prompt]
+        if isinstance(messages, str) and IMAGE_MARKER in messages:
+            messages = [{"role": "user", "content": messages}]
+        if not isinstance(messages, str):
+            placed = place_images(messages)
+            if placed and placed != num_images:
+                raise InvalidRequestError("images", num_images, f"the prompt has {placed} {IMAGE_MARKER} "
+                                          f"placeholder(s) for {num_images} image(s): put one per image in the "
+                                          "user's text, or none (the model's chat template places them)")
         try:
             return str(apply_chat_template(self.processor, self.config, messages, num_images=num_images))
         except Exception as exc:
@@ -191,6 +203,26 @@ class VisionLanguageModel:
     def body(self, inputs: mx.array, embeds: mx.array, cache: Any, positions: mx.array) -> mx.array:
         """Hidden states of the text body over ``embeds`` at multimodal ``positions`` ``[3, rows, T]``."""
         return self._lm.model(inputs, inputs_embeds=embeds, cache=cache, position_ids=positions)
+
+
+def place_images(messages: list[dict[str, Any]]) -> int:
+    """Each user message whose text holds ``IMAGE_MARKER``: its content becomes text and image parts, an image where
+    each marker was (mlx-vlm's chat helper keeps such parts where they are). Returns the markers placed."""
+    placed = 0
+    for m in messages:
+        content = m.get("content")
+        if m.get("role", "user") != "user" or not isinstance(content, str) or IMAGE_MARKER not in content:
+            continue
+        pieces = content.split(IMAGE_MARKER)
+        parts: list[dict[str, Any]] = []
+        for i, text in enumerate(pieces):
+            if i:
+                parts.append({"type": "image"})
+            if text:
+                parts.append({"type": "text", "text": text})
+        m["content"] = parts
+        placed += len(pieces) - 1
+    return placed
 
 
 def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
