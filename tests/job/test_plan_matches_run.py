@@ -28,6 +28,12 @@ def test_predicted_prefill_of_the_shipped_jobs(shipped, name):
     assert_prefill_predicted(shipped(name))
 
 
+def test_a_plan_with_no_row_planned_says_so_not_a_floor_of_zero(shipped):
+    planned = shipped("caption").planned  # every row has an image: none goes through the trie
+    assert planned.planned_rows == 0 and planned.image_rows > 0
+    assert "prefill floor): none, no row is planned" in planned.summary() and "100.0% below" not in planned.summary()
+
+
 @pytest.mark.parametrize("name, bound", [
     # the eval questions (125 rows, ~12 tokens each after a shared ~60-token head): 1.051 and 1.056 measured; at 16
     # rows 1.018 (and 1.051 before the trie put larger subtrees first; eval 1.27 before one-token candidates became

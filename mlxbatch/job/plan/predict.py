@@ -81,6 +81,9 @@ class PlanReport:
         return window_floor_saving(self.distinct_tokens, self.prompt_tokens)
 
     def _floor_line(self) -> str:
+        if not self.planned_rows:  # (not "0, 100% below the prompt tokens")
+            return ("distinct trie tokens (prefill floor): none, no row is planned (rows with images run in input "
+                    "order; the prefix cache still reuses what they share)")
         at = f"{self.window_floor_saving:.1%} below the prompt tokens"
         if self.windows <= 1:
             return (f"distinct trie tokens (prefill floor): {self.distinct_tokens} ({at}: the least prefill of the "
