@@ -24,6 +24,7 @@ import base64
 import binascii
 import hashlib
 import io
+import math
 import os
 import stat
 from collections.abc import Sequence
@@ -40,6 +41,9 @@ MAX_IMAGE_BYTES = 64 << 20  # a 48-megapixel HEIC is ~10 MB, an 8K PNG screensho
 HEIF_BRANDS = {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs", b"mif1", b"msf1"}
 
 
+MIN_IMAGE_PIXELS = 28 * 28  # the least ``input.max_image_pixels``: one image token of a Qwen VL (patch 14, merge 2)
+
+
 class ImageError(MlxbatchError):
     """An image that cannot be used; the message names the image (file, or bytes of which row)."""
 
@@ -51,6 +55,7 @@ class ImageRef:
     source: str  # what messages name: the path as resolved, or "images[i] (N bytes)"
     path: Path | None = None
     data: bytes | None = None
+    max_pixels: int | None = None  # decoded larger, it is scaled down to at most this many pixels (input.max_image_pixels)
 
 
 def _within(path: Path, roots: Sequence[Path]) -> bool:
@@ -221,6 +226,25 @@ def _register_heif() -> bool:
 
 
 def load_image(ref: ImageRef) -> ImageInput:
-    """Read, fully decode and verify one image; returns it (RGB) with the hash of its pixels."""
+    """Read, fully decode and verify one image; returns it (RGB, within ``ref.max_pixels``) with the hash of its
+    pixels."""
     rgb = decode_image(_read(ref), ref.source)
+    if ref.max_pixels is not None:
+        rgb = within_pixels(rgb, ref.max_pixels)
     return ImageInput(rgb, pixel_hash(rgb), ref.source)
+
+
+def within_pixels(img: Any, most: int) -> Any:
+    """``img`` scaled down (aspect kept, Lanczos) to at most ``most`` pixels; as it is when it has no more. A model's
+    processor turns a photo's pixels into image tokens (Qwen2-VL: one per 28 x 28, up to 16,384 by its checkpoints'
+    defaults): a 12-megapixel phone photo would be ~15,000 tokens and a vision-tower pass of that size."""
+    from PIL import Image
+
+    w, h = img.size
+    if w * h <= most:
+        return img
+    scale = math.sqrt(most / (w * h))
+    size = (max(1, math.floor(w * scale)), max(1, math.floor(h * scale)))
+    while size[0] * size[1] > most:  # (rounding)
+        size = (max(1, size[0] - 1), size[1]) if size[0] >= size[1] else (size[0], max(1, size[1] - 1))
+    return img.resize(size, Image.Resampling.LANCZOS)

@@ -187,3 +187,22 @@ def test_heic_without_pillow_heif_is_a_clear_error(tmp_path):
             "except ImageError as exc:\n    print(exc)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "IMG_0002.heic: a HEIC/HEIF photo; opening it needs the pillow-heif package" in out.stdout, out.stderr
+
+
+def test_an_image_over_the_pixel_bound_is_scaled_down_keeping_its_shape(tmp_path):
+    """``input.max_image_pixels``: a phone photo's pixels become thousands of image tokens; past the bound an image
+    is scaled down (aspect kept) after it is turned upright, and one within it is left exactly as it is."""
+    import dataclasses
+
+    big, small = tmp_path / "big.png", tmp_path / "small.png"
+    synthetic_image(1, 400, 300).save(big)
+    synthetic_image(2, 60, 40).save(small)
+    (ref_big,), (ref_small,) = image_refs("big.png", tmp_path), image_refs("small.png", tmp_path)
+    bound = 112 * 84 + 50
+    got = load_image(dataclasses.replace(ref_big, max_pixels=bound)).image
+    assert got.width * got.height <= bound and abs(got.width / got.height - 4 / 3) < 0.02, got.size
+    assert got.width >= 110  # (as large as the bound allows, give or take rounding)
+    plain = load_image(ref_small)
+    kept = load_image(dataclasses.replace(ref_small, max_pixels=bound))
+    assert kept.image.size == (60, 40) and kept.content_hash == plain.content_hash
+    assert load_image(ref_big).image.size == (400, 300)  # no bound: as it is

@@ -178,3 +178,33 @@ def test_image_markers_in_a_jobs_prompt_place_its_images_and_a_row_without_as_ma
                   max_error_rate=0.9))
     other = results(tmp_path / "plain")["two"]
     assert other["error"] is None and other["key"] != res["two"]["key"]
+
+
+def test_max_image_pixels_scales_large_images_down_before_the_model_sees_them(tmp_path, tiny_vlm_path):
+    """``input.max_image_pixels``: a large image costs fewer image tokens; the bound is part of the row's key (a run
+    with another bound reruns the image rows, the same bound resumes them); a bound under one image token is refused
+    before any work, naming the key."""
+    from mlxbatch.job.spec.job import JobSpecError
+
+    pics = tmp_path / "data" / "pics"
+    pics.mkdir(parents=True)
+    (pics / "big.png").write_bytes(png(1, (224, 224)))
+    rows = [{"id": "big", "images": "pics/big.png", "question": "What is it?"},
+            {"id": "text", "question": "Name a fruit."}]
+    data = write_jsonl(tmp_path / "data" / "rows.jsonl", rows)
+    sampling = {"temperature": 0.0, "max_tokens": 3}
+    run(write_job(tmp_path, tiny_vlm_path, data, tmp_path / "full", prompt=ASK, sampling=sampling))
+    full = results(tmp_path / "full")
+    job = write_job(tmp_path, tiny_vlm_path, data, tmp_path / "out", prompt=ASK, sampling=sampling,
+                    input={"path": str(data), "id_column": "id", "max_image_pixels": 112 * 112})
+    run(job)
+    res = results(tmp_path / "out")
+    # 224 x 224 is 64 image tokens of this model (28 x 28 pixels each); 112 x 112 is 16: 48 fewer prompt tokens
+    assert full["big"]["prompt_tokens"] - res["big"]["prompt_tokens"] == 48 and res["big"]["error"] is None
+    assert res["big"]["key"] != full["big"]["key"] and res["text"]["key"] == full["text"]["key"]
+    assert run(job).report["rows"]["finished_this_run"] == 0  # the same bound: every row resumes
+    for bad in (100, "big", -1):
+        job.write_text(job.read_text().replace("max_image_pixels: 12544", f"max_image_pixels: {bad}"))
+        with pytest.raises(JobSpecError, match="input.max_image_pixels"):
+            validate_job(job)
+        job.write_text(job.read_text().replace(f"max_image_pixels: {bad}", "max_image_pixels: 12544"))

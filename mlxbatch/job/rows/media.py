@@ -13,6 +13,7 @@ the job goes on.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,10 @@ from mlxbatch.io.jsonl import request_images
 __all__ = ["ImageError", "encode_row", "row_images"]
 
 
-def row_images(row: InputRow, takes_images: bool, roots: tuple[str, ...] = ()) -> tuple[tuple[ImageRef, ...], str]:
-    """The row's image references and their part of the key's identity ("" for rows without images).
+def row_images(row: InputRow, takes_images: bool, roots: tuple[str, ...] = (),
+               max_pixels: int | None = None) -> tuple[tuple[ImageRef, ...], str]:
+    """The row's image references and their part of the key's identity ("" for rows without images): the digests of
+    their bytes, and ``max_pixels`` (``input.max_image_pixels``) when set, since it changes what the model sees.
 
     Raises InvalidRequestError for images given to a model that takes none (nothing is opened), ImageError (a
     malformed column, a path outside the allowed folders, a file that is missing, not a regular file or too large).
@@ -39,7 +42,10 @@ def row_images(row: InputRow, takes_images: bool, roots: tuple[str, ...] = ()) -
     refs = image_refs(value, Path(row.source).parent, [Path(r) for r in roots])
     if not refs:
         return (), ""
-    return tuple(refs), "\n<images> " + " ".join(ref_digest(r) for r in refs)
+    identity = "\n<images> " + " ".join(ref_digest(r) for r in refs)
+    if max_pixels is None:
+        return tuple(refs), identity
+    return tuple(dataclasses.replace(r, max_pixels=max_pixels) for r in refs), f"{identity} max_pixels={max_pixels}"
 
 
 def encode_row(core: EngineCore, prompt: Any, images: tuple[ImageRef, ...]) -> Any:

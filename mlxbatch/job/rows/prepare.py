@@ -192,7 +192,8 @@ class RowPreparer:
         except RenderError as exc:
             return self._failed(row, f"{row.source}:{row.position}: {exc}", "render", params)
         try:
-            images, image_identity = row_images(row, self.takes_images, self.spec.input.image_roots)
+            images, image_identity = row_images(row, self.takes_images, self.spec.input.image_roots,
+                                                self.spec.input.max_image_pixels)
         except ImageError as exc:
             return self._failed(row, f"{row.source}:{row.position}: {exc}", "image", params)
         except InvalidRequestError as exc:  # images for a text-only model

@@ -19,7 +19,8 @@ SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} - {"constra
 
 _SECTIONS: dict[str, set[str]] = {
     "model": {"path", "dtype", "adapter", "trust_remote_code"},
-    "input": {"path", "format", "id_column", "columns", "split", "image_roots", "limit", "dataset", "config"},
+    "input": {"path", "format", "id_column", "columns", "split", "image_roots", "max_image_pixels", "limit", "dataset",
+              "config"},
     "prompt": {"template", "messages", "system", "chat_template"},
     "output": {"path", "choice", "regex", "json_schema", "constraint_column", "overwrite", "gold", "keep_prompt",
                "extract", "grade_truncated"},

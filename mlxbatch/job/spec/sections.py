@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbatch.config import EngineConfig
+from mlxbatch.io.images import MIN_IMAGE_PIXELS
 from mlxbatch.job.spec.checker import SAMPLING_KEYS, Checker
 from mlxbatch.types import SamplingParams
 
@@ -37,6 +38,7 @@ class InputSection:
     columns: tuple[str, ...] | None = None  # input columns to keep in the output (None: all)
     split: str | None = None  # the split of a saved Hugging Face DatasetDict (or of input.dataset)
     image_roots: tuple[str, ...] = ()  # folders images may come from besides the input file's own (resolved)
+    max_image_pixels: int | None = None  # a larger image is scaled down to at most this many pixels (None: as it is)
     limit: int | None = None  # read only the first ``limit`` rows (trial runs: --limit)
     dataset: str | None = None  # a Hugging Face dataset by name (owner/name) or a local folder of data files, streamed
     config: str | None = None  # the configuration (subset) of input.dataset
@@ -128,7 +130,8 @@ def parse_model(c: Checker, raw: dict[str, Any], base: Path) -> ModelSection:
 
 
 def parse_input(c: Checker, raw: dict[str, Any], base: Path) -> InputSection:
-    """``input``: files (``path``) or a dataset by name (``dataset``); columns, split, limit, image_roots."""
+    """``input``: files (``path``) or a dataset by name (``dataset``); columns, split, limit, image_roots,
+    max_image_pixels."""
     i = c.section(raw, "input", shorthand="path")
     columns = c.typed(i, "input", "columns", list, None)
     if columns is not None and not all(isinstance(x, str) for x in columns):
@@ -142,6 +145,12 @@ def parse_input(c: Checker, raw: dict[str, Any], base: Path) -> InputSection:
                        config=c.typed(i, "input", "config", str, None))
     if inp.limit is not None:
         c.positive("input.limit", inp.limit)
+    most = c.typed(i, "input", "max_image_pixels", int, None)
+    if most is not None and most < MIN_IMAGE_PIXELS:
+        c.bad("input.max_image_pixels", f"expected at least {MIN_IMAGE_PIXELS} pixels (e.g. 1003520 = 1280 x 28 x 28, "
+                                        f"~1,280 image tokens on Qwen2-VL), got {most}")
+        most = None
+    inp = dataclasses.replace(inp, max_image_pixels=most)
     roots = c.typed(i, "input", "image_roots", list, [])
     for n, r in enumerate(roots):
         if not isinstance(r, str) or not r or not resolve_path(base, r).is_dir():
