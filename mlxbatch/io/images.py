@@ -237,7 +237,7 @@ def load_image(ref: ImageRef) -> ImageInput:
 def within_pixels(img: Any, most: int) -> Any:
     """``img`` scaled down (aspect kept, Lanczos) to at most ``most`` pixels; as it is when it has no more. A model's
     processor turns a photo's pixels into image tokens (Qwen2-VL: one per 28 x 28, up to 16,384 by its checkpoints'
-    defaults): a 12-megapixel phone photo would be ~15,000 tokens and a vision-tower pass of that size."""
+    defaults): a 12-megapixel phone photo would be ~15,000 tokens and a vision-tower pass over ~61,000 patches."""
     from PIL import Image
 
     w, h = img.size
