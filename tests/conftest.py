@@ -103,6 +103,15 @@ def tiny_vl25_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl3_path() -> Path:
+    """A tiny random-weight Qwen3-VL (deepstack features, interleaved multimodal RoPE), loadable by ``mlx_vlm.load``."""
+    pytest.importorskip("mlx_vlm", reason="the vlm extra is not installed: pip install -e .[vlm]")
+    from mlxbatch.models.random_vlm import build_random_vlm
+
+    return build_random_vlm(CACHE / "tiny-qwen3-vl", model_type="qwen3_vl")
+
+
+@pytest.fixture(scope="session")
 def tiny_vlm_loaded(tiny_vlm_path: Path):
     from mlxbatch.engine.model.loader import ModelSpec, load_model
 

@@ -1,8 +1,10 @@
-"""A tiny random-weight Qwen2-VL or Qwen2.5-VL model folder, for tests and benchmarks of vision-language rows.
+"""A tiny random-weight Qwen2-VL, Qwen2.5-VL or Qwen3-VL model folder, for tests and benchmarks of vision-language rows.
 
-Owns the recipe: a Qwen2-VL config (2 text layers, hidden 256; vision depth 2, embed 64), or Qwen2.5-VL's (the same
+Owns the recipe: a Qwen2-VL config (2 text layers, hidden 256; vision depth 2, embed 64), Qwen2.5-VL's (the same
 text model; a vision tower of width 64 with window attention in its first block and full attention in its second),
-random weights saved in mlx-vlm's own layout, the small byte-level BPE of ``random_model`` plus the Qwen VL special
+or Qwen3-VL's (a Qwen3 text model of the same size, interleaved multimodal RoPE; 16-pixel patches and one deepstack
+level: features the tower adds to the language model's first layer at the image's positions), random weights saved
+in mlx-vlm's own layout, the small byte-level BPE of ``random_model`` plus the Qwen VL special
 tokens (``<|vision_start|>``, ``<|image_pad|>``, ...) and their chat template, and the image processor configs. The
 folder loads through ``mlx_vlm.load`` exactly like a real checkpoint (nothing on the generation path is special
 cased). Built once per machine and reused while its ``.complete`` marker matches the recipe.
@@ -38,7 +40,8 @@ QWEN2_VL_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Small images stay small: 28x28 pixels per image token (patch 14, merge 2), between 4 and 64 tokens per image.
+# Small images stay small: 28x28 pixels per image token (patch 14, merge 2; Qwen3-VL: 32x32, patch 16), between 4 and
+# 64 tokens per image.
 IMAGE_PROCESSOR = {
     "image_processor_type": "Qwen2VLImageProcessor",
     "processor_class": "Qwen2VLProcessor",
@@ -53,15 +56,20 @@ IMAGE_PROCESSOR = {
 }
 
 RECIPE = "tiny v2: text 2x256 (4 heads, 2 kv, mrope 8/12/12), vision 2x64, peaked head, loud merger"
-# model type -> (architecture, processor class, its vision config beyond the shared one)
-KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLProcessor",
+# model type -> (architecture, processor class, patch size, its vision config beyond the shared one)
+KINDS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLProcessor", 14,
                  {"embed_dim": 64, "mlp_ratio": 4}),  # (an integer ratio, or transformers rejects the config)
     # the tower's width is hidden_size (its merger projects to out_hidden_size: the language model's 256); window
     # attention over 112-pixel windows (2x2 merged tokens) in block 0, full attention in block 1
-    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor",
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", 14,
                    {"hidden_size": 64, "out_hidden_size": 256, "intermediate_size": 128, "window_size": 112,
                     "fullatt_block_indexes": [1], "tokens_per_second": 2}),
+    # learned position embeddings over an 8 x 8 grid (interpolated to each image's); block 0's output is a deepstack
+    # level, added to the language model's hidden states after its first layer
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", 16,
+                 {"hidden_size": 64, "out_hidden_size": 256, "intermediate_size": 128, "num_position_embeddings": 64,
+                  "deepstack_visual_indexes": [0], "hidden_act": "gelu_pytorch_tanh"}),
 }
 
 
@@ -89,7 +97,7 @@ def build_random_vlm(out: Path | str, seed: int = 0, model_type: str = "qwen2_vl
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    arch, processor_class, vision = KINDS[model_type]
+    arch, processor_class, patch, vision = KINDS[model_type]
     family = importlib.import_module(f"mlx_vlm.models.{model_type}")
     out = Path(out)
     marker = f"{model_type} {RECIPE} seed={seed}"
@@ -101,9 +109,7 @@ def build_random_vlm(out: Path | str, seed: int = 0, model_type: str = "qwen2_vl
     head_dim = hidden // heads
     mrope = [8, 12, 12]
     assert sum(mrope) == head_dim // 2, "mrope_section must sum to head_dim / 2"
-    config = {
-        "model_type": model_type,
-        "architectures": [arch],
+    text: dict[str, Any] = {
         "hidden_size": hidden,
         "num_hidden_layers": 2,
         "num_attention_heads": heads,
@@ -115,6 +121,18 @@ def build_random_vlm(out: Path | str, seed: int = 0, model_type: str = "qwen2_vl
         "rope_theta": 1000000.0,
         "rope_scaling": {"type": "mrope", "mrope_section": mrope},
         "tie_word_embeddings": False,
+    }
+    if model_type == "qwen3_vl":  # its text model's own section, as its checkpoints have it (Qwen3: per-head q/k
+        # norms, interleaved sections; the context only there: 8192 here, to tell it from a default)
+        text = {"text_config": {**text, "model_type": "qwen3_vl_text", "head_dim": head_dim,
+                                "max_position_embeddings": 8192,
+                                "rope_scaling": {"rope_type": "default", "mrope_section": mrope,
+                                                 "mrope_interleaved": True}},
+                "tie_word_embeddings": False}
+    config = {
+        "model_type": model_type,
+        "architectures": [arch],
+        **text,
         "torch_dtype": "float32",
         "eos_token_id": ids["<|im_end|>"],
         "bos_token_id": ids["<|endoftext|>"],
@@ -130,8 +148,8 @@ def build_random_vlm(out: Path | str, seed: int = 0, model_type: str = "qwen2_vl
             "num_heads": 4,
             **vision,
             "in_channels": 3,
-            "patch_size": 14,
-            "spatial_patch_size": 14,
+            "patch_size": patch,
+            "spatial_patch_size": patch,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
         },
@@ -139,8 +157,10 @@ def build_random_vlm(out: Path | str, seed: int = 0, model_type: str = "qwen2_vl
     mx.random.seed(seed)
     # the same config objects mlx-vlm's loader builds (its from_dict leaves the sub-configs as dicts)
     model_config = family.ModelConfig.from_dict(json.loads(json.dumps(config)))
-    model_config.text_config = family.TextConfig.from_dict(model_config.text_config)
-    model_config.vision_config = family.VisionConfig.from_dict(config["vision_config"])
+    if isinstance(model_config.text_config, dict):
+        model_config.text_config = family.TextConfig.from_dict(model_config.text_config)
+    if isinstance(model_config.vision_config, dict):
+        model_config.vision_config = family.VisionConfig.from_dict(config["vision_config"])
     model = family.Model(model_config)
     lm = model.language_model
     # As in random_model: peaked, untied output weights make greedy choices clear (decided by margins, not
@@ -148,13 +168,16 @@ def build_random_vlm(out: Path | str, seed: int = 0, model_type: str = "qwen2_vl
     lm.model.embed_tokens.weight = mx.random.normal(lm.model.embed_tokens.weight.shape)
     lm.lm_head.weight = mx.random.normal(lm.lm_head.weight.shape) * (4.0 / hidden**0.5)
     # image features as loud as token embeddings (std ~1, not ~0.2), so that what the picture shows changes the text
-    merger_out = model.vision_tower.merger.mlp[2]
+    merger = model.vision_tower.merger
+    merger_out = merger.mlp[2] if hasattr(merger, "mlp") else merger.linear_fc2
     merger_out.weight = merger_out.weight * 8.0
     model.set_dtype(mx.float32)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    image_processor = {**IMAGE_PROCESSOR, "processor_class": processor_class}
+    token = patch * 2  # pixels an image token covers (merge 2)
+    image_processor = {**IMAGE_PROCESSOR, "processor_class": processor_class, "patch_size": patch,
+                       "min_pixels": 4 * token * token, "max_pixels": 64 * token * token}
     (tmp / "preprocessor_config.json").write_text(json.dumps(image_processor, indent=2))
     # written locally so that loading never asks a model hub for them
     (tmp / "video_preprocessor_config.json").write_text(json.dumps(image_processor, indent=2))

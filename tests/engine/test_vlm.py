@@ -1,5 +1,6 @@
 """Vision-language rows in the engine (issue #6): a tiny random Qwen2-VL loaded through mlx-vlm, images made here; and
-a tiny random Qwen2.5-VL (window attention in its vision tower) held to mlx-vlm's own generation the same way.
+tiny random Qwen2.5-VL (window attention in its vision tower) and Qwen3-VL (deepstack features added inside the
+language model) held to mlx-vlm's own generation the same way.
 
 Every comparison is greedy float32 token for token unless said otherwise.
 """
@@ -105,13 +106,26 @@ def tiny_vl25_loaded(tiny_vl25_path):
     return load_model(ModelSpec(str(tiny_vl25_path)))
 
 
-def test_qwen2_5_vl_rows_match_mlx_vlm_alone_and_in_a_batch(tiny_vl25_loaded):
-    """Qwen2.5-VL: its vision tower attends within windows (block 0) and over the whole image (block 1); rows of
-    several images and sizes, batched with text rows and through the prefix cache, give mlx-vlm's own tokens."""
-    assert tiny_vl25_loaded.vlm.model_type == "qwen2_5_vl"
+@pytest.fixture(scope="module")
+def tiny_vl3_loaded(tiny_vl3_path):
+    from mlxbatch.engine import ModelSpec, load_model
+
+    return load_model(ModelSpec(str(tiny_vl3_path)))
+
+
+@pytest.mark.parametrize("model, model_type", [("tiny_vl25_loaded", "qwen2_5_vl"), ("tiny_vl3_loaded", "qwen3_vl")])
+def test_newer_qwen_vl_rows_match_mlx_vlm_alone_and_in_a_batch(model, model_type, request):
+    """Qwen2.5-VL: its vision tower attends within windows (block 0) and over the whole image (block 1). Qwen3-VL:
+    its tower's deepstack level is added to the language model's hidden states at the image's positions after the
+    first layer, so each forward carries the slice of it its rows' image positions cover (without it the tokens
+    part from mlx-vlm's). Rows of several images and sizes, batched with a text row, prefilled in chunks of 16 tokens
+    (images cut across chunks) and through the prefix cache, give mlx-vlm's own tokens and logprobs."""
+    loaded = request.getfixturevalue(model)
+    assert loaded.vlm.model_type == model_type
+    assert loaded.context_length == (8192 if model_type == "qwen3_vl" else 4096)  # (Qwen3-VL's: its text config's)
     rows = [(ASK, [picture(1)]), (ASK, [picture(2, 140, 84)]), (ASK, [picture(7)]),
             (ASK, [picture(4), picture(5, 56, 84)]), ("def main():\n    return", []), (ASK, [picture(1)])]
-    got = matches_mlx_vlm(tiny_vl25_loaded, rows)
+    got = matches_mlx_vlm(loaded, rows)
     # rows 0 and 2 have the same prompt tokens (two 112x112 pictures): what each picture shows changes the text
     assert got[0].token_ids != got[2].token_ids and got[0].token_ids == got[-1].token_ids
 
@@ -193,7 +207,7 @@ def test_prefix_cache_keys_image_positions_by_content(tiny_vlm_loaded):
     assert block_hashes(tokens, 16, [(20, a.content_hash)])[0] == block_hashes(tokens, 16)[0]
 
 
-@pytest.mark.parametrize("model", ["tiny_vlm_loaded", "tiny_vl25_loaded"])
+@pytest.mark.parametrize("model", ["tiny_vlm_loaded", "tiny_vl25_loaded", "tiny_vl3_loaded"])
 def test_an_image_marker_in_the_text_places_each_image_there(model, request):
     """``<image>`` in a user's text is where the next image goes (without one, mlx-vlm's chat helper puts the images
     after the text for Qwen2-VL, before it for Qwen2.5-VL); the marker is never left in the text the model sees."""
@@ -223,7 +237,7 @@ def test_a_vision_language_architecture_not_supported_is_refused_at_load(tiny_vl
     shutil.copytree(tiny_vl25_path, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model_type": "gemma3"}))
-    with pytest.raises(ModelLoadError, match="'gemma3' is not supported.*qwen2_vl, qwen2_5_vl"):
+    with pytest.raises(ModelLoadError, match="'gemma3' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl"):
         load_model(ModelSpec(str(other)))
 
 
@@ -260,13 +274,13 @@ class FlakyVLM:
     def __init__(self, vlm, limit: int) -> None:
         self._vlm, self._limit, self.failures, self.decodes = vlm, limit, 0, 0
 
-    def body(self, inputs, embeds, cache, positions):
+    def body(self, inputs, embeds, cache, positions, deepstack=None):
         if inputs.shape[1] == 1 and inputs.shape[0] > self._limit:
             self.decodes += 1
         if self.decodes == 3 and self.failures == 0:
             self.failures += 1
             raise RuntimeError("[malloc] Attempting to allocate 9999999999 bytes: out of memory")
-        return self._vlm.body(inputs, embeds, cache, positions)
+        return self._vlm.body(inputs, embeds, cache, positions, deepstack=deepstack)
 
     def __getattr__(self, name):
         return getattr(self._vlm, name)

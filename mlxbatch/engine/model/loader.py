@@ -195,6 +195,8 @@ def _load_vision_language(spec: ModelSpec, path: Path) -> LoadedModel:
         vlm.set_model(dequantize_model(vlm.model))
     dtype = _choose_dtype(spec, on_cpu, stored_dtype(vlm.model))
     _cast(vlm.model, dtype)
-    ctx = int(vlm.config.get("max_position_embeddings") or 4096)
+    # the language model's context: in its text config (Qwen3-VL's checkpoints have it nowhere else)
+    text = getattr(vlm.model.config, "text_config", None)
+    ctx = int(getattr(text, "max_position_embeddings", None) or vlm.config.get("max_position_embeddings") or 4096)
     identity = hashlib.sha256((_identity(path, None, dtype) + processor_identity(path)).encode()).hexdigest()[:16]
     return LoadedModel(spec, path, TextView(vlm.model), vlm.tokenizer, vlm.config, dtype, ctx, identity, vlm)

@@ -7,9 +7,10 @@ pixel values, image grids, one placeholder token per image feature), and the mod
 ``rope_delta``), ``language_model.model`` (the text body, called with ``inputs_embeds`` and ``position_ids``) and the
 LM head. ``TextView`` shows the language model as an mlx-lm text model (tokens -> logits, ``.model`` / ``.lm_head``),
 so the worker, the warm-up and the runner's body/head split work on it unchanged.
-Supported: Qwen2-VL and Qwen2.5-VL (``model_type`` ``qwen2_vl``, ``qwen2_5_vl``: the same language model and
-multimodal RoPE, and the same vision-tower call; held to mlx-vlm's own generation by tests/engine/test_vlm.py); other
-architectures are refused with a clear error.
+Supported: the Qwen VL family, Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``model_type`` ``qwen2_vl``, ``qwen2_5_vl``,
+``qwen3_vl``: multimodal RoPE positions and the same vision-tower call; Qwen3-VL's tower also gives deepstack levels,
+which the body adds inside the language model: ``body(deepstack=...)``; each held to mlx-vlm's own generation by
+tests/engine/test_vlm.py); other architectures are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 from mlxbatch.errors import InvalidRequestError, ModelLoadError
 from mlxbatch.types import ImageInput
 
-SUPPORTED_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 IMAGE_MARKER = "<image>"  # in a prompt's text: where the next image goes
 
 
@@ -189,20 +190,32 @@ class VisionLanguageModel:
 
     # -- the forward pieces -----------------------------------------------------------------------
     def encode_images(self, spans: Sequence[ImageSpan]) -> list[mx.array]:
-        """Vision-tower features of each image, ``[tokens, hidden]``, in one batched call."""
+        """Vision-tower features of each image, in one batched call: ``[tokens, hidden]``, or ``[1 + K, tokens,
+        hidden]`` where the tower also gives K deepstack levels (Qwen3-VL: features added to the hidden states of the
+        language model's first K layers at the image's positions)."""
         dtype = self.model.vision_tower.patch_embed.proj.weight.dtype
         pixels = mx.concatenate([s.pixel_values for s in spans], axis=0).astype(dtype)
         grid = mx.array([s.grid_thw for s in spans])
         feats = self.model.vision_tower(pixels, grid, output_hidden_states=False)
+        if isinstance(feats, tuple):  # (features, deepstack levels)
+            main, deep = feats
+            feats = mx.stack([main, *deep]) if deep else main
+        axis = feats.ndim - 2
         sizes = np.cumsum([s.end - s.start for s in spans])[:-1].tolist()
-        return list(mx.split(feats, sizes, axis=0)) if sizes else [feats]
+        return list(mx.split(feats, sizes, axis=axis)) if sizes else [feats]
 
     def embed(self, inputs: mx.array) -> mx.array:
         return self._lm.model.embed_tokens(inputs)
 
-    def body(self, inputs: mx.array, embeds: mx.array, cache: Any, positions: mx.array) -> mx.array:
-        """Hidden states of the text body over ``embeds`` at multimodal ``positions`` ``[3, rows, T]``."""
-        return self._lm.model(inputs, inputs_embeds=embeds, cache=cache, position_ids=positions)
+    def body(self, inputs: mx.array, embeds: mx.array, cache: Any, positions: mx.array,
+             deepstack: tuple[mx.array, list[mx.array]] | None = None) -> mx.array:
+        """Hidden states of the text body over ``embeds`` at multimodal ``positions`` ``[3, rows, T]``;
+        ``deepstack``: the image positions ``[rows, T]`` and, per level, their features in row-major order."""
+        if deepstack is None:
+            return self._lm.model(inputs, inputs_embeds=embeds, cache=cache, position_ids=positions)
+        mask, levels = deepstack
+        return self._lm.model(inputs, inputs_embeds=embeds, cache=cache, position_ids=positions,
+                              visual_pos_masks=mask, deepstack_visual_embeds=levels)
 
 
 def place_images(messages: list[dict[str, Any]]) -> int:

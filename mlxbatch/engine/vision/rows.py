@@ -8,9 +8,11 @@ placeholders) and each row's positions ``[3, rows, T]``. Prompt positions come f
 positions, so positions are always passed explicitly and the cache only places keys.
 
 Image features come from the content-keyed ``VisionCache``; the images a step still needs are encoded in one batched
-vision-tower call. A request holds its images' features from the step that first needs them until its prefill has
-passed them (or it is freed), so a long prompt prefilled in several chunks looks each image up once and never
-loses it to eviction halfway. Called only by the runner; never patches mlx-vlm.
+vision-tower call. Where the tower also gives deepstack levels (Qwen3-VL: an image's features are ``[1 + levels,
+tokens, hidden]``), the forward passes the image positions it covers and those levels' slices, in row-major order, for
+the language model to add to its first layers' hidden states. A request holds its images' features from the step that
+first needs them until its prefill has passed them (or it is freed), so a long prompt prefilled in several chunks
+looks each image up once and never loses it to eviction halfway. Called only by the runner; never patches mlx-vlm.
 """
 
 from __future__ import annotations
@@ -61,11 +63,19 @@ class VisionLanguageRows:
             n, T = inputs.shape
             embeds = self.vlm.embed(inputs)
             feats = self._features(rows, T)
-            for need, f in feats:
+            mask = np.zeros((n, T), dtype=bool)
+            deep: list[mx.array] = []  # deepstack levels of each image slice, in row-major order of ``mask``
+            for need, f in sorted(feats, key=lambda nf: (nf[0].row, nf[0].span.start)):
                 r = rows[need.row]
                 a, b = max(need.span.start, r.start), min(need.span.end, r.start + min(T, r.length))
-                embeds[need.row, a - r.start : b - r.start, :] = f[a - need.span.start : b - need.span.start]
-            return self.vlm.body(inputs, embeds, cache, mx.array(self._positions(rows, T)))
+                part = slice(a - need.span.start, b - need.span.start)
+                embeds[need.row, a - r.start : b - r.start, :] = f[part] if f.ndim == 2 else f[0, part]
+                if f.ndim == 3:
+                    mask[need.row, a - r.start : b - r.start] = True
+                    deep.append(f[1:, part])
+            levels = [mx.concatenate([d[k] for d in deep]) for k in range(deep[0].shape[0])] if deep else None
+            return self.vlm.body(inputs, embeds, cache, mx.array(self._positions(rows, T)),
+                                 deepstack=(mx.array(mask), levels) if levels else None)
 
         return fn
 
