@@ -112,6 +112,15 @@ def tiny_vl3_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl3moe_path() -> Path:
+    """A tiny random-weight Qwen3-VL-MoE (Qwen3-VL with mixture-of-experts text layers), loadable by ``mlx_vlm.load``."""
+    pytest.importorskip("mlx_vlm", reason="the vlm extra is not installed: pip install -e .[vlm]")
+    from mlxbatch.models.random_vlm import build_random_vlm
+
+    return build_random_vlm(CACHE / "tiny-qwen3-vl-moe", model_type="qwen3_vl_moe")
+
+
+@pytest.fixture(scope="session")
 def tiny_vlm_loaded(tiny_vlm_path: Path):
     from mlxbatch.engine.model.loader import ModelSpec, load_model
 

@@ -3,7 +3,8 @@
 Owns the recipe: a Qwen2-VL config (2 text layers, hidden 256; vision depth 2, embed 64), Qwen2.5-VL's (the same
 text model; a vision tower of width 64 with window attention in its first block and full attention in its second),
 or Qwen3-VL's (a Qwen3 text model of the same size, interleaved multimodal RoPE; 16-pixel patches and one deepstack
-level: features the tower adds to the language model's first layer at the image's positions), random weights saved
+level: features the tower adds to the language model's first layer at the image's positions; Qwen3-VL-MoE: 4 experts
+a layer, 2 a token), random weights saved
 in mlx-vlm's own layout, the small byte-level BPE of ``random_model`` plus the Qwen VL special
 tokens (``<|vision_start|>``, ``<|image_pad|>``, ...) and their chat template, and the image processor configs. The
 folder loads through ``mlx_vlm.load`` exactly like a real checkpoint (nothing on the generation path is special
@@ -71,6 +72,10 @@ KINDS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
                  {"hidden_size": 64, "out_hidden_size": 256, "intermediate_size": 128, "num_position_embeddings": 64,
                   "deepstack_visual_indexes": [0], "hidden_act": "gelu_pytorch_tanh"}),
 }
+KINDS["qwen3_vl_moe"] = ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLProcessor", *KINDS["qwen3_vl"][2:])
+# Qwen3-VL-MoE's text layers: 4 experts of width 128, 2 a token, in every layer
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+       "moe_intermediate_size": 128}
 
 
 def _tokenizer(out: Path) -> dict[str, int]:
@@ -122,9 +127,10 @@ def build_random_vlm(out: Path | str, seed: int = 0, model_type: str = "qwen2_vl
         "rope_scaling": {"type": "mrope", "mrope_section": mrope},
         "tie_word_embeddings": False,
     }
-    if model_type == "qwen3_vl":  # its text model's own section, as its checkpoints have it (Qwen3: per-head q/k
-        # norms, interleaved sections; the context only there: 8192 here, to tell it from a default)
-        text = {"text_config": {**text, "model_type": "qwen3_vl_text", "head_dim": head_dim,
+    if model_type.startswith("qwen3_vl"):  # its text model's own section, as its checkpoints have it (Qwen3:
+        # per-head q/k norms, interleaved sections; the context only there: 8192 here, to tell it from a default)
+        moe = MOE if model_type == "qwen3_vl_moe" else {}
+        text = {"text_config": {**text, **moe, "model_type": f"{model_type}_text", "head_dim": head_dim,
                                 "max_position_embeddings": 8192,
                                 "rope_scaling": {"rope_type": "default", "mrope_section": mrope,
                                                  "mrope_interleaved": True}},

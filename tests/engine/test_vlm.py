@@ -113,16 +113,24 @@ def tiny_vl3_loaded(tiny_vl3_path):
     return load_model(ModelSpec(str(tiny_vl3_path)))
 
 
-@pytest.mark.parametrize("model, model_type", [("tiny_vl25_loaded", "qwen2_5_vl"), ("tiny_vl3_loaded", "qwen3_vl")])
+@pytest.fixture(scope="module")
+def tiny_vl3moe_loaded(tiny_vl3moe_path):
+    from mlxbatch.engine import ModelSpec, load_model
+
+    return load_model(ModelSpec(str(tiny_vl3moe_path)))
+
+
+@pytest.mark.parametrize("model, model_type", [("tiny_vl25_loaded", "qwen2_5_vl"), ("tiny_vl3_loaded", "qwen3_vl"),
+                                               ("tiny_vl3moe_loaded", "qwen3_vl_moe")])
 def test_newer_qwen_vl_rows_match_mlx_vlm_alone_and_in_a_batch(model, model_type, request):
     """Qwen2.5-VL: its vision tower attends within windows (block 0) and over the whole image (block 1). Qwen3-VL:
     its tower's deepstack level is added to the language model's hidden states at the image's positions after the
     first layer, so each forward carries the slice of it its rows' image positions cover (without it the tokens
-    part from mlx-vlm's). Rows of several images and sizes, batched with a text row, prefilled in chunks of 16 tokens
+    part from mlx-vlm's); Qwen3-VL-MoE the same with mixture-of-experts text layers. Rows of several images and sizes, batched with a text row, prefilled in chunks of 16 tokens
     (images cut across chunks) and through the prefix cache, give mlx-vlm's own tokens and logprobs."""
     loaded = request.getfixturevalue(model)
     assert loaded.vlm.model_type == model_type
-    assert loaded.context_length == (8192 if model_type == "qwen3_vl" else 4096)  # (Qwen3-VL's: its text config's)
+    assert loaded.context_length == (8192 if model_type.startswith("qwen3") else 4096)  # (Qwen3-VL's: its text config's)
     rows = [(ASK, [picture(1)]), (ASK, [picture(2, 140, 84)]), (ASK, [picture(7)]),
             (ASK, [picture(4), picture(5, 56, 84)]), ("def main():\n    return", []), (ASK, [picture(1)])]
     got = matches_mlx_vlm(loaded, rows)
@@ -237,7 +245,7 @@ def test_a_vision_language_architecture_not_supported_is_refused_at_load(tiny_vl
     shutil.copytree(tiny_vl25_path, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "model_type": "gemma3"}))
-    with pytest.raises(ModelLoadError, match="'gemma3' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl"):
+    with pytest.raises(ModelLoadError, match="'gemma3' is not supported.*qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe"):
         load_model(ModelSpec(str(other)))
 
 

@@ -8,7 +8,7 @@ pixel values, image grids, one placeholder token per image feature), and the mod
 LM head. ``TextView`` shows the language model as an mlx-lm text model (tokens -> logits, ``.model`` / ``.lm_head``),
 so the worker, the warm-up and the runner's body/head split work on it unchanged.
 Supported: the Qwen VL family, Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``model_type`` ``qwen2_vl``, ``qwen2_5_vl``,
-``qwen3_vl``: multimodal RoPE positions and the same vision-tower call; Qwen3-VL's tower also gives deepstack levels,
+``qwen3_vl``, ``qwen3_vl_moe``: multimodal RoPE positions and the same vision-tower call; Qwen3-VL's tower also gives deepstack levels,
 which the body adds inside the language model: ``body(deepstack=...)``; each held to mlx-vlm's own generation by
 tests/engine/test_vlm.py); other architectures are refused with a clear error.
 """
@@ -29,7 +29,7 @@ import numpy as np
 from mlxbatch.errors import InvalidRequestError, ModelLoadError
 from mlxbatch.types import ImageInput
 
-SUPPORTED_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+SUPPORTED_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 IMAGE_MARKER = "<image>"  # in a prompt's text: where the next image goes
 
 
