@@ -1,14 +1,13 @@
 """A tiny random-weight Qwen2-VL, Qwen2.5-VL or Qwen3-VL model folder, for tests and benchmarks of vision-language rows.
 
-Owns the recipe: a Qwen2-VL config (2 text layers, hidden 256; vision depth 2, embed 64), Qwen2.5-VL's (the same
-text model; a vision tower of width 64 with window attention in its first block and full attention in its second),
-or Qwen3-VL's (a Qwen3 text model of the same size, interleaved multimodal RoPE; 16-pixel patches and one deepstack
-level: features the tower adds to the language model's first layer at the image's positions; Qwen3-VL-MoE: 4 experts
-a layer, 2 a token), random weights saved
-in mlx-vlm's own layout, the small byte-level BPE of ``random_model`` plus the Qwen VL special
-tokens (``<|vision_start|>``, ``<|image_pad|>``, ...) and their chat template, and the image processor configs. The
-folder loads through ``mlx_vlm.load`` exactly like a real checkpoint (nothing on the generation path is special
-cased). Built once per machine and reused while its ``.complete`` marker matches the recipe.
+Owns the recipe: a Qwen2-VL config (2 text layers, hidden 256; vision depth 2, embed 64), Qwen2.5-VL's (the same text
+model; a vision tower of width 64 with window attention in its first block and full attention in its second), or
+Qwen3-VL's (a Qwen3 text model of the same size, interleaved multimodal RoPE; 16-pixel patches and one deepstack
+level: features the tower adds to the language model's first layer at the image's positions; Qwen3-VL-MoE: 4 experts a
+layer, 2 a token), random weights saved in mlx-vlm's own layout, the small byte-level BPE of ``random_model`` plus the
+Qwen VL special tokens (``<|vision_start|>``, ``<|image_pad|>``, ...) and their chat template, and the image processor
+configs. The folder loads through ``mlx_vlm.load`` exactly like a real checkpoint (nothing on the generation path is
+special cased). Built once per machine and reused while its ``.complete`` marker matches the recipe.
 """
 
 from __future__ import annotations
