@@ -306,3 +306,30 @@ def test_out_of_memory_preempts_image_rows_and_loses_nothing(tiny_vlm_loaded):
         assert flaky.failures == 1 and eng.stats()["preemptions"] == 1
         assert eng.stats()["vision_cache"]["held_requests"] == 0
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+
+
+def test_a_4_bit_checkpoint_made_by_mlx_vlm_runs_as_mlx_vlm_runs_it(tiny_vl3_path, tmp_path):
+    """The checkpoints Macs run are mlx-vlm's quantized conversions (mlx-community's 4-bit VLMs): one made by
+    ``mlx_vlm.convert`` loads (dequantized on a CPU, as text checkpoints are; kept 4-bit on a GPU) and its rows give the
+    tokens of mlx-vlm's own generation with its quantized kernels."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_vlm import convert, load, stream_generate
+
+    from mlxbatch.engine import ModelSpec, load_model
+
+    q4 = tmp_path / "q4"
+    convert(str(tiny_vl3_path), str(q4), quantize=True, q_group_size=64, q_bits=4, trust_remote_code=False)
+    loaded = load_model(ModelSpec(str(q4)))
+    quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in loaded.vlm.model.named_modules())
+    assert quantized == (mx.default_device() != mx.cpu)
+    ref_model, ref_processor = load(str(q4))
+    rows = [(ASK, [picture(1)]), (ASK, [picture(7)]), (ASK, [picture(2, 140, 84)])]
+    with make_engine(loaded) as eng:
+        got = run(eng, rows)
+    for (prompt, images), g in zip(rows, got):
+        ref = [int(r.token) for r in stream_generate(ref_model, ref_processor, loaded.vlm.render(prompt, len(images)),
+                                                     image=[im.image for im in images],
+                                                     max_tokens=GREEDY.max_tokens, temperature=0.0)]
+        assert list(g.token_ids) == ref[:len(g.token_ids)]
+    assert got[0].token_ids != got[1].token_ids  # the pictures still tell apart after quantization
