@@ -9,14 +9,14 @@ prompts from the bench's workloads, so nothing is downloaded:
   (it compiles kernels), then a timed pass at the warm-up's size, sizes the main run to about ``RunSize.seconds``.
   Rows are compared on their first ``FIRST_TOKENS`` tokens and whole: in bfloat16 two correct paths part ways at a
   near-tie now and then, and a row differs from there on (the longer the row, the likelier).
-- ``forced_oom``: the same rows with ``batch_invariant`` (each row's bits independent of its batch), once unforced and
-  once per forced failure: a step's launch fails for lack of memory, either at once (``MemoryError``, as CUDA and
-  the CPU report it) or late, as Metal reports a failed allocation: the launch goes ahead and Metal's error comes at
-  the next synchronisation or op. The engine must discard every step not read yet, shrink the batch, recompute the
-  rows it dropped and give the unforced run's tokens. The failure is forced at the engine's device seam
-  (``Traffic.fault``, where tests/engine/test_late_oom.py fails the device too; the failed step's results are left
-  as they are, not made garbage as those tests make them); an engine without that seam makes this check say so
-  instead of passing.
+- ``forced_oom``: the same rows with ``batch_invariant`` (each row's bits independent of its batch; where the device
+  refuses it, without, and logprobs are compared within ``LOGPROB_TOLERANCE``), once unforced and once per forced
+  failure: a step's launch fails for lack of memory, either at once (``MemoryError``, as CUDA and the CPU report it)
+  or late, as Metal reports a failed allocation: the launch goes ahead and Metal's error comes at the next
+  synchronisation or op. The engine must discard every step not read yet, shrink the batch, recompute the rows it
+  dropped and give the unforced run's tokens. The failure is forced at the engine's device seam (``Traffic.fault``,
+  where tests/engine/test_late_oom.py fails the device too; the failed step's results are left as they are, not made
+  garbage as those tests make them); an engine without that seam makes this check say so instead of passing.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class ImageRef:
     source: str  # what messages name: the path as resolved, or "images[i] (N bytes)"
     path: Path | None = None
     data: bytes | None = None
-    max_pixels: int | None = None  # decoded larger, it is scaled down to at most this many pixels (input.max_image_pixels)
+    max_pixels: int | None = None  # decoded larger, it is scaled down to this many pixels (input.max_image_pixels)
 
 
 def _within(path: Path, roots: Sequence[Path]) -> bool:
@@ -244,7 +244,6 @@ def within_pixels(img: Any, most: int) -> Any:
     if w * h <= most:
         return img
     scale = math.sqrt(most / (w * h))
-    size = (max(1, math.floor(w * scale)), max(1, math.floor(h * scale)))
-    while size[0] * size[1] > most:  # (rounding)
-        size = (max(1, size[0] - 1), size[1]) if size[0] >= size[1] else (size[0], max(1, size[1] - 1))
-    return img.resize(size, Image.Resampling.LANCZOS)
+    w2 = max(1, math.floor(w * scale))  # (a side under one pixel is one: the other side then takes what is left)
+    h2 = max(1, min(math.floor(h * scale), most // w2))
+    return img.resize((min(w2, most // h2), h2), Image.Resampling.LANCZOS)

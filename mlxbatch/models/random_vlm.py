@@ -94,8 +94,8 @@ def _tokenizer(out: Path) -> dict[str, int]:
 
 
 def build_random_vlm(out: Path | str, seed: int = 0, model_type: str = "qwen2_vl") -> Path:
-    """Write the tiny random Qwen2-VL (``model_type`` ``qwen2_vl``) or Qwen2.5-VL (``qwen2_5_vl``) model to ``out``
-    (reused when complete); returns the folder."""
+    """Write the tiny random model of ``model_type`` (a key of ``KINDS``: ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``,
+    ``qwen3_vl_moe``) to ``out`` (reused when complete); returns the folder."""
     import importlib
 
     import mlx.core as mx

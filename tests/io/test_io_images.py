@@ -206,3 +206,8 @@ def test_an_image_over_the_pixel_bound_is_scaled_down_keeping_its_shape(tmp_path
     kept = load_image(dataclasses.replace(ref_small, max_pixels=bound))
     assert kept.image.size == (60, 40) and kept.content_hash == plain.content_hash
     assert load_image(ref_big).image.size == (400, 300)  # no bound: as it is
+    strip = tmp_path / "strip.png"  # a side scaled under one pixel is one; the other keeps within the bound
+    Image.new("RGB", (4000, 3)).save(strip)
+    (ref_strip,) = image_refs("strip.png", tmp_path)
+    got = load_image(dataclasses.replace(ref_strip, max_pixels=784)).image
+    assert got.height == 1 and got.width * got.height <= 784, got.size

@@ -7,10 +7,10 @@ pixel values, image grids, one placeholder token per image feature), and the mod
 ``rope_delta``), ``language_model.model`` (the text body, called with ``inputs_embeds`` and ``position_ids``) and the
 LM head. ``TextView`` shows the language model as an mlx-lm text model (tokens -> logits, ``.model`` / ``.lm_head``),
 so the worker, the warm-up and the runner's body/head split work on it unchanged.
-Supported: the Qwen VL family, Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``model_type`` ``qwen2_vl``, ``qwen2_5_vl``,
-``qwen3_vl``, ``qwen3_vl_moe``: multimodal RoPE positions and the same vision-tower call; Qwen3-VL's tower also gives deepstack levels,
-which the body adds inside the language model: ``body(deepstack=...)``; each held to mlx-vlm's own generation by
-tests/engine/test_vlm.py); other architectures are refused with a clear error.
+Supported: the Qwen VL family, Qwen2-VL, Qwen2.5-VL and Qwen3-VL, dense or MoE (``model_type`` ``qwen2_vl``,
+``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe``: multimodal RoPE positions and the same vision-tower call; Qwen3-VL's
+tower also gives deepstack levels, which the body adds inside the language model: ``body(deepstack=...)``; each held
+to mlx-vlm's own generation by tests/engine/test_vlm.py); other architectures are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ class VisionLanguageModel:
     def render(self, prompt: str | Sequence[dict[str, Any]], num_images: int) -> str:
         """The prompt's text with image placeholders (the chat template, unless the text already has them). Each
         ``<image>`` in the text of a user message (or of a string prompt) is where the next image goes; without one,
-        the images go where mlx-vlm's chat helper puts them for this model (Qwen2-VL: after the text, Qwen2.5-VL:
-        before it)."""
+        the images go where mlx-vlm's chat helper puts them for this model (Qwen2-VL: after the text, Qwen2.5-VL and
+        Qwen3-VL: before it)."""
         from mlx_vlm.prompt_utils import apply_chat_template
 
         if isinstance(prompt, str) and self.image_token in prompt:

@@ -63,14 +63,15 @@ class VisionLanguageRows:
             n, T = inputs.shape
             embeds = self.vlm.embed(inputs)
             feats = self._features(rows, T)
-            mask = np.zeros((n, T), dtype=bool)
-            deep: list[mx.array] = []  # deepstack levels of each image slice, in row-major order of ``mask``
+            mask = None  # the image positions whose deepstack levels this forward passes (Qwen3-VL)
+            deep: list[mx.array] = []  # those levels of each image slice, in row-major order of ``mask``
             for need, f in sorted(feats, key=lambda nf: (nf[0].row, nf[0].span.start)):
                 r = rows[need.row]
                 a, b = max(need.span.start, r.start), min(need.span.end, r.start + min(T, r.length))
                 part = slice(a - need.span.start, b - need.span.start)
                 embeds[need.row, a - r.start : b - r.start, :] = f[part] if f.ndim == 2 else f[0, part]
                 if f.ndim == 3:
+                    mask = np.zeros((n, T), dtype=bool) if mask is None else mask
                     mask[need.row, a - r.start : b - r.start] = True
                     deep.append(f[1:, part])
             levels = [mx.concatenate([d[k] for d in deep]) for k in range(deep[0].shape[0])] if deep else None
