@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxbatch.engine.backend import Backend
+from mlxbatch.engine.model import early_kernels
 from mlxbatch.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
 
         if is_vlm_folder(Path(source)):
             return _load_vision_language(spec, Path(source))
+        _kernels_early(spec, Path(source))
     if spec.adapter_path is not None:
         ap = Path(spec.adapter_path).expanduser()
         if not (ap / "adapter_config.json").exists() or not (ap / "adapters.safetensors").exists():
@@ -154,13 +156,28 @@ def stored_dtype(model: nn.Module) -> str:
     return max(counts, key=counts.__getitem__) if counts else "bfloat16"
 
 
-def _choose_dtype(spec: ModelSpec, on_cpu: bool, stored: str) -> str:
+def _kernels_early(spec: ModelSpec, folder: Path) -> None:
+    """On CUDA, the engine's attention kernels built while the weights load (``early_kernels``), in the dtype this
+    load will choose from what the folder stores."""
+    backend = Backend.detect()
+    if backend.cuda:
+        mx.eval(mx.zeros(1))  # the device set up on this thread first: the build's thread then finds it ready
+        stored = early_kernels.stored_dtype_on_disk(folder)
+        early_kernels.start(folder, backend, DTYPES[_dtype_for(spec, False, stored or "bfloat16")])
+
+
+def _dtype_for(spec: ModelSpec, on_cpu: bool, stored: str) -> str:
+    """The dtype a model runs in: the one asked for; else float32 on a CPU, what is stored elsewhere (bfloat16 for
+    what MLX does not run, e.g. float64)."""
     if spec.dtype != "auto":
-        dtype = spec.dtype
-    elif on_cpu:
+        return spec.dtype
+    if on_cpu:
         return "float32"  # bf16/fp16/quantized matmuls bypass BLAS on CPU and are slow
-    else:
-        dtype = stored if stored in DTYPES else "bfloat16"
+    return stored if stored in DTYPES else "bfloat16"
+
+
+def _choose_dtype(spec: ModelSpec, on_cpu: bool, stored: str) -> str:
+    dtype = _dtype_for(spec, on_cpu, stored)
     if dtype == "float32" and not on_cpu and spec.model not in _warned_float32:
         # twice the bytes a step reads and half the matmul speed: issue 47's labeling job on an H100 ran at 467
         # rows/s with the same weights as float32 against 717 as bfloat16

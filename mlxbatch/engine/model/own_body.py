@@ -22,7 +22,7 @@ from mlxbatch.engine.model.fused import FusedLayer, fuse_layers
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
 _LAYER = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
-_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}  # the architectures (config `model_type`) it knows
 
 
 def _projected(attn: Any, x: mx.array, fused: FusedLayer | None) -> tuple[mx.array, mx.array, mx.array, bool]:
@@ -110,7 +110,7 @@ class OwnBody:
 
 
 def _shaped(model: Any, body: Any) -> bool:
-    if getattr(model, "model_type", None) not in _MODEL_TYPES:
+    if getattr(model, "model_type", None) not in MODEL_TYPES:
         return False
     if not all(hasattr(body, a) for a in ("embed_tokens", "layers", "norm")) or not body.layers:
         return False
