@@ -33,7 +33,7 @@ from mlxbatch.engine.sched.setup import build_scheduler
 from mlxbatch.engine.sched.step import SchedulerOutput
 from mlxbatch.engine.vision.adapter import MultimodalPrompt
 from mlxbatch.engine.warmup import WarmUpReport, exercise
-from mlxbatch.errors import EngineClosedError, OutOfMemoryError
+from mlxbatch.errors import EngineClosedError, InvalidRequestError, OutOfMemoryError
 from mlxbatch.types import ImageInput, RequestOutput, SamplingParams, StreamDelta
 
 __all__ = ["EngineCore", "Prompt"]  # Prompt: api and async_core import it from here
@@ -148,6 +148,25 @@ class EngineCore:
             raise EngineClosedError("the engine has shut down")
         return self._queue(self.intake.request(prompt, params, request_id, stream, cache_tokens, images,
                                                self._groups, block_hashes))
+
+    def prepare_request(self, token_ids: Sequence[int], params: SamplingParams, request_id: str,
+                        cache_tokens: int | None = None, block_hashes: Sequence[int] | None = None) -> RequestGroup:
+        """``add_request``'s validation of a token-id prompt without queueing it (``queue_request`` does): made on a
+        thread beside the step loop's, it reads only the intake (no images: their encoding evaluates; no output
+        constraint: its compiler is the loop's). Raises InvalidRequestError as ``add_request`` does; an id in flight is
+        refused when queued."""
+        if params.constraint is not None:
+            raise ValueError("a request with an output constraint is prepared by add_request, on the step loop")
+        return self.intake.request(token_ids, params, request_id, False, cache_tokens, (), (), block_hashes)
+
+    def queue_request(self, group: RequestGroup) -> str:
+        """Queue a request ``prepare_request`` made (the step loop's thread); InvalidRequestError when its id is in
+        flight."""
+        if self._closed:
+            raise EngineClosedError("the engine has shut down")
+        if group.request_id in self._groups:
+            raise InvalidRequestError("request_id", group.request_id, "already in flight")
+        return self._queue(group)
 
     def add_score_request(self, context: Prompt, continuations: Sequence[str | Sequence[int]],
                           request_id: str | None = None, cache_tokens: int | None = None) -> str:

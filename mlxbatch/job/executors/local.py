@@ -10,6 +10,7 @@ import dataclasses
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from mlxbatch.config import EngineConfig
@@ -77,6 +78,25 @@ class InFlight:
         return out
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A row task made ready off the step loop (``RowEngine.prepare``): its request, or the error refusing it;
+    neither for a row that ``submit`` prepares itself."""
+
+    task: RowTask
+    group: Any = None  # the engine's request (``EngineCore.prepare_request``)
+    refused: RowDone | None = None
+
+
+def _refusal(task: RowTask, exc: InvalidRequestError | ImageError) -> RowDone:
+    """The error row of a task the engine refused (kind ``request``, ``constraint`` or ``image``)."""
+    if isinstance(exc, ImageError):
+        kind = "image"
+    else:
+        kind = "constraint" if exc.field == "constraint" else "request"
+    return RowDone(task.key, None, f"{task.row_id}: {exc}", kind)
+
+
 class RowEngine:
     """One engine running row tasks: refused rows come back as errors (kind ``request``, ``constraint`` or
     ``image``) on the next ``step``, never as exceptions."""
@@ -94,14 +114,32 @@ class RowEngine:
             self._warm_up_due = False
             self.core.warm_up()
 
-    def submit(self, task: RowTask) -> None:
+    def prepare(self, task: RowTask) -> Prepared:
+        """A text row's request made ready for ``submit`` (its checks, its sequences) where a thread beside the one
+        that steps can do it: the engine's process does so on its input thread, while its stepping thread waits for
+        the device. Rows with images, candidates or an output constraint are prepared by ``submit`` itself."""
+        if task.token_ids is None or task.images or task.candidates is not None or task.params.constraint is not None:
+            return Prepared(task)
         try:
-            submit(self.core, task)
+            return Prepared(task, self.core.prepare_request(task.token_ids, task.params, task.key, task.cache_tokens,
+                                                            task.block_hashes))
         except InvalidRequestError as exc:
-            kind = "constraint" if exc.field == "constraint" else "request"
-            self._refused.append(RowDone(task.key, None, f"{task.row_id}: {exc}", kind))
-        except ImageError as exc:
-            self._refused.append(RowDone(task.key, None, f"{task.row_id}: {exc}", "image"))
+            return Prepared(task, refused=_refusal(task, exc))
+
+    def submit(self, task: RowTask | Prepared) -> None:
+        """Queue a row (a task, or one ``prepare`` made ready); a row the engine refuses comes back as an error on the
+        next ``step``."""
+        item = task if isinstance(task, Prepared) else Prepared(task)
+        if item.refused is not None:
+            self._refused.append(item.refused)
+            return
+        try:
+            if item.group is not None:
+                self.core.queue_request(item.group)
+            else:
+                submit(self.core, item.task)
+        except (InvalidRequestError, ImageError) as exc:
+            self._refused.append(_refusal(item.task, exc))
 
     @property
     def has_work(self) -> bool:
