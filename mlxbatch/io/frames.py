@@ -32,25 +32,45 @@ def read_frame(stream: BinaryIO) -> bytes | None:
     return data if len(data) == n else None
 
 
+class _Later:
+    """A message the writer's thread pickles (``FrameWriter.send_later``)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: Any) -> None:
+        self.message = message
+
+
 class FrameWriter:
-    """Frames written to a stream by a thread of its own, in the order sent: the sender only pickles. A write to a
-    pipe blocks while the pipe is full, until the other side's reader drains it (that reader waits for its own
-    process's GIL): the engine's process measured 0.9 s of its stepping thread's 64 s in writes of finished rows (a
-    20,000-row job on a 2-core CPU, py-spy) before its frames went this way. Frames queued together go in one write.
+    """Frames written to a stream by a thread of its own, in the order sent: the sender only pickles (or not even
+    that: ``send_later``). A write to a pipe blocks while the pipe is full, until the other side's reader drains it
+    (that reader waits for its own process's GIL): the engine's process measured 0.9 s of its stepping thread's 64 s
+    in writes of finished rows (a 20,000-row job on a 2-core CPU, py-spy) before its frames went this way. Frames
+    queued together go in one write.
     """
 
     def __init__(self, stream: BinaryIO, name: str) -> None:
         self._stream = stream
-        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self.error: OSError | None = None  # what stopped the writes (the other side is gone); frames after it are dropped
+        self._queue: queue.SimpleQueue[bytes | _Later | None] = queue.SimpleQueue()
+        # what stopped the writes: the other side gone (OSError), or a message ``send_later`` took that did not
+        # pickle; frames after it are dropped
+        self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._write, name=name, daemon=True)
         self._thread.start()
 
     def send(self, message: Any) -> None:
-        """Queue ``message`` as a frame; raises the error that stopped the writes."""
+        """Queue ``message`` as a frame, pickled now; raises the error that stopped the writes."""
         if self.error is not None:
             raise self.error
         self._queue.put(frame(message))
+
+    def send_later(self, message: Any) -> None:
+        """Queue ``message``, pickled by the writer's thread (the sender's time is the one that counts: the engine
+        process's stepping thread spent 0.9 s of an H100's 100k-row job pickling finished rows). Nothing in it may
+        change once sent. Raises the error that stopped the writes."""
+        if self.error is not None:
+            raise self.error
+        self._queue.put(_Later(message))
 
     def close(self, timeout: float | None = None) -> bool:
         """Write what is queued, then stop; False when that took longer than ``timeout`` seconds."""
@@ -67,6 +87,13 @@ class FrameWriter:
                 if item is None:
                     end = True
                     break
+                if isinstance(item, _Later):
+                    try:
+                        item = frame(item.message)
+                    except Exception as exc:  # noqa: BLE001 - raised to the sender by its next send
+                        self.error = exc  # (the frames before it are written, none after)
+                        end = True
+                        break
                 frames.append(item)
                 try:
                     item = self._queue.get_nowait()

@@ -251,9 +251,9 @@ def serve() -> None:
         inbox.put(None)
 
     threading.Thread(target=read, name="mlxbatch-engine-input", daemon=True).start()
-    writer = FrameWriter(out, "mlxbatch-engine-output")  # (the stepping thread only pickles what it sends)
+    writer = FrameWriter(out, "mlxbatch-engine-output")  # (finished rows are pickled by its thread, not the stepping one)
     try:
-        _serve(inbox, writer.send, engines)
+        _serve(inbox, writer, engines)
     except BrokenPipeError:  # the run is gone
         return
     except BaseException as exc:  # noqa: BLE001 - the run raises it
@@ -265,7 +265,7 @@ def serve() -> None:
         writer.close()  # what was sent is written before the child exits (at once when the run is gone)
 
 
-def _serve(inbox: queue.Queue[Any], send: Any, engines: list[RowEngine]) -> None:
+def _serve(inbox: queue.Queue[Any], writer: FrameWriter, engines: list[RowEngine]) -> None:
     from mlxbatch.engine import load_model
 
     setup = _take(inbox, block=True)
@@ -279,12 +279,12 @@ def _serve(inbox: queue.Queue[Any], send: Any, engines: list[RowEngine]) -> None
     engine = RowEngine(loaded, engine_config(spec.engine, spec.seed, row_tokens_hint(spec)), warm_up_later=True)
     engines.append(engine)  # (the input thread prepares rows with it from now on)
     core = engine.core
-    send(("info", EngineInfo(loaded.identity, loaded.dtype, loaded.vlm is not None, loaded.context_length,
+    writer.send(("info", EngineInfo(loaded.identity, loaded.dtype, loaded.vlm is not None, loaded.context_length,
                              core.reuse_step, core.config.max_num_seqs, core.batch_size.describe())))
     engine.warm_up()
-    send(("ready", engine.stats()))
+    writer.send(("ready", engine.stats()))
     with generating():  # the run's interpreter settings: a short switch interval, a quiet collector
-        _step_loop(inbox, send, engine)
+        _step_loop(inbox, writer, engine)
 
 
 def _take(inbox: queue.Queue[Any], block: bool) -> Any:
@@ -296,7 +296,7 @@ def _take(inbox: queue.Queue[Any], block: bool) -> Any:
     return message
 
 
-def _step_loop(inbox: queue.Queue[Any], send: Any, engine: RowEngine) -> None:
+def _step_loop(inbox: queue.Queue[Any], writer: FrameWriter, engine: RowEngine) -> None:
     cpu0 = time.thread_time()
 
     def stats() -> dict[str, Any]:  # the engine's counters and the CPU time of the thread that steps it
@@ -320,13 +320,13 @@ def _step_loop(inbox: queue.Queue[Any], send: Any, engine: RowEngine) -> None:
                 for key in args[0]:
                     engine.abort(key)
             elif kind == "stats":
-                send(("stats", stats()))
+                writer.send(("stats", stats()))
         if engine.has_work:
             done = engine.step()
-            if done:
-                send(("done", done))
+            if done:  # (finished rows change no more: the writer's thread pickles them)
+                writer.send_later(("done", done))
             if time.monotonic() - last_stats >= STATS_EVERY_S:
-                send(("stats", stats()))
+                writer.send(("stats", stats()))
                 last_stats = time.monotonic()
 
 
