@@ -16,6 +16,7 @@ from mlxbatch.engine.decoding.detok import byte_of_char
 from mlxbatch.engine.decoding.structured import GrammarCompiler, grammar_text
 from mlxbatch.engine.dry_run import DryModel, DryRun
 from mlxbatch.engine.inputs import PromptEncoder
+from mlxbatch.engine.intake import RequestGroup
 from mlxbatch.engine.kv import LayoutOptions
 from mlxbatch.engine.model.device_speed import measure as measure_device_speed
 from mlxbatch.engine.model.loader import LoadedModel, ModelSpec, load_model, resolve_path
@@ -26,6 +27,6 @@ from mlxbatch.engine.sched.planner import common_prefix_len, plan, submission_or
 from mlxbatch.engine.vision.adapter import is_vlm_folder
 
 __all__ = ["REGISTRY", "AsyncEngineCore", "Backend", "DeviceInfo", "DryModel", "DryRun", "Engine", "EngineConfig",
-           "EngineCore", "GrammarCompiler", "LayoutOptions", "LoadedModel", "ModelSpec", "PromptEncoder",
+           "EngineCore", "GrammarCompiler", "LayoutOptions", "LoadedModel", "ModelSpec", "PromptEncoder", "RequestGroup",
            "byte_of_char", "common_prefix_len", "device_info", "grammar_text", "is_vlm_folder", "load_model", "measure_device_speed",
            "plan", "prompt_block_hashes", "resolve_path", "submission_order"]

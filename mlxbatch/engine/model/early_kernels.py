@@ -1,7 +1,7 @@
 """The attention kernels' compiles begun before a text model's weights load (CUDA).
 
 An engine on the CUDA text path builds its attention kernels (``AttentionKernels.create``: an NVRTC compile and a probe
-each, 5-7 s on an H100 host, in every process) after the model has loaded, on the same thread: the start of every GPU
+each: 4-7 s on an H100 host, in every process) after the model has loaded, on the same thread: the start of every GPU
 job waited for both in turn (docs/benchmarks.md, `4a0b041`). The engine asks for the model's attention geometry and
 dtype, which the checkpoint folder says before anything loads: ``config.json`` (heads, key-value heads, head size, the
 architecture: only those whose body the engine runs itself use the kernels, ``own_body``) and the safetensors headers

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxbatch.config import EngineConfig
-from mlxbatch.engine import REGISTRY, EngineCore, LoadedModel
+from mlxbatch.engine import REGISTRY, EngineCore, LoadedModel, RequestGroup
 from mlxbatch.errors import InvalidRequestError
 from mlxbatch.job.executors.base import Finished, ModelInfo, RowDone, engine_config, model_spec, row_tokens_hint
 from mlxbatch.job.executors.ray.progress import clear_progress
@@ -84,7 +84,7 @@ class Prepared:
     neither for a row that ``submit`` prepares itself."""
 
     task: RowTask
-    group: Any = None  # the engine's request (``EngineCore.prepare_request``)
+    group: RequestGroup | None = None  # the engine's request (``EngineCore.prepare_request``)
     refused: RowDone | None = None
 
 
