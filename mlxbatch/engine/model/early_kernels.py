@@ -60,10 +60,8 @@ def kernel_geometry(config: dict[str, Any]) -> tuple[int, int, int] | None:
 
 def start(folder: Path, backend: Backend, dtype: mx.Dtype) -> bool:
     """Begin building the attention kernels the engine will ask for a model in ``folder`` run in ``dtype``: True
-    when begun (CUDA, a text model whose body the engine runs; ``prefill``: the CUDA text path's, as an engine
-    without ``batch_invariant`` asks)."""
-    if not backend.cuda:
-        return False
+    when begun (CUDA, ``build_early``'s rule; a text model whose body the engine runs; ``prefill``: the CUDA text
+    path's, as an engine without ``batch_invariant`` asks)."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):

@@ -129,17 +129,16 @@ class RowEngine:
     def submit(self, task: RowTask | Prepared) -> None:
         """Queue a row (a task, or one ``prepare`` made ready); a row the engine refuses comes back as an error on the
         next ``step``."""
-        item = task if isinstance(task, Prepared) else Prepared(task)
-        if item.refused is not None:
-            self._refused.append(item.refused)
-            return
+        row = task.task if isinstance(task, Prepared) else task
         try:
-            if item.group is not None:
-                self.core.queue_request(item.group)
+            if not isinstance(task, Prepared) or (task.group is None and task.refused is None):
+                submit(self.core, row)  # (a task as it came: no wrapper made on the step loop)
+            elif task.refused is not None:
+                self._refused.append(task.refused)
             else:
-                submit(self.core, item.task)
+                self.core.queue_request(task.group)
         except (InvalidRequestError, ImageError) as exc:
-            self._refused.append(_refusal(item.task, exc))
+            self._refused.append(_refusal(row, exc))
 
     @property
     def has_work(self) -> bool:
