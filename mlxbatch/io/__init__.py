@@ -39,13 +39,13 @@ from mlxbatch.io.records import InputRow, ResultRecord
 from mlxbatch.io.recovery import RecoveryReport
 from mlxbatch.io.schema import SHARD_SCHEMA, from_arrow, to_arrow
 from mlxbatch.io.selection import ExpectedRow
-from mlxbatch.io.writers import FinalOutputs, finalize, input_column_names
+from mlxbatch.io.writers import FinalOutputs, finalize, input_column_names, input_planner
 
 __all__ = [
     "PROGRESS_NAME", "SHARD_SCHEMA", "CheckpointError", "CheckpointStore", "DuplicateIdTracker", "ExpectedRow", "FinalOutputs",
     "IncompleteResultsError", "InputError", "InputFormat", "InputRow", "InputSpec", "OpenAIBatchOutputs",
     "OutputError", "RecoveryReport", "ResolvedInput", "ResultRecord", "ShardInfo", "canonical_params",
-    "clear_success", "count_rows", "finalize", "foreign_files", "from_arrow", "input_column_names", "input_schema",
+    "clear_success", "count_rows", "finalize", "foreign_files", "from_arrow", "input_column_names", "input_planner", "input_schema",
     "mark_success", "open_reader", "published_report", "remove_outputs", "resolve_inputs", "result_key", "to_arrow", "write_dataset_card",
     "write_openai_batch_output", "write_report",
 ]

@@ -6,6 +6,9 @@ input, its endpoint, in the order the rows were read. ``columns()`` hands them t
 they are (``ExpectedColumns``), and ``urls()`` streams the endpoints: the run reads its input once, and the final
 Parquet and the OpenAI output come from here, not from a second pass that renders and keys every row again. Memory
 stays bounded: rows go to disk in chunks. A write that fails (a full disk) raises ``OutputError`` naming the file.
+Given the results' input-column planner (``writers.input_planner``), each chunk's inputs, as they are read back, are
+shown to it when the chunk is written: ``finalize``'s first pass over them (their columns' types), done on the thread
+that reads the input while rows run instead of after the last one (0.2-0.3 s of a 100k-row job's results).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from mlxbatch.io.atomic import TMP_SUFFIX
+from mlxbatch.io.columns import ColumnPlanner, decode_inputs
 from mlxbatch.io.errors import OutputError
 from mlxbatch.io.output_folder import RESULTS_NAME, oserror_text
 from mlxbatch.io.schema import encode_json
@@ -33,8 +37,9 @@ class ExpectedSpool:
     """Rows appended in input order by one writer (``add``), complete once ``close`` is called, read back any
     number of times (``columns``, ``urls``), deleted by ``remove``."""
 
-    def __init__(self, out_dir: str | Path) -> None:
+    def __init__(self, out_dir: str | Path, planner: ColumnPlanner | None = None) -> None:
         self.path = Path(out_dir) / EXPECTED_SPOOL
+        self._planner = planner  # (see the module's docstring; None: finalize observes the inputs itself)
         self._writer: ipc.RecordBatchFileWriter | None = None
         self._pending: tuple[list[str], list[str], list[str], list[str | None]] = ([], [], [], [])
         self.complete = False  # closed after the whole input was read
@@ -56,6 +61,8 @@ class ExpectedSpool:
             with _writing(self.path):
                 self._writer.write_batch(pa.record_batch([pa.array(c, pa.string()) for c in self._pending],
                                                          schema=_SCHEMA))
+            if self._planner is not None:  # the inputs as finalize reads them back: their JSON decoded
+                self._planner.observe(decode_inputs(self._pending[2]))
             for column in self._pending:
                 column.clear()
 
@@ -75,7 +82,7 @@ class ExpectedSpool:
 
     def columns(self) -> ExpectedColumns:
         table = self._table(["row_id", "key", "inputs"])
-        return ExpectedColumns(table.column("row_id"), table.column("key"), table.column("inputs"))
+        return ExpectedColumns(table.column("row_id"), table.column("key"), table.column("inputs"), self._planner)
 
     def urls(self) -> Iterator[str | None]:
         for chunk in self._table(["url"]).column("url").chunks:

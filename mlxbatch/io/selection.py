@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from mlxbatch.io.atomic import TMP_SUFFIX
-from mlxbatch.io.columns import decode_inputs
+from mlxbatch.io.columns import ColumnPlanner, decode_inputs
 from mlxbatch.io.schema import encode_json
 from mlxbatch.io.shard_index import ShardIndex
 
@@ -46,6 +46,9 @@ class ExpectedColumns:
     row_ids: pa.ChunkedArray
     keys: pa.ChunkedArray
     inputs: pa.ChunkedArray
+    # the input columns' planner, which has seen every one of these rows' inputs (``finalize``'s first pass over them,
+    # done as they were spooled); None: ``finalize`` reads them for it
+    observed: ColumnPlanner | None = None
 
 
 @dataclass(frozen=True)

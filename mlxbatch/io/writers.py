@@ -67,6 +67,12 @@ def input_column_names(names: Sequence[str]) -> list[str]:
     return names[len(head):names.index(first)]
 
 
+def input_planner(keep_columns: Sequence[str] | None, input_types: Mapping[str, pa.DataType] | None) -> ColumnPlanner:
+    """The planner of the results' input columns (``finalize``'s, or one an ``ExpectedSpool`` shows the rows to as
+    they are read: ``ExpectedColumns.observed``)."""
+    return ColumnPlanner(keep_columns, RESULT_COLUMNS, input_types)
+
+
 @dataclass(frozen=True)
 class FinalOutputs:
     """What ``finalize`` wrote."""
@@ -192,12 +198,16 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
         ids = sel.row_ids.take(pa.array(where)).to_pylist() if sel.row_ids is not None else []
         raise IncompleteResultsError(missing_rows, ids)
 
-    planner = ColumnPlanner(keep_columns, RESULT_COLUMNS, input_types)
+    observed = expected.observed if isinstance(expected, ExpectedColumns) else None
+    planner = observed if observed is not None else input_planner(keep_columns, input_types)
     has_extra = index.column_has_values("extra") or bool(extra_types)
     extra_planner = ColumnPlanner(None, RESULT_COLUMNS, extra_types, always=list(extra_types or ()))
-    for part in _chunks(n, row_group_size):  # first pass: the expanded columns' names and types
-        got = index.gather(sel.positions[part], ["inputs", "extra"] if has_extra else ["inputs"])
-        planner.observe(inputs_of(got, sel, part))
+    for part in _chunks(n, row_group_size) if observed is None or has_extra else ():
+        # first pass: the expanded columns' names and types (the inputs' seen already where the spool showed them)
+        got = index.gather(sel.positions[part], (["inputs"] if observed is None else []) + (["extra"] if has_extra
+                                                                                           else []))
+        if observed is None:
+            planner.observe(inputs_of(got, sel, part))
         if has_extra:  # keys starting with "_" are checkpoint bookkeeping (e.g. the engine actor): not output
             extra_planner.observe([{k: v for k, v in d.items() if not k.startswith("_")}
                                    for d in decode_inputs(got.column("extra").to_pylist())])

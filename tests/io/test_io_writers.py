@@ -188,3 +188,40 @@ def test_a_card_that_cannot_be_written_is_an_output_error(tmp_path: Path, monkey
     monkeypatch.setattr(card, "atomic_write_bytes", full)
     with pytest.raises(OutputError, match="could not write .*README.md: No space left on device"):
         write_dataset_card(tmp_path)
+
+
+def test_a_spool_shows_the_planner_its_inputs_and_finalize_reads_them_once(tmp_path: Path, monkeypatch) -> None:
+    """The run's ``ExpectedSpool`` shows the results' input-column planner each chunk it writes (on the thread that
+    reads the input): ``finalize`` then decodes the inputs only to write them, and writes what it writes without."""
+    import mlxbatch.io.expected as expected_mod
+    import mlxbatch.io.writers as writers_mod
+    from mlxbatch.io import input_planner
+    from mlxbatch.io.expected import ExpectedSpool
+
+    monkeypatch.setattr(expected_mod, "_CHUNK", 4)  # several chunks: types settle across them as across row groups
+    decoded: list[int] = []
+    inputs_of = writers_mod.inputs_of
+    monkeypatch.setattr(writers_mod, "inputs_of", lambda got, sel, part: decoded.append(1) or inputs_of(got, sel, part))
+
+    def inputs(i: int) -> dict:
+        row = {"q": f"question {i}", "n": i, "num": 1.5 if i == 9 else i, "mixed": "x" if i == 4 else i}
+        return row | ({"late": [i, i + 1]} if i > 20 else {})
+
+    with CheckpointStore(tmp_path / "store") as store:
+        store.append([make_record(i, inputs=inputs(int(i[2:]))) for i in reversed(IDS)])
+        written = {}
+        for name, planner in [("seen", input_planner(None, {})), ("plain", None)]:
+            out = tmp_path / name
+            out.mkdir()
+            spool = ExpectedSpool(out, planner)
+            for i in IDS:
+                spool.add(i, make_record(i).key, inputs(int(i[2:])))
+            spool.close()
+            decoded.clear()
+            final = finalize(store, out, spool.columns(), keep_columns=None, row_group_size=10)
+            written[name] = (pq.read_table(final.results_path), len(decoded), final.input_columns)
+    seen, plain = written["seen"], written["plain"]
+    assert seen[0].equals(plain[0]) and seen[2] == plain[2] == ("q", "n", "num", "mixed", "late")
+    assert seen[0].schema.field("num").type == pa.float64() and seen[0].schema.field("mixed").type == pa.string()
+    assert seen[0].schema.field("late").type == pa.list_(pa.int64())
+    assert (seen[1], plain[1]) == (3, 6)  # 3 row groups: decoded once each, against twice without the spool's planner

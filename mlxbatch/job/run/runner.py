@@ -36,6 +36,7 @@ from mlxbatch.io import (
     ResultRecord,
     clear_success,
     finalize,
+    input_planner,
     input_schema,
     mark_success,
     open_reader,
@@ -205,7 +206,8 @@ class JobRunner:
         model = executor.model
         batch_invariant = record_invariance(store, spec)
         columns = dict(keep_columns=spec.input.columns, **output_columns(spec, model.tokenizer, self._input_schema()))
-        spool = ExpectedSpool(spec.output)
+        # (the spool shows the results' input-column planner each chunk of inputs as the feed reads them)
+        spool = ExpectedSpool(spec.output, input_planner(columns["keep_columns"], columns["input_types"]))
         try:
             try:
                 stats = self._generate(spec, store, executor, is_openai, spool=spool)
