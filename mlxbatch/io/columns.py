@@ -155,10 +155,22 @@ def revive(value: Any, dtype: pa.DataType) -> Any:
     return value
 
 
+def _as_they_are(values: list[Any], dtype: pa.DataType) -> bool:
+    """Whether ``revive`` leaves every value as it is: numbers, booleans and nulls always; strings when every value is
+    one (a declared string column's other values become JSON text). Most declared columns (a Parquet input's numbers
+    and strings, the task's counts) skip ``revive``, ~2 us a value on a CPU (the 100k-row job's ``cached_tokens``
+    alone took 0.2 s of its results)."""
+    if pa.types.is_integer(dtype) or pa.types.is_floating(dtype) or pa.types.is_boolean(dtype) or \
+            pa.types.is_null(dtype):
+        return True
+    return (pa.types.is_string(dtype) or pa.types.is_large_string(dtype)) and \
+        all(v is None or isinstance(v, str) for v in values)
+
+
 def _declared_array(values: list[Any], column: InputColumn) -> pa.Array:
     """Values revived to the declared type; a value that does not fit becomes null (with a warning), so the
     column keeps its type whatever one row holds."""
-    revived = [revive(v, column.type) for v in values]
+    revived = values if _as_they_are(values, column.type) else [revive(v, column.type) for v in values]
     try:
         return pa.array(revived, type=column.type)
     except _CONVERT_ERRORS:
