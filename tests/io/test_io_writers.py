@@ -228,8 +228,8 @@ def test_a_spool_shows_the_planner_its_inputs_and_finalize_reads_them_once(tmp_p
 
 
 def test_declared_columns_are_revived_only_where_values_are_not_as_they_are(tmp_path: Path, monkeypatch) -> None:
-    """A Parquet input's own types and the task's declared columns: numbers and plain strings are written as they
-    are (no per-value ``revive``), JSON forms become their types (ISO timestamps, base64 bytes), and a string column
+    """A Parquet input's own types and the task's declared columns: numbers, lists of them and plain strings are
+    written as they are (no per-value ``revive``), JSON forms become their types (ISO timestamps, base64 bytes), and a string column
     holding another value writes it as JSON text."""
     import datetime as dt
 
@@ -238,9 +238,10 @@ def test_declared_columns_are_revived_only_where_values_are_not_as_they_are(tmp_
     revived: list[object] = []
     revive = columns_mod.revive
     monkeypatch.setattr(columns_mod, "revive", lambda v, t: revived.append(v) or revive(v, t))
-    inputs = [{"n": 7, "s": "a", "odd": "x", "at": "2024-05-01T12:30:15.123456", "blob": "aGk="},
-              {"n": None, "s": "b", "odd": {"k": 1}, "at": None, "blob": "AAE="}]
-    types = {"n": pa.int32(), "s": pa.string(), "odd": pa.string(), "at": pa.timestamp("us"), "blob": pa.binary()}
+    inputs = [{"n": 7, "s": "a", "odd": "x", "at": "2024-05-01T12:30:15.123456", "blob": "aGk=", "tags": [1, 2]},
+              {"n": None, "s": "b", "odd": {"k": 1}, "at": None, "blob": "AAE=", "tags": None}]
+    types = {"n": pa.int32(), "s": pa.string(), "odd": pa.string(), "at": pa.timestamp("us"), "blob": pa.binary(),
+             "tags": pa.list_(pa.int16())}
     with CheckpointStore(tmp_path) as store:
         store.append([make_record(f"r{i}", inputs=row, extra={"cached_tokens": 3 * i}) for i, row in enumerate(inputs)])
         out = finalize(store, tmp_path, None, input_types=types, extra_types={"cached_tokens": pa.int64()})
@@ -251,7 +252,8 @@ def test_declared_columns_are_revived_only_where_values_are_not_as_they_are(tmp_
     assert [r["n"] for r in rows] == [7, None] and [r["s"] for r in rows] == ["a", "b"]
     assert [r["odd"] for r in rows] == ["x", '{"k": 1}'] and [r["cached_tokens"] for r in rows] == [0, 3]
     assert rows[0]["at"] == dt.datetime(2024, 5, 1, 12, 30, 15, 123456) and rows[1]["at"] is None
-    assert [r["blob"] for r in rows] == [b"hi", b"\x00\x01"]
-    # revived: the string column with a dict in it, the timestamps and the bytes; never the numbers nor "s"
+    assert [r["blob"] for r in rows] == [b"hi", b"\x00\x01"] and [r["tags"] for r in rows] == [[1, 2], None]
+    # revived: the string column with a dict in it, the timestamps and the bytes; never the numbers (nor lists of
+    # them) nor "s"
     assert sorted(map(repr, revived)) == sorted(map(repr, ["x", {"k": 1}, "2024-05-01T12:30:15.123456", None,
                                                           "aGk=", "AAE="]))
