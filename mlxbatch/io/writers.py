@@ -202,10 +202,10 @@ def _finalize(store: CheckpointStore, out: Path, expected: Iterable[ExpectedRow]
     planner = observed if observed is not None else input_planner(keep_columns, input_types)
     has_extra = index.column_has_values("extra") or bool(extra_types)
     extra_planner = ColumnPlanner(None, RESULT_COLUMNS, extra_types, always=list(extra_types or ()))
-    for part in _chunks(n, row_group_size) if observed is None or has_extra else ():
+    first_pass = (["inputs"] if observed is None else []) + (["extra"] if has_extra else [])
+    for part in _chunks(n, row_group_size) if first_pass else ():
         # first pass: the expanded columns' names and types (the inputs' seen already where the spool showed them)
-        got = index.gather(sel.positions[part], (["inputs"] if observed is None else []) + (["extra"] if has_extra
-                                                                                           else []))
+        got = index.gather(sel.positions[part], first_pass)
         if observed is None:
             planner.observe(inputs_of(got, sel, part))
         if has_extra:  # keys starting with "_" are checkpoint bookkeeping (e.g. the engine actor): not output
