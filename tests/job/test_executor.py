@@ -344,6 +344,43 @@ def test_a_stuck_engine_process_is_killed_at_shutdown_not_waited_for(tmp_path, t
     assert time.monotonic() - t0 < 10 and executor._proc.poll() is not None
 
 
+def test_an_engine_process_whose_rows_are_done_exits_while_the_run_writes_its_results(tmp_path, tiny_model_path,
+                                                                                     monkeypatch):
+    """Once every row is in, the run tells its executor (``rows_done``) before it writes results.parquet: the engine's
+    own process then exits by itself (its teardown overlaps the results' writing), and ``shutdown`` only waits."""
+    from mlxbatch.job.check.validate import validate_job
+    from mlxbatch.job.executors import ENGINE_PROCESS_ENV, process
+    from mlxbatch.job.run import runner as runner_mod
+
+    data = write_jsonl(tmp_path / "in.jsonl", texts(6))
+    spec = load_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out"))
+    executor = process.ProcessExecutor(spec)
+    try:
+        executor.warm_up()
+        executor.rows_done()
+        assert executor._proc.wait(timeout=30) == 0  # gone before any shutdown
+    finally:
+        executor.shutdown()
+
+    events: list[str] = []
+    real_done, real_finalize = process.ProcessExecutor.rows_done, runner_mod.finalize
+
+    def rows_done(self):
+        events.append("rows done")
+        real_done(self)
+
+    def finalize(*args, **kwargs):
+        events.append("results")
+        return real_finalize(*args, **kwargs)
+
+    monkeypatch.setattr(process.ProcessExecutor, "rows_done", rows_done)
+    monkeypatch.setattr(runner_mod, "finalize", finalize)
+    monkeypatch.setenv(ENGINE_PROCESS_ENV, "1")
+    runner_mod.JobRunner(validate_job(write_job(tmp_path, tiny_model_path, data, tmp_path / "out2")),
+                         progress=False).run()
+    assert events == ["rows done", "results"] and (tmp_path / "out2" / "_SUCCESS").exists()
+
+
 def test_a_frame_the_engine_process_cannot_read_fails_the_run_with_the_reason(tmp_path, tiny_model_path):
     """The engine process unpickles the run's frames on its input thread (its stepping thread only takes them): a
     frame that does not unpickle reaches the run as the engine's error, never as a child waiting for input forever."""

@@ -209,6 +209,9 @@ class LocalExecutor:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def rows_done(self) -> None:
+        """Nothing to do: the engine is this process's (released by ``shutdown``)."""
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

@@ -162,15 +162,15 @@ class ProcessExecutor:
                 pass  # a child gone: its last counters
         return self._stats
 
+    def rows_done(self) -> None:
+        """No row will come any more: the child's input is closed now, so it exits (its teardown took 0.2-0.4 s on an
+        H100's host and on a CPU) while the run writes its results; ``shutdown`` then waits for it."""
+        self._close_input()
+
     def shutdown(self) -> None:
         """Close the child's input (it exits after its step) and wait for it; kill it if it does not."""
         t0 = time.monotonic()
-        if not self._writer.close(CLOSE_WAIT_S):  # the child reads nothing (a write waits on its full pipe): stuck
-            self._proc.kill()  # (the write fails then, and the pipe can be closed)
-        try:
-            self._proc.stdin.close()  # type: ignore[union-attr]
-        except OSError:
-            pass
+        self._close_input()
         try:
             self._proc.wait(timeout=CLOSE_WAIT_S)
         except subprocess.TimeoutExpired:
@@ -178,6 +178,15 @@ class ProcessExecutor:
             self._proc.wait()
         log.debug("the engine process %d exited in %.2f s (code %s)", self._proc.pid, time.monotonic() - t0,
                   self._proc.returncode)
+
+    def _close_input(self) -> None:
+        """What was sent is written, then the child's input ends (again: nothing changes)."""
+        if not self._writer.close(CLOSE_WAIT_S):  # the child reads nothing (a write waits on its full pipe): stuck
+            self._proc.kill()  # (the write fails then, and the pipe can be closed)
+        try:
+            self._proc.stdin.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
 
     # -- frames ---------------------------------------------------------------------------------------------------
     def _send(self, message: Any) -> None:

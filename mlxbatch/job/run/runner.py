@@ -230,6 +230,7 @@ class JobRunner:
                 raise JobFailed(message) from None
             assert spool.complete, "a pass that ends without an interrupt has read every row"
             stats.rows_done_s = stats.wall_s
+            executor.rows_done()  # (an engine in a process of its own exits while the results are written)
             final = finalize(store, spec.output, spool.columns(), **columns,
                              metadata=results_metadata(spec, batch_invariant))
             stats.final_rows = final.rows

@@ -297,6 +297,9 @@ class RayExecutor:
             "rows_done": sum(s.rows for s in self.slots), "rows_queued": sum(len(u) for u in self.queue),
             "actors": actors})
 
+    def rows_done(self) -> None:
+        """Nothing to do: the actors are released by ``shutdown``."""
+
     def shutdown(self) -> None:
         for slot in self.slots:
             if slot.state == "starting" and slot.placed is None:
