@@ -165,6 +165,8 @@ def finalize(store: CheckpointStore, out_dir: str | Path, expected: Iterable[Exp
     Memory: ~50 bytes per expected row plus one row group; shards (and the expected rows' inputs, spooled to a
     temporary Arrow file) stay memory-mapped. A write that fails raises ``OutputError`` and leaves no file behind.
     ``metadata`` goes into the Parquet schema's key-value metadata (e.g. ``mlxbatch.batch_invariant``).
+    ``ExpectedColumns.observed`` (the run's spool showed it every row's inputs) is taken as the input columns'
+    planner: the run made it with ``input_planner`` from this call's ``keep_columns`` and ``input_types``.
     ``recompute`` names extra columns (declared in ``extra_types``) whose values are computed again for every row
     from its current inputs and its checkpointed result, ``value(inputs, result)`` with ``result`` the row's
     ``text``, ``error``, ``finish_reason`` and extra values: values that depend on input columns outside the key
